@@ -1,0 +1,51 @@
+"""jaxlens: read and edit a Flax model's intermediate values with a gradient contract.
+
+>>> import jaxlens as jl
+>>> spec = jl.when(jl.module("layers_0"), jl.zero_ablate())
+"""
+
+from jaxlens import intervention as intervention
+from jaxlens._src.dependence import depends_on as depends_on
+from jaxlens._src.doors import Spec as Spec
+from jaxlens._src.doors import SiteValue as SiteValue
+from jaxlens._src.doors import Trace as Trace
+from jaxlens._src.doors import no_grad as no_grad
+from jaxlens._src.doors import trace as trace
+from jaxlens._src.doors import when as when
+from jaxlens._src.errors import GradientContractError as GradientContractError
+from jaxlens._src.errors import InvalidArgumentError as InvalidArgumentError
+from jaxlens._src.errors import JaxlensError as JaxlensError
+from jaxlens._src.errors import JaxlensWarning as JaxlensWarning
+from jaxlens._src.errors import ShapeError as ShapeError
+from jaxlens._src.errors import SiteError as SiteError
+from jaxlens._src.sites import Site as Site
+from jaxlens._src.sites import all_sites as all_sites
+from jaxlens._src.sites import module as module
+from jaxlens._src.verbs import InterventionDecision as InterventionDecision
+from jaxlens._src.verbs import InterventionOptions as InterventionOptions
+from jaxlens._src.verbs import Population as Population
+from jaxlens._src.verbs import add as add
+from jaxlens._src.verbs import add_noise as add_noise
+from jaxlens._src.verbs import clamp as clamp
+from jaxlens._src.verbs import mean_ablate as mean_ablate
+from jaxlens._src.verbs import patch_from as patch_from
+from jaxlens._src.verbs import population as population
+from jaxlens._src.verbs import project_onto as project_onto
+from jaxlens._src.verbs import project_out as project_out
+from jaxlens._src.verbs import replace_with as replace_with
+from jaxlens._src.verbs import scale as scale
+from jaxlens._src.verbs import splice_module as splice_module
+from jaxlens._src.verbs import steer as steer
+from jaxlens._src.verbs import swap_with as swap_with
+from jaxlens._src.verbs import zero_ablate as zero_ablate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GradientContractError", "InterventionDecision", "InterventionOptions", "InvalidArgumentError",
+    "JaxlensError", "JaxlensWarning", "Population", "ShapeError", "Site", "SiteError",
+    "SiteValue", "Spec", "Trace", "add", "add_noise", "all_sites", "clamp", "depends_on",
+    "intervention", "mean_ablate", "module", "no_grad", "patch_from", "population",
+    "project_onto", "project_out", "replace_with", "scale", "splice_module", "steer",
+    "swap_with", "trace", "when", "zero_ablate",
+]

@@ -1,0 +1,419 @@
+"""Doors: where edits enter a model run.
+
+The live doors run a Flax linen model under ``flax.linen.intercept_methods`` with
+an interceptor that, at each module method call, records the site value, applies
+the edits whose selectors match, and returns the edited value to the model.
+
+* ``jl.when(site, edit).bind(model)`` returns the model's function with the edit
+  live: of ``*inputs`` for a bound module, of ``(variables, *inputs)`` otherwise.
+* ``jl.trace(model, *inputs, intervene=..., save=...)`` runs it once and returns a
+  :class:`Trace` (a pytree) with the output and the saved site values.
+
+What cannot be intercepted: code that is not a Flax module method call (a plain
+``jnp`` function between modules is part of the enclosing module's site), and
+modules inside lifted transforms that hide their calls from the interceptor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable, Iterable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxlens._src import dependence
+from jaxlens._src.errors import GradientContractError, InvalidArgumentError, SiteError
+from jaxlens._src.sites import OUTPUT_LABEL, Site, SiteInfo, all_sites, as_selector, unmatched_error
+from jaxlens._src.verbs import Edit, FireContext, as_edit, fire
+
+__all__ = ["Spec", "Trace", "SiteValue", "when", "trace", "no_grad"]
+
+
+# --------------------------------------------------------------------------
+# no_grad: the JAX meaning of "gradients are disabled".
+
+_local = threading.local()
+
+
+def _grad_disabled() -> bool:
+  return getattr(_local, "no_grad", 0) > 0
+
+
+@contextlib.contextmanager
+def no_grad():
+  """A scope in which every jaxlens door stops gradients at its inputs.
+
+  JAX has no global gradient switch; inside this scope the doors apply
+  ``jax.lax.stop_gradient`` to the variables and inputs they are called with, so
+  nothing a door computes carries a gradient, and ``keep_grad`` raises
+  ``grad_disabled``. The scope is read when the door runs (for a jitted function:
+  when it is traced).
+  """
+  _local.no_grad = getattr(_local, "no_grad", 0) + 1
+  try:
+    yield
+  finally:
+    _local.no_grad -= 1
+
+
+# --------------------------------------------------------------------------
+# Specs.
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """An intervention spec: an ordered tuple of (selector, edit) rules.
+
+  Specs are pytrees (the edits' arrays are leaves), combine with ``+``, and bind
+  to a model with :meth:`bind`.
+  """
+
+  rules: tuple
+
+  def tree_flatten(self):
+    return tuple(e for _, e in self.rules), tuple(s for s, _ in self.rules)
+
+  @classmethod
+  def tree_unflatten(cls, selectors, edits):
+    return cls(tuple(zip(selectors, edits)))
+
+  def __add__(self, other: "Spec") -> "Spec":
+    return Spec(self.rules + as_spec(other).rules)
+
+  def __repr__(self) -> str:
+    return " + ".join(f"jl.when({s!r}, {e!r})" for s, e in self.rules) or "Spec()"
+
+  @property
+  def keep_grad(self) -> bool:
+    return any(_asks_keep_grad(e) for _, e in self.rules)
+
+  def bind(self, model: nn.Module, *, method: str | Callable | None = None,
+           **apply_kwargs) -> Callable[..., Any]:
+    """The model's function with this spec's edits live.
+
+    Args:
+      model: a bound linen module (``model.bind(variables)``), giving a function of
+        ``*inputs``; or an unbound one, giving a function of ``(variables, *inputs)``.
+      method: the module method to call (default ``__call__``).
+      **apply_kwargs: passed to ``Module.apply`` (``rngs=``, ``mutable=``).
+
+    Returns:
+      A pure function returning what the model returns.
+    """
+    module, bound_vars = _split(model)
+    spec = self
+
+    if bound_vars is not None:
+      def bound_fn(*inputs, **kwargs):
+        out, _ = _run(module, bound_vars, inputs, kwargs, spec, save=None, method=method,
+                      apply_kwargs=apply_kwargs)
+        return out
+      return bound_fn
+
+    def unbound_fn(variables, *inputs, **kwargs):
+      out, _ = _run(module, variables, inputs, kwargs, spec, save=None, method=method,
+                    apply_kwargs=apply_kwargs)
+      return out
+    return unbound_fn
+
+
+def _asks_keep_grad(edit: Edit) -> bool:
+  if edit.keep_grad:
+    return True
+  if edit.name == "compose":
+    return any(_asks_keep_grad(e) for e in edit.params["edits"])
+  # A hook may still ask at fire time by returning InterventionDecision(keep_grad=True).
+  return False
+
+
+def when(site, edit) -> Spec:
+  """A spec that applies ``edit`` at every site ``site`` selects.
+
+  Args:
+    site: a selector (``jl.module("layers_0")``) or a site label.
+    edit: a verb (``jl.scale(0.5)``), ``keep_grad(verb)``, an
+      ``InterventionDecision``, a callable of the site value, or an array (written
+      with ``replace_with``).
+
+  Example:
+    >>> import jaxlens as jl
+    >>> jl.when(jl.module("layers_0"), jl.scale(0.5))
+    jl.when(jl.module('layers_0'), jl.scale())
+  """
+  return Spec(((as_selector(site), as_edit(edit)),))
+
+
+def as_spec(obj) -> Spec:
+  if obj is None:
+    return Spec(())
+  if isinstance(obj, Spec):
+    return obj
+  if isinstance(obj, (list, tuple)):
+    out = Spec(())
+    for item in obj:
+      out = out + as_spec(item)
+    return out
+  raise InvalidArgumentError(
+      f"intervene= expects a spec from jl.when(...) or a list of them, got {type(obj).__name__}",
+      code="invalid_spec", fix='intervene=jl.when(jl.module("layers_0"), jl.zero_ablate())')
+
+
+# --------------------------------------------------------------------------
+# Traces.
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteValue:
+  """One saved site: ``.out`` is its value, ``.label`` its label."""
+
+  label: str
+  out: Any
+  info: SiteInfo | None = None
+
+
+@jax.tree_util.register_pytree_node_class
+class Trace:
+  """The result of ``jl.trace``: the model output and the saved site values.
+
+  A pytree, so it can be returned from ``jax.jit`` and passed as a donor. Index it
+  by label (``trace["layers_0"]``) or by a selector that matches one saved site;
+  ``trace[trace.output_layers[0]].out`` is the output (also ``trace.output``).
+  """
+
+  def __init__(self, output, values: dict, infos: dict):
+    self.output = output
+    self.values = dict(values)
+    self.infos = dict(infos)
+
+  def tree_flatten(self):
+    labels = tuple(self.values)
+    return (self.output, tuple(self.values[k] for k in labels)), (
+        labels, tuple(self.infos.get(k) for k in labels))
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    labels, infos = aux
+    output, vals = children
+    return cls(output, dict(zip(labels, vals)), dict(zip(labels, infos)))
+
+  @property
+  def output_layers(self) -> tuple[str, ...]:
+    return (OUTPUT_LABEL,)
+
+  @property
+  def labels(self) -> tuple[str, ...]:
+    """The saved site labels, in the order the sites ran."""
+    return tuple(self.values)
+
+  def __contains__(self, key) -> bool:
+    try:
+      self[key]
+    except SiteError:
+      return False
+    return True
+
+  def __getitem__(self, key) -> SiteValue:
+    if isinstance(key, str) and key in self.values:
+      return SiteValue(key, self.values[key], self.infos.get(key))
+    if isinstance(key, str) and key == OUTPUT_LABEL:
+      return SiteValue(OUTPUT_LABEL, self.output)
+    selector = as_selector(key)
+    hits = [lbl for lbl, info in self.infos.items() if info is not None and selector.matches(info)]
+    if not hits:
+      seen = [i for i in self.infos.values() if i is not None]
+      raise unmatched_error(selector, seen, "this trace saved no such site")
+    if len(hits) > 1:
+      raise SiteError(f"{selector!r} matches {len(hits)} saved sites: {hits}",
+                      code="ambiguous_site", site=repr(selector), candidates=hits,
+                      fix=f"index by one label, e.g. trace[{hits[0]!r}]")
+    return SiteValue(hits[0], self.values[hits[0]], self.infos[hits[0]])
+
+  def value_for_donor(self, label: str, verb: str):
+    """The value this trace saved at ``label``, for a verb that reads it as a donor."""
+    if label in self.values:
+      return self.values[label]
+    raise SiteError(
+        f"{verb}: the donor trace saved no value at {label!r} (it saved {list(self.values)})",
+        code="donor_site_missing", site=label,
+        fix=f"capture the donor with save=jl.module({label!r}) or the default save=None")
+
+  def __repr__(self) -> str:
+    shapes = {k: tuple(jnp.shape(v)) for k, v in self.values.items()}
+    return f"Trace(output={tuple(jnp.shape(self.output))}, sites={shapes})"
+
+
+# --------------------------------------------------------------------------
+# Running a model with edits.
+
+
+def _split(model):
+  if not isinstance(model, nn.Module):
+    raise InvalidArgumentError(
+        f"expected a flax.linen Module, got {type(model).__name__}", code="invalid_model",
+        fix="jl.trace(model.bind(variables), x) or jl.trace(model, variables, x)")
+  if model.scope is not None:
+    module, variables = model.unbind()
+    return module, variables
+  return model, None
+
+
+class _Run:
+  """The mutable state of one door call, alive while the model is traced."""
+
+  def __init__(self, spec: Spec, save, grad_disabled: bool, probe: list | None = None):
+    self.rules = spec.rules
+    self.fired = [0] * len(self.rules)
+    self.save = save
+    self.save_hits = 0
+    self.seen: list[SiteInfo] = []
+    self.calls: dict[tuple, int] = {}
+    self.values: dict[str, tuple[SiteInfo, Any]] = {}
+    self.saved: dict[str, Any] = {}
+    self.infos: dict[str, SiteInfo] = {}
+    self.grad_disabled = grad_disabled
+    self.probe = probe
+    self.hook_asked = False
+
+  def interceptor(self, next_fun, args, kwargs, context):
+    if context.method_name == "setup":
+      return next_fun(*args, **kwargs)
+    out = next_fun(*args, **kwargs)
+    path = "/".join(context.module.path)
+    key = (path, context.method_name)
+    self.calls[key] = self.calls.get(key, 0) + 1
+    info = SiteInfo(path, context.method_name, self.calls[key], type(context.module).__name__)
+    self.seen.append(info)
+    ctx = FireContext(info.label, path, info.module_type,
+                      site_values=self.values, grad_disabled=self.grad_disabled)
+    for i, (selector, edit) in enumerate(self.rules):
+      if selector.matches(info):
+        self.fired[i] += 1
+        if self.probe is None:
+          out = fire(edit, out, ctx)
+          self.hook_asked |= ctx.asked_keep_grad
+        else:
+          site_value = out
+          ctx.checks = False
+          out = fire(edit, out, ctx)
+          if _asks_keep_grad(edit) or ctx.asked_keep_grad:
+            self.probe.append((info.label, site_value))
+        ctx.asked_keep_grad = False
+    self.values[info.label] = (info, out)
+    if self.save is not None and self.save.matches(info):
+      self.save_hits += 1
+      self.saved[info.label] = out
+      self.infos[info.label] = info
+    return out
+
+  def check(self, save_given: bool):
+    for (selector, _), count in zip(self.rules, self.fired):
+      if count == 0:
+        raise unmatched_error(selector, self.seen, "intervene=")
+    if save_given and self.save_hits == 0:
+      raise unmatched_error(self.save, self.seen, "save=")
+
+
+def _stop(tree):
+  return jax.tree.map(
+      lambda a: jax.lax.stop_gradient(a) if jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+      else a, tree)
+
+
+def _apply(module, variables, inputs, kwargs, run: _Run, method, apply_kwargs):
+  with nn.intercept_methods(run.interceptor):
+    return module.apply(variables, *inputs, method=method, **apply_kwargs, **kwargs)
+
+
+def _probe_site_graphs(module, variables, inputs, kwargs, spec, method, apply_kwargs):
+  """Raises site_has_no_graph where a keep_grad site value depends on no float input.
+
+  It traces the model abstractly once with the edits applied, returning the site
+  values of the keep_grad rules, and reads off the jaxpr of their derivative
+  whether they depend on any float leaf of the variables or inputs.
+  """
+  labels: list[str] = []
+
+  def probe_fn(variables, inputs):
+    recorded: list = []
+    run = _Run(spec, None, False, probe=recorded)
+    _apply(module, variables, inputs, kwargs, run, method, apply_kwargs)
+    labels[:] = [lbl for lbl, _ in recorded]
+    return [v for _, v in recorded]
+
+  table, _ = dependence.outputs_depend_on_inputs(probe_fn, variables, inputs)
+  for label, row in zip(labels, table):
+    if not any(row):
+      raise GradientContractError(
+          "keep_grad: the site value does not depend on any float variable or input of the "
+          "call, so there is no gradient to keep", code="site_has_no_graph", site=label,
+          fix="drop keep_grad here, or edit a site downstream of the parameters")
+
+
+def _run(module, variables, inputs, kwargs, spec: Spec, *, save, method, apply_kwargs,
+         save_given=False):
+  disabled = _grad_disabled()
+  if disabled:
+    variables, inputs = _stop(variables), _stop(inputs)
+  probed = False
+  if not disabled and any(_asks_keep_grad(e) for _, e in spec.rules):
+    _probe_site_graphs(module, variables, inputs, kwargs, spec, method, apply_kwargs)
+    probed = True
+  run = _Run(spec, save, disabled)
+  out = _apply(module, variables, inputs, kwargs, run, method, apply_kwargs)
+  run.check(save_given)
+  if run.hook_asked and not probed:
+    # A hook asked for keep_grad through an InterventionDecision: check its site now.
+    _probe_site_graphs(module, variables, inputs, kwargs, spec, method, apply_kwargs)
+  return out, run
+
+
+def trace(model: nn.Module, *args, intervene=None, save=None, method=None,
+          **apply_kwargs) -> Trace:
+  """Runs ``model`` with edits live and returns a :class:`Trace`.
+
+  Spellings:
+    ``jl.trace(model.bind(variables), x, ...)`` for a bound module, and
+    ``jl.trace(model, variables, x, ...)`` for an unbound one.
+
+  Args:
+    model: a linen module, bound or unbound (then the first argument is its variables).
+    *args: the variables (unbound model only), then the model's positional inputs.
+    intervene: a spec from ``jl.when`` (or a list of them).
+    save: which sites to keep: ``None`` (every module site), a selector, a list of
+      selectors, or ``False`` for none.
+    method: the module method to call.
+    **apply_kwargs: ``rngs=``/``mutable=`` for ``Module.apply``.
+
+  Returns:
+    A Trace whose values are functions of the variables and inputs: differentiate
+    through it with ``jax.grad``, return it from ``jax.jit``.
+  """
+  module, variables = _split(model)
+  if variables is None:
+    if not args:
+      raise InvalidArgumentError("an unbound module needs its variables as the first argument",
+                                 code="missing_variables", fix="jl.trace(model, variables, x)")
+    variables, args = args[0], args[1:]
+  save_given = save is not None and save is not False
+  if save is None:
+    selector = all_sites()
+  elif save is False:
+    selector = None
+  elif isinstance(save, (list, tuple)):
+    selector = None
+    for s in save:
+      selector = as_selector(s) if selector is None else selector | as_selector(s)
+  else:
+    selector = as_selector(save)
+  model_kwargs = {k: apply_kwargs.pop(k) for k in list(apply_kwargs)
+                  if k not in ("rngs", "mutable", "capture_intermediates")}
+  out, run = _run(module, variables, args, model_kwargs, as_spec(intervene), save=selector,
+                  method=method, apply_kwargs=apply_kwargs, save_given=save_given)
+  saved = {k: v for k, v in run.saved.items() if k != OUTPUT_LABEL}
+  infos = {k: run.infos[k] for k in saved}
+  return Trace(out, saved, infos)

@@ -1,0 +1,220 @@
+"""The gradient contract matrix as data, and the runner that measures it.
+
+One row per verb, one column block per door, two columns (without and with
+``keep_grad``). Each cell is measured on the specification's float64 model,
+``Sequential([Dense(4), Dense(2)])``, with the edit at ``layers_0``:
+
+* ``reaches``: the output depends structurally on the first layer's kernel
+  (checked on the jaxpr) and ``jax.grad`` of ``output.sum()`` gives it a gradient;
+* ``cut``: no structural dependence and an exactly-zero gradient;
+* ``raises:<code>``: a typed refusal.
+
+Donors are computed inside the differentiated function from the same variables,
+so they carry a graph and a cutting verb has to detach them to read ``cut``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlens._src import doors, verbs
+from jaxlens._src.dependence import depends_on
+from jaxlens._src.errors import InvalidArgumentError
+from jaxlens._src.sites import module
+
+SITE = "layers_0"
+
+
+@dataclasses.dataclass
+class Case:
+  """The inputs of one cell, built inside the differentiated function."""
+
+  x: Any
+  donor_trace: Any
+  donor: Any
+  population: Any
+  direction: Any
+  delta: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """A matrix row: a verb, how to build it from a Case, and whether it keeps."""
+
+  name: str
+  build: Callable[[Case], verbs.Edit]
+  keeps: bool
+
+
+ROWS: tuple[Row, ...] = (
+    Row("scale", lambda c: verbs.scale(0.5), True),
+    Row("clamp", lambda c: verbs.clamp(min=-0.3, max=0.4), True),
+    Row("add_noise", lambda c: verbs.add_noise(0.1, seed=0), True),
+    Row("steer", lambda c: verbs.steer(c.direction, 2.0), True),
+    Row("add", lambda c: verbs.add(c.delta), True),
+    Row("project_onto", lambda c: verbs.project_onto(c.direction), True),
+    Row("project_out", lambda c: verbs.project_out(c.direction), True),
+    Row("mean_ablate(dim=)", lambda c: verbs.mean_ablate(dim=0), True),
+    Row("scramble_elements(seed=)", lambda c: verbs.scramble_elements(seed=0), True),
+    Row("splice_module", lambda c: verbs.splice_module(jnp.tanh), True),
+    Row("permute_batch", lambda c: verbs.permute_batch(seed=1), True),
+    Row("set_direction_mean", lambda c: verbs.set_direction_mean(c.direction, c.population), True),
+    Row("compose", lambda c: verbs.compose(verbs.scale(0.0), verbs.add(c.delta)), True),
+    Row("hook callable", lambda c: verbs.hook(_square), True),
+    Row("zero_ablate", lambda c: verbs.zero_ablate(), False),
+    Row("replace_with", lambda c: verbs.replace_with(c.donor), False),
+    Row("swap_with", lambda c: verbs.swap_with(c.donor), False),
+    Row("patch_from", lambda c: verbs.patch_from(c.donor_trace), False),
+    Row("resample_rows_from", lambda c: verbs.resample_rows_from(c.population, seed=0), False),
+    Row("mean_ablate(source=)", lambda c: verbs.mean_ablate(source=c.population), False),
+    Row("scramble_elements(source=)",
+        lambda c: verbs.scramble_elements(seed=0, source=c.donor), False),
+)
+
+
+def _square(x):
+  return x * x
+
+
+def _door_bind(model, variables, x, edit):
+  return doors.when(module(SITE), edit).bind(model.bind(variables))(x)
+
+
+def _door_trace(model, variables, x, edit):
+  t = doors.trace(model.bind(variables), x, intervene=doors.when(module(SITE), edit))
+  return t[t.output_layers[0]].out
+
+
+# door name -> (spelling shown in the table, runner(model, variables, x, edit) -> output)
+DOORS: dict[str, tuple[str, Callable]] = {
+    "live_bind": ("jl.when(site, edit).bind(model)(x)", _door_bind),
+    "live_trace": ("jl.trace(model, x, intervene=...)", _door_trace),
+}
+
+
+def expected(door: str, row: Row) -> tuple[str, str]:
+  """The specification's outcome of a cell: (without keep_grad, with keep_grad)."""
+  del door  # The live doors keep whatever the verb keeps.
+  if row.keeps:
+    return ("reaches", "reaches")
+  return ("cut", "raises:edit_detached_from_graph")
+
+
+def spec_model():
+  """The matrix model and its float64 inputs.
+
+  With torch installed the weights are torch's ``nn.Sequential(nn.Linear(4, 4),
+  nn.Linear(4, 2))`` after ``torch.manual_seed(0)`` and ``x = torch.randn(3, 4)``, as
+  the specification says; without torch, a fixed ``jax.random`` draw of the same
+  shapes (reported in ``source``).
+
+  Returns:
+    ``(model, variables, x, x_donor, source)``.
+  """
+  if not jax.config.jax_enable_x64:
+    raise InvalidArgumentError("the matrix runs in float64", code="x64_required",
+                               fix='jax.config.update("jax_enable_x64", True)')
+  model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
+  try:
+    import torch
+  except ImportError:
+    key = jax.random.key(0)
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = jax.random.normal(k1, (3, 4), jnp.float64)
+    x_donor = jax.random.normal(k2, (3, 4), jnp.float64)
+    variables = model.init(k3, x)
+    return model, variables, x, x_donor, "jax.random (torch not installed)"
+  torch.manual_seed(0)
+  tmodel = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).eval()
+  x = torch.randn(3, 4)
+  x_donor = torch.randn(3, 4)
+  params = {}
+  for i, layer in enumerate(tmodel):
+    params[f"layers_{i}"] = {
+        "kernel": jnp.asarray(layer.weight.detach().double().numpy().T),
+        "bias": jnp.asarray(layer.bias.detach().double().numpy()),
+    }
+  to64 = lambda t: jnp.asarray(t.double().numpy())
+  return model, {"params": params}, to64(x), to64(x_donor), "torch.manual_seed(0)"
+
+
+def make_case(model, variables, x, x_donor) -> Case:
+  donor_trace = doors.trace(model.bind(variables), x_donor)
+  donor = donor_trace[SITE].out
+  pop = verbs.population(donor, donor[::-1] * 0.5)
+  return Case(
+      x=x,
+      donor_trace=donor_trace,
+      donor=donor,
+      population=pop,
+      direction=jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float64),
+      delta=jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float64).reshape(3, 4),
+  )
+
+
+@dataclasses.dataclass
+class Cell:
+  outcome: str
+  output: Any = None
+  kernel_grad: Any = None
+  message: str = ""
+
+
+def run_cell(door: str, row: Row, keep: bool, model=None, variables=None, x=None,
+             x_donor=None) -> Cell:
+  """Measures one cell by running the door."""
+  if model is None:
+    model, variables, x, x_donor, _ = spec_model()
+  runner = DOORS[door][1]
+
+  def out_fn(v):
+    edit = row.build(make_case(model, v, x, x_donor))
+    if keep:
+      edit = verbs.keep_grad(edit)
+    return runner(model, v, x, edit)
+
+  try:
+    out = out_fn(variables)
+    grads = jax.grad(lambda v: out_fn(v).sum())(variables)
+    dep = depends_on(lambda v: out_fn(v).sum(), variables)
+  except InvalidArgumentError as error:
+    return Cell(f"raises:{error.code}", message=str(error))
+  kernel_grad = grads["params"][SITE]["kernel"]
+  reaches = dep["params"][SITE]["kernel"]
+  if not reaches and np.any(np.asarray(kernel_grad) != 0):
+    return Cell("inconsistent", out, kernel_grad, "no dependence but a nonzero gradient")
+  return Cell("reaches" if reaches else "cut", out, kernel_grad)
+
+
+def run_matrix(doors_: tuple[str, ...] | None = None) -> dict:
+  """Measures every cell: ``{(door, row name): (Cell without, Cell with keep_grad)}``."""
+  model, variables, x, x_donor, _ = spec_model()
+  table = {}
+  for door in doors_ or tuple(DOORS):
+    for row in ROWS:
+      table[(door, row.name)] = tuple(
+          run_cell(door, row, keep, model, variables, x, x_donor) for keep in (False, True))
+  return table
+
+
+def format_matrix(table: dict) -> str:
+  """The measured matrix as a Markdown table, with agreement against the specification."""
+  rows_by_name = {r.name: r for r in ROWS}
+  lines = ["| door | verb | without keep_grad | with keep_grad | spec agrees |",
+           "|---|---|---|---|---|"]
+  agree = 0
+  for (door, name), (a, b) in table.items():
+    want = expected(door, rows_by_name[name])
+    ok = (a.outcome, b.outcome) == want
+    agree += ok
+    lines.append(f"| `{DOORS[door][0]}` | {name} | {a.outcome} | {b.outcome} | "
+                 f"{'yes' if ok else 'NO: spec ' + ' / '.join(want)} |")
+  lines.append("")
+  lines.append(f"{agree} of {len(table)} rows agree with the specification.")
+  return "\n".join(lines)

@@ -1,0 +1,192 @@
+"""Site selectors: small frozen predicates over the sites a model run visits.
+
+A *site* is one call of a Flax module method (by default ``__call__``); its value
+is what the call returned. Sites are named by the module path Flax gives them,
+joined with ``/`` (``"layers_0"``, ``"block_1/mlp"``); the n-th call (n >= 2) of
+the same module in one run is labelled ``"path:n"``. The root module's output is
+labelled ``"output"``.
+
+Selectors combine with ``&`` and ``|`` and have a readable ``repr``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+from typing import Iterable
+
+from jaxlens._src.errors import InvalidArgumentError, SiteError
+
+__all__ = ["Site", "SiteInfo", "module", "as_selector"]
+
+OUTPUT_LABEL = "output"
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteInfo:
+  """What a selector sees of one site call.
+
+  Attributes:
+    path: the module path joined with ``/`` (``""`` for the root module).
+    method: the method name (``"__call__"``).
+    call: 1 for the first call of this module method in the run, 2 for the next.
+    module_type: the module class name.
+  """
+
+  path: str
+  method: str
+  call: int
+  module_type: str
+
+  @property
+  def label(self) -> str:
+    base = OUTPUT_LABEL if self.path == "" else self.path
+    if self.method != "__call__":
+      base = f"{base}.{self.method}"
+    return base if self.call == 1 else f"{base}:{self.call}"
+
+
+class Site:
+  """Base class of site selectors: a predicate over :class:`SiteInfo`."""
+
+  def matches(self, info: SiteInfo) -> bool:
+    raise NotImplementedError
+
+  def __and__(self, other: "Site") -> "Site":
+    return _And(self, as_selector(other))
+
+  def __or__(self, other: "Site") -> "Site":
+    return _Or(self, as_selector(other))
+
+  def describe_miss(self, seen: Iterable[SiteInfo]) -> tuple[str, list[str]]:
+    """A sentence on why nothing matched and the closest existing labels."""
+    labels = sorted({s.label for s in seen})
+    return f"{self!r} matched no site of this run", labels[:10]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Module(Site):
+  path: str
+  method: str = "__call__"
+  call: int | None = None
+
+  def matches(self, info: SiteInfo) -> bool:
+    if info.method != self.method:
+      return False
+    if self.call is not None and info.call != self.call:
+      return False
+    if any(ch in self.path for ch in "*?["):
+      return fnmatch.fnmatchcase(info.path, self.path)
+    return info.path == self.path
+
+  def describe_miss(self, seen):
+    paths = sorted({s.path for s in seen if s.path})
+    close = difflib.get_close_matches(self.path, paths, n=5, cutoff=0.4)
+    suffix = [p for p in paths if p.endswith("/" + self.path)]
+    candidates = list(dict.fromkeys(suffix + close)) or paths[:10]
+    return f"no module at path {self.path!r} ran in this model", candidates
+
+  def __repr__(self) -> str:
+    extra = "" if self.method == "__call__" else f", method={self.method!r}"
+    extra += "" if self.call is None else f", call={self.call}"
+    return f"jl.module({self.path!r}{extra})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Label(Site):
+  label: str
+
+  def matches(self, info: SiteInfo) -> bool:
+    return info.label == self.label
+
+  def describe_miss(self, seen):
+    labels = sorted({s.label for s in seen})
+    return (f"no site labelled {self.label!r} in this run",
+            difflib.get_close_matches(self.label, labels, n=5, cutoff=0.4) or labels[:10])
+
+  def __repr__(self) -> str:
+    return f"{self.label!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _And(Site):
+  left: Site
+  right: Site
+
+  def matches(self, info: SiteInfo) -> bool:
+    return self.left.matches(info) and self.right.matches(info)
+
+  def __repr__(self) -> str:
+    return f"({self.left!r} & {self.right!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Or(Site):
+  left: Site
+  right: Site
+
+  def matches(self, info: SiteInfo) -> bool:
+    return self.left.matches(info) or self.right.matches(info)
+
+  def __repr__(self) -> str:
+    return f"({self.left!r} | {self.right!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _All(Site):
+  def matches(self, info: SiteInfo) -> bool:
+    return True
+
+  def __repr__(self) -> str:
+    return "jl.all_sites()"
+
+
+def module(path: str, *, method: str = "__call__", call: int | None = None) -> Site:
+  """Selects the output of the Flax submodule at ``path``.
+
+  Args:
+    path: the module path Flax gives the submodule, parts joined with ``/``
+      (``"layers_0"``, ``"block_1/mlp"``). Glob patterns (``"block_*/mlp"``)
+      select every matching module.
+    method: the method whose return value is the site (default ``__call__``).
+    call: only the n-th call of that module (1-based) when it runs several times.
+
+  Example:
+    >>> import jaxlens as jl
+    >>> jl.module("layers_0") | jl.module("layers_1")
+    (jl.module('layers_0') | jl.module('layers_1'))
+  """
+  if not isinstance(path, str):
+    raise InvalidArgumentError(
+        f"jl.module expects a module path string, got {type(path).__name__}",
+        code="invalid_site", fix='jl.module("layers_0")')
+  path = path.strip("/")
+  if call is not None and (not isinstance(call, int) or call < 1):
+    raise InvalidArgumentError(f"call must be a positive int, got {call!r}",
+                               code="invalid_site", site=path,
+                               fix=f'jl.module("{path}", call=1)')
+  return _Module(path, method, call)
+
+
+def all_sites() -> Site:
+  """Selects every site (used as the default of ``save=``)."""
+  return _All()
+
+
+def as_selector(obj) -> Site:
+  """A selector from a selector or a site label string."""
+  if isinstance(obj, Site):
+    return obj
+  if isinstance(obj, str):
+    return _Label(obj)
+  raise InvalidArgumentError(
+      f"expected a site selector (jl.module(...)) or a label string, got {type(obj).__name__}",
+      code="invalid_site", fix='jl.module("layers_0")')
+
+
+def unmatched_error(selector: Site, seen: list[SiteInfo], what: str) -> SiteError:
+  sentence, candidates = selector.describe_miss(seen)
+  fix = f"one of: {', '.join(candidates)}" if candidates else None
+  return SiteError(f"{what}: {sentence}", code="unknown_site", site=repr(selector),
+                   fix=fix, candidates=candidates)

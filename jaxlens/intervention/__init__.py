@@ -1,0 +1,36 @@
+"""Intervention verbs, keep_grad, decisions and options (``jaxlens.intervention``)."""
+
+from jaxlens._src.verbs import Edit as Edit
+from jaxlens._src.verbs import FireContext as FireContext
+from jaxlens._src.verbs import InterventionDecision as InterventionDecision
+from jaxlens._src.verbs import InterventionOptions as InterventionOptions
+from jaxlens._src.verbs import Population as Population
+from jaxlens._src.verbs import add as add
+from jaxlens._src.verbs import add_noise as add_noise
+from jaxlens._src.verbs import clamp as clamp
+from jaxlens._src.verbs import compose as compose
+from jaxlens._src.verbs import hook as hook
+from jaxlens._src.verbs import keep_grad as keep_grad
+from jaxlens._src.verbs import mean_ablate as mean_ablate
+from jaxlens._src.verbs import patch_from as patch_from
+from jaxlens._src.verbs import permute_batch as permute_batch
+from jaxlens._src.verbs import population as population
+from jaxlens._src.verbs import project_onto as project_onto
+from jaxlens._src.verbs import project_out as project_out
+from jaxlens._src.verbs import replace_with as replace_with
+from jaxlens._src.verbs import resample_rows_from as resample_rows_from
+from jaxlens._src.verbs import scale as scale
+from jaxlens._src.verbs import scramble_elements as scramble_elements
+from jaxlens._src.verbs import set_direction_mean as set_direction_mean
+from jaxlens._src.verbs import splice_module as splice_module
+from jaxlens._src.verbs import steer as steer
+from jaxlens._src.verbs import swap_with as swap_with
+from jaxlens._src.verbs import zero_ablate as zero_ablate
+
+__all__ = [
+    "Edit", "FireContext", "InterventionDecision", "InterventionOptions", "Population", "add",
+    "add_noise", "clamp", "compose", "hook", "keep_grad", "mean_ablate", "patch_from",
+    "permute_batch", "population", "project_onto", "project_out", "replace_with",
+    "resample_rows_from", "scale", "scramble_elements", "set_direction_mean", "splice_module",
+    "steer", "swap_with", "zero_ablate",
+]
