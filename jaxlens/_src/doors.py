@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jaxlens._src import dependence
 from jaxlens._src.errors import GradientContractError, InvalidArgumentError, SiteError
 from jaxlens._src.sites import OUTPUT_LABEL, Site, SiteInfo, all_sites, as_selector, unmatched_error
-from jaxlens._src.verbs import Edit, FireContext, as_edit, fire
+from jaxlens._src.verbs import Edit, FireContext, as_edit, check_keep_grad_preconditions, fire
 
 __all__ = ["Spec", "Trace", "SiteValue", "when", "trace", "no_grad"]
 
@@ -337,16 +337,20 @@ def _probe_site_graphs(module, variables, inputs, kwargs, spec, method, apply_kw
   whether they depend on any float leaf of the variables or inputs.
   """
   labels: list[str] = []
+  dtypes: list = []
 
   def probe_fn(variables, inputs):
     recorded: list = []
     run = _Run(spec, None, False, probe=recorded)
     _apply(module, variables, inputs, kwargs, run, method, apply_kwargs)
     labels[:] = [lbl for lbl, _ in recorded]
+    dtypes[:] = [jnp.result_type(v) for _, v in recorded]
     return [v for _, v in recorded]
 
   table, _ = dependence.outputs_depend_on_inputs(probe_fn, variables, inputs)
-  for label, row in zip(labels, table):
+  for label, row, dtype in zip(labels, table, dtypes):
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      check_keep_grad_preconditions(jax.ShapeDtypeStruct((), dtype), FireContext(label))
     if not any(row):
       raise GradientContractError(
           "keep_grad: the site value does not depend on any float variable or input of the "

@@ -717,13 +717,13 @@ def fire(edit: Edit, x, ctx: FireContext):
         code="site_not_array", site=ctx.label,
         fix="select a submodule whose call returns one array")
   if edit.keep_grad and ctx.checks:
-    _check_keep_grad_preconditions(x, ctx)
+    check_keep_grad_preconditions(x, ctx)
   y, asked = _unwrap(edit.impl(x, edit.params, edit.options, ctx))
   y = _check_result(edit, x, y, ctx)
   ctx.asked_keep_grad |= asked
   if ctx.checks and (edit.keep_grad or asked):
     if asked:
-      _check_keep_grad_preconditions(x, ctx)
+      check_keep_grad_preconditions(x, ctx)
     if not writes_from_input(edit, x, ctx):
       spelling = _KEEPING_SPELLINGS.get(edit.name, _DEFAULT_SPELLING)
       raise GradientContractError(
@@ -733,7 +733,7 @@ def fire(edit: Edit, x, ctx: FireContext):
   return y
 
 
-def _check_keep_grad_preconditions(x, ctx):
+def check_keep_grad_preconditions(x, ctx):
   if ctx.grad_disabled:
     raise GradientContractError(
         "keep_grad inside a jaxlens.no_grad() scope: doors stop every gradient there",

@@ -1,0 +1,202 @@
+"""Every typed refusal: code, site and a spelling that works."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlens as jl
+from jaxlens import intervention as ji
+from jaxlens.intervention import keep_grad
+from models_for_tests import MLP, WithDetached, WithIntSite, init
+
+SITE = jl.module("layers_0")
+
+
+def _trace(spec_model, edit, x=None, site=SITE):
+  model, variables, x0, _, _ = spec_model
+  return jl.trace(model, variables, x0 if x is None else x, intervene=jl.when(site, edit))
+
+
+def test_error_is_a_value_error_with_fields(spec_model):
+  with pytest.raises(ValueError, match=r"\[unknown_site\]") as info:
+    _trace(spec_model, jl.scale(2.0), site=jl.module("layer_0"))
+  assert isinstance(info.value, jl.InvalidArgumentError)
+  assert isinstance(info.value, jl.SiteError)
+  assert info.value.fields["code"] == "unknown_site"
+  assert info.value.fields["candidates"][0] == "layers_0"
+  assert "layers_0" in info.value.fields["fix"]
+
+
+def test_unknown_nested_site_lists_the_full_paths():
+  model = MLP()
+  x = jnp.ones((3, 4))
+  v = init(model, x)
+  with pytest.raises(jl.SiteError, match="block_1/mlp") as info:
+    jl.trace(model, v, x, intervene=jl.when(jl.module("mlp"), jl.scale(2.0)))
+  assert set(info.value.fields["candidates"]) >= {"block_0/mlp", "block_1/mlp"}
+
+
+def test_unknown_save_site(spec_model):
+  model, variables, x, _, _ = spec_model
+  with pytest.raises(jl.SiteError, match=r"save=.*layers_9"):
+    jl.trace(model, variables, x, save=jl.module("layers_9"))
+
+
+def test_selector_that_matches_nothing_never_passes_silently(spec_model):
+  both = jl.module("layers_0") & jl.module("layers_1")
+  with pytest.raises(jl.SiteError, match="matched no site"):
+    _trace(spec_model, jl.scale(2.0), site=both)
+
+
+def test_ambiguous_site_on_a_trace(spec_model):
+  model, variables, x, _, _ = spec_model
+  t = jl.trace(model, variables, x)
+  with pytest.raises(jl.SiteError, match=r"\[ambiguous_site\].*2 saved sites") as info:
+    t[jl.module("layers_*")]
+  assert info.value.fields["candidates"] == ["layers_0", "layers_1"]
+  assert np.array_equal(t[jl.module("layers_0")].out, t["layers_0"].out)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda: jl.steer(jnp.ones(5), 1.0), r"\[shape_mismatch\].*length 5"),
+    (lambda: jl.steer(jnp.ones((2, 4)), 1.0), r"\[shape_mismatch\].*must be 1-D"),
+    (lambda: jl.project_out(jnp.ones(3), feature_axis=-1), r"\[shape_mismatch\].*feature_axis"),
+    (lambda: jl.patch_from(jnp.ones((2, 4))), r"\[shape_mismatch\].*shape \(2, 4\)"),
+    (lambda: jl.replace_with(jnp.ones(5)), r"\[shape_mismatch\].*value has shape \(5,\)"),
+    (lambda: jl.replace_with(jnp.ones((3, 4), jnp.int32)), r"\[dtype_mismatch\].*int32"),
+    (lambda: jl.patch_from(jnp.ones((3, 4), jnp.float32)), r"\[dtype_mismatch\].*float32"),
+    (lambda: jl.add(jnp.ones((2, 4))), r"\[shape_mismatch\].*does not broadcast"),
+    (lambda: jl.steer(jnp.ones(4, jnp.bool_), 1.0), r"\[dtype_mismatch\].*float array"),
+    (lambda: ji.resample_rows_from(jnp.ones((5, 3)), seed=0), r"\[shape_mismatch\].*rows"),
+    (lambda: ji.scramble_elements(seed=0, source=jnp.ones(5)), r"\[shape_mismatch\].*5 elements"),
+])
+def test_wrong_shape_or_dtype(spec_model, edit, match):
+  with pytest.raises(jl.ShapeError, match=match) as info:
+    _trace(spec_model, edit())
+  assert info.value.fields["site"] == "layers_0"
+  assert "fix" in info.value.fields
+
+
+@pytest.mark.parametrize("verb", [jl.steer, jl.project_onto, jl.project_out])
+def test_ambiguous_feature_axis(spec_model, verb):
+  model, variables, _, _, _ = spec_model
+  x4 = jnp.ones((4, 4))
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[feature_axis_ambiguous\]") as info:
+    jl.trace(model, variables, x4, intervene=jl.when(SITE, verb(jnp.arange(1.0, 5.0))))
+  assert info.value.fields["candidates"] == [0, 1]
+  assert "feature_axis=-1" in info.value.fields["fix"]
+  fixed = jl.trace(model, variables, x4,
+                   intervene=jl.when(SITE, verb(jnp.arange(1.0, 5.0), feature_axis=-1)))
+  assert fixed.output.shape == (4, 2)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda: jl.add_noise(0.1), lambda: ji.permute_batch(), lambda: ji.scramble_elements(),
+    lambda: ji.resample_rows_from(jnp.ones((5, 4)))])
+def test_random_verb_needs_a_seed(spec_model, edit):
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[seed_required\].*explicit seed") as info:
+    _trace(spec_model, edit())
+  assert "seed=0" in info.value.fields["fix"]
+
+
+def test_keep_grad_on_a_non_float_site():
+  model = WithIntSite()
+  x = jnp.ones((3, 4))
+  v = init(model, x)
+  with pytest.raises(jl.GradientContractError, match=r"\[site_not_float\].*int") as info:
+    jl.trace(model, v, x, intervene=jl.when(jl.module("argmax"), keep_grad(jl.scale(1))))
+  assert info.value.fields["site"] == "argmax"
+  # Without keep_grad an int site can be edited by a cutting verb.
+  out = jl.trace(model, v, x, intervene=jl.when(jl.module("argmax"), jl.zero_ablate()))
+  assert out["argmax"].out.dtype == jnp.int32 or out["argmax"].out.dtype == jnp.int64
+
+
+def test_edit_on_a_tuple_site_is_refused():
+  model = WithIntSite()
+  x = jnp.ones((3, 4))
+  v = init(model, x)
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[site_not_array\].*tuple"):
+    jl.trace(model, v, x, intervene=jl.when(jl.module("pair"), jl.scale(2.0)))
+
+
+@pytest.mark.parametrize("fn, code", [
+    (lambda x: x[:2], "hook_shape_mismatch"),
+    (lambda x: x.sum(), "hook_shape_mismatch"),
+    (lambda x: "nope", "hook_shape_mismatch"),
+    (lambda x: x.astype(jnp.float32), "hook_dtype_mismatch"),
+])
+def test_hook_returning_the_wrong_shape(spec_model, fn, code):
+  with pytest.raises(jl.ShapeError, match=rf"\[{code}\]") as info:
+    _trace(spec_model, fn)
+  assert info.value.fields["site"] == "layers_0"
+
+
+def test_edit_detached_names_the_site_and_a_keeping_spelling(spec_model):
+  with pytest.raises(jl.GradientContractError, match=r"\[edit_detached_from_graph\]") as info:
+    _trace(spec_model, keep_grad(jl.zero_ablate()))
+  assert info.value.fields["site"] == "layers_0"
+  assert info.value.fields["fix"] == "keep_grad(jl.scale(0.0))"
+  with pytest.raises(jl.GradientContractError, match="compose"):
+    _trace(spec_model, keep_grad(jl.replace_with(jnp.zeros((3, 4)))))
+
+
+def test_site_has_no_graph():
+  model = WithDetached()
+  x = jnp.ones((3, 4))
+  v = init(model, x)
+  spec = jl.when(jl.module("frozen"), keep_grad(jl.scale(2.0)))
+  for f in (lambda v: jl.trace(model, v, x, intervene=spec).output,
+            jax.jit(lambda v: spec.bind(model)(v, x)),
+            lambda v: jax.grad(lambda w: spec.bind(model)(w, x).sum())(v)):
+    with pytest.raises(jl.GradientContractError, match=r"\[site_has_no_graph\]") as info:
+      f(v)
+    assert info.value.fields["site"] == "frozen"
+  # The inner Dense does depend on the parameters: keep_grad passes there.
+  jl.trace(model, v, x, intervene=jl.when(jl.module("frozen/inner"), keep_grad(jl.scale(2.0))))
+
+
+def test_site_has_no_graph_when_an_upstream_edit_cut_it(spec_model):
+  model, variables, x, _, _ = spec_model
+  # With the input frozen and layer 0 zeroed, layers_1 still depends on its own kernel.
+  spec = jl.when(SITE, jl.zero_ablate()) + jl.when(jl.module("layers_1"), keep_grad(jl.scale(1.0)))
+  jl.trace(model, variables, x, intervene=spec)
+
+
+def test_grad_disabled(spec_model):
+  model, variables, x, _, _ = spec_model
+  with jl.no_grad():
+    with pytest.raises(jl.GradientContractError, match=r"\[grad_disabled\].*no_grad") as info:
+      _trace(spec_model, keep_grad(jl.scale(2.0)))
+    assert info.value.fields["site"] == "layers_0"
+    g = jax.grad(lambda v: jl.when(SITE, jl.scale(2.0)).bind(model)(v, x).sum())(variables)
+  assert all(np.all(leaf == 0) for leaf in jax.tree.leaves(g))
+  g = jax.grad(lambda v: jl.when(SITE, jl.scale(2.0)).bind(model)(v, x).sum())(variables)
+  assert np.any(g["params"]["layers_0"]["kernel"] != 0)
+
+
+@pytest.mark.parametrize("call, code, match", [
+    (lambda m, v, x: jl.when(SITE, object()), "invalid_edit", "expected an edit"),
+    (lambda m, v, x: jl.when(3, jl.scale(2.0)), "invalid_site", "selector"),
+    (lambda m, v, x: jl.module(3), "invalid_site", "module path string"),
+    (lambda m, v, x: jl.module("a", call=0), "invalid_site", "positive int"),
+    (lambda m, v, x: jl.trace(m, v, x, intervene="x"), "invalid_spec", "intervene="),
+    (lambda m, v, x: jl.trace(lambda y: y, v, x), "invalid_model", "flax.linen Module"),
+    (lambda m, v, x: jl.trace(m), "missing_variables", "variables"),
+    (lambda m, v, x: jl.clamp(), "invalid_argument", "min= or max="),
+    (lambda m, v, x: ji.compose(), "invalid_argument", "at least one"),
+    (lambda m, v, x: jl.InterventionOptions(engine="fast"), "invalid_argument", "engine"),
+    (lambda m, v, x: jl.population(), "invalid_source", "at least one"),
+    (lambda m, v, x: jl.trace(m, v, x, intervene=jl.when(SITE, jl.mean_ablate(source="a"))),
+     "invalid_source", "source must be"),
+    (lambda m, v, x: jl.trace(m, v, x, intervene=jl.when(SITE, jl.swap_with("layers_1"))),
+     "swap_source_unavailable", "already ran"),
+    (lambda m, v, x: jl.trace(m, v, x, intervene=jl.when(
+        SITE, jl.patch_from(jl.trace(m, v, x, save=jl.module("layers_1"))))),
+     "donor_site_missing", "saved no value"),
+])
+def test_bad_arguments(spec_model, call, code, match):
+  model, variables, x, _, _ = spec_model
+  with pytest.raises(jl.InvalidArgumentError, match=match) as info:
+    call(model, variables, x)
+  assert info.value.code == code
