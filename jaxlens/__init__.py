@@ -7,11 +7,11 @@
 from jaxlens import intervention as intervention
 from jaxlens._src.dependence import depends_on as depends_on
 from jaxlens._src.doors import Spec as Spec
-from jaxlens._src.doors import SiteValue as SiteValue
-from jaxlens._src.doors import Trace as Trace
 from jaxlens._src.doors import no_grad as no_grad
-from jaxlens._src.doors import trace as trace
 from jaxlens._src.doors import when as when
+from jaxlens._src.tracing import SiteValue as SiteValue
+from jaxlens._src.tracing import Trace as Trace
+from jaxlens._src.tracing import trace as trace
 from jaxlens._src.errors import GradientContractError as GradientContractError
 from jaxlens._src.errors import InvalidArgumentError as InvalidArgumentError
 from jaxlens._src.errors import JaxlensError as JaxlensError
@@ -20,7 +20,11 @@ from jaxlens._src.errors import ShapeError as ShapeError
 from jaxlens._src.errors import SiteError as SiteError
 from jaxlens._src.sites import Site as Site
 from jaxlens._src.sites import all_sites as all_sites
+from jaxlens._src.sites import func as func
+from jaxlens._src.sites import in_module as in_module
+from jaxlens._src.sites import label as label
 from jaxlens._src.sites import module as module
+from jaxlens._src.sites import module_sites as module_sites
 from jaxlens._src.verbs import InterventionDecision as InterventionDecision
 from jaxlens._src.verbs import InterventionOptions as InterventionOptions
 from jaxlens._src.verbs import Population as Population
@@ -45,7 +49,7 @@ __all__ = [
     "GradientContractError", "InterventionDecision", "InterventionOptions", "InvalidArgumentError",
     "JaxlensError", "JaxlensWarning", "Population", "ShapeError", "Site", "SiteError",
     "SiteValue", "Spec", "Trace", "add", "add_noise", "all_sites", "clamp", "depends_on",
-    "intervention", "mean_ablate", "module", "no_grad", "patch_from", "population",
+    "func", "in_module", "intervention", "label", "mean_ablate", "module", "module_sites", "no_grad", "patch_from", "population",
     "project_onto", "project_out", "replace_with", "scale", "splice_module", "steer",
     "swap_with", "trace", "when", "zero_ablate",
 ]

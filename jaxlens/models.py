@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -211,5 +212,11 @@ def init_gpt(key=0, size: str = "small", batch: int = 8, **overrides):
   k_params, k_tokens = jax.random.split(key)
   tokens = jax.random.randint(k_tokens, (batch, model.max_len), 0, model.vocab_size,
                               dtype=jnp.int32)
-  variables = jax.jit(model.init)(k_params, tokens)  # one compile, not one per operation
+  variables = _jit_init(model, k_params, tokens)
   return model, variables, tokens
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_init(model, key, tokens):
+  # One compile per model configuration (modules hash by their fields), not one per op.
+  return model.init(key, tokens)

@@ -30,7 +30,7 @@ from jaxlens._src.errors import GradientContractError, InvalidArgumentError, Sit
 from jaxlens._src.sites import OUTPUT_LABEL, Site, SiteInfo, all_sites, as_selector, unmatched_error
 from jaxlens._src.verbs import Edit, FireContext, as_edit, check_keep_grad_preconditions, fire
 
-__all__ = ["Spec", "Trace", "SiteValue", "when", "trace", "no_grad"]
+__all__ = ["Spec", "when", "no_grad"]
 
 
 # --------------------------------------------------------------------------
@@ -107,19 +107,22 @@ class Spec:
     """
     module, bound_vars = _split(model)
     spec = self
+    if any(sel.may_match_ops() for sel, _ in self.rules):
+      # Op-level sites need the captured program: run through jl.trace.
+      from jaxlens._src.tracing import _capture
+
+      def run(variables, inputs, kwargs):
+        t = _capture(module, variables, inputs, kwargs, spec, None, save_given=False,
+                     method=method, apply_kwargs=dict(apply_kwargs))
+        return t.output
+    else:
+      def run(variables, inputs, kwargs):
+        return _run(module, variables, inputs, kwargs, spec, save=None, method=method,
+                    apply_kwargs=apply_kwargs)[0]
 
     if bound_vars is not None:
-      def bound_fn(*inputs, **kwargs):
-        out, _ = _run(module, bound_vars, inputs, kwargs, spec, save=None, method=method,
-                      apply_kwargs=apply_kwargs)
-        return out
-      return bound_fn
-
-    def unbound_fn(variables, *inputs, **kwargs):
-      out, _ = _run(module, variables, inputs, kwargs, spec, save=None, method=method,
-                    apply_kwargs=apply_kwargs)
-      return out
-    return unbound_fn
+      return lambda *inputs, **kwargs: run(bound_vars, inputs, kwargs)
+    return lambda variables, *inputs, **kwargs: run(variables, inputs, kwargs)
 
 
 def _asks_keep_grad(edit: Edit) -> bool:
@@ -161,90 +164,6 @@ def as_spec(obj) -> Spec:
   raise InvalidArgumentError(
       f"intervene= expects a spec from jl.when(...) or a list of them, got {type(obj).__name__}",
       code="invalid_spec", fix='intervene=jl.when(jl.module("layers_0"), jl.zero_ablate())')
-
-
-# --------------------------------------------------------------------------
-# Traces.
-
-
-@dataclasses.dataclass(frozen=True)
-class SiteValue:
-  """One saved site: ``.out`` is its value, ``.label`` its label."""
-
-  label: str
-  out: Any
-  info: SiteInfo | None = None
-
-
-@jax.tree_util.register_pytree_node_class
-class Trace:
-  """The result of ``jl.trace``: the model output and the saved site values.
-
-  A pytree, so it can be returned from ``jax.jit`` and passed as a donor. Index it
-  by label (``trace["layers_0"]``) or by a selector that matches one saved site;
-  ``trace[trace.output_layers[0]].out`` is the output (also ``trace.output``).
-  """
-
-  def __init__(self, output, values: dict, infos: dict):
-    self.output = output
-    self.values = dict(values)
-    self.infos = dict(infos)
-
-  def tree_flatten(self):
-    labels = tuple(self.values)
-    return (self.output, tuple(self.values[k] for k in labels)), (
-        labels, tuple(self.infos.get(k) for k in labels))
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    labels, infos = aux
-    output, vals = children
-    return cls(output, dict(zip(labels, vals)), dict(zip(labels, infos)))
-
-  @property
-  def output_layers(self) -> tuple[str, ...]:
-    return (OUTPUT_LABEL,)
-
-  @property
-  def labels(self) -> tuple[str, ...]:
-    """The saved site labels, in the order the sites ran."""
-    return tuple(self.values)
-
-  def __contains__(self, key) -> bool:
-    try:
-      self[key]
-    except SiteError:
-      return False
-    return True
-
-  def __getitem__(self, key) -> SiteValue:
-    if isinstance(key, str) and key in self.values:
-      return SiteValue(key, self.values[key], self.infos.get(key))
-    if isinstance(key, str) and key == OUTPUT_LABEL:
-      return SiteValue(OUTPUT_LABEL, self.output)
-    selector = as_selector(key)
-    hits = [lbl for lbl, info in self.infos.items() if info is not None and selector.matches(info)]
-    if not hits:
-      seen = [i for i in self.infos.values() if i is not None]
-      raise unmatched_error(selector, seen, "this trace saved no such site")
-    if len(hits) > 1:
-      raise SiteError(f"{selector!r} matches {len(hits)} saved sites: {hits}",
-                      code="ambiguous_site", site=repr(selector), candidates=hits,
-                      fix=f"index by one label, e.g. trace[{hits[0]!r}]")
-    return SiteValue(hits[0], self.values[hits[0]], self.infos[hits[0]])
-
-  def value_for_donor(self, label: str, verb: str):
-    """The value this trace saved at ``label``, for a verb that reads it as a donor."""
-    if label in self.values:
-      return self.values[label]
-    raise SiteError(
-        f"{verb}: the donor trace saved no value at {label!r} (it saved {list(self.values)})",
-        code="donor_site_missing", site=label,
-        fix=f"capture the donor with save=jl.module({label!r}) or the default save=None")
-
-  def __repr__(self) -> str:
-    shapes = {k: tuple(jnp.shape(v)) for k, v in self.values.items()}
-    return f"Trace(output={tuple(jnp.shape(self.output))}, sites={shapes})"
 
 
 # --------------------------------------------------------------------------
@@ -374,50 +293,3 @@ def _run(module, variables, inputs, kwargs, spec: Spec, *, save, method, apply_k
     # A hook asked for keep_grad through an InterventionDecision: check its site now.
     _probe_site_graphs(module, variables, inputs, kwargs, spec, method, apply_kwargs)
   return out, run
-
-
-def trace(model: nn.Module, *args, intervene=None, save=None, method=None,
-          **apply_kwargs) -> Trace:
-  """Runs ``model`` with edits live and returns a :class:`Trace`.
-
-  Spellings:
-    ``jl.trace(model.bind(variables), x, ...)`` for a bound module, and
-    ``jl.trace(model, variables, x, ...)`` for an unbound one.
-
-  Args:
-    model: a linen module, bound or unbound (then the first argument is its variables).
-    *args: the variables (unbound model only), then the model's positional inputs.
-    intervene: a spec from ``jl.when`` (or a list of them).
-    save: which sites to keep: ``None`` (every module site), a selector, a list of
-      selectors, or ``False`` for none.
-    method: the module method to call.
-    **apply_kwargs: ``rngs=``/``mutable=`` for ``Module.apply``.
-
-  Returns:
-    A Trace whose values are functions of the variables and inputs: differentiate
-    through it with ``jax.grad``, return it from ``jax.jit``.
-  """
-  module, variables = _split(model)
-  if variables is None:
-    if not args:
-      raise InvalidArgumentError("an unbound module needs its variables as the first argument",
-                                 code="missing_variables", fix="jl.trace(model, variables, x)")
-    variables, args = args[0], args[1:]
-  save_given = save is not None and save is not False
-  if save is None:
-    selector = all_sites()
-  elif save is False:
-    selector = None
-  elif isinstance(save, (list, tuple)):
-    selector = None
-    for s in save:
-      selector = as_selector(s) if selector is None else selector | as_selector(s)
-  else:
-    selector = as_selector(save)
-  model_kwargs = {k: apply_kwargs.pop(k) for k in list(apply_kwargs)
-                  if k not in ("rngs", "mutable", "capture_intermediates")}
-  out, run = _run(module, variables, args, model_kwargs, as_spec(intervene), save=selector,
-                  method=method, apply_kwargs=apply_kwargs, save_given=save_given)
-  saved = {k: v for k, v in run.saved.items() if k != OUTPUT_LABEL}
-  infos = {k: run.infos[k] for k in saved}
-  return Trace(out, saved, infos)

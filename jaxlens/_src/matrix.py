@@ -16,6 +16,7 @@ so they carry a graph and a cutting verb has to detach them to read ``cut``.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -23,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._src import doors, verbs
+from jaxlens._src import doors, tracing, verbs
 from jaxlens._src.dependence import depends_on
-from jaxlens._src.errors import InvalidArgumentError
+from jaxlens._src.errors import InvalidArgumentError, JaxlensWarning, reset_warnings
 from jaxlens._src.sites import module
 
 SITE = "layers_0"
@@ -87,20 +88,54 @@ def _door_bind(model, variables, x, edit):
 
 
 def _door_trace(model, variables, x, edit):
-  t = doors.trace(model.bind(variables), x, intervene=doors.when(module(SITE), edit))
+  t = tracing.trace(model.bind(variables), x, intervene=doors.when(module(SITE), edit))
   return t[t.output_layers[0]].out
+
+
+def _captured(model, variables, x):
+  # Captured inside the differentiated function: saved values are functions of v.
+  return tracing.trace(model.bind(variables), x)
+
+
+def _door_replay(model, variables, x, edit):
+  return _captured(model, variables, x).fork().do(module(SITE), edit).output
+
+
+def _door_rerun(model, variables, x, edit):
+  t = _captured(model, variables, x)
+  return t.fork().do(module(SITE), edit, model=model.bind(variables), inputs=x).output
+
+
+def _door_set_only(model, variables, x, edit):
+  t = _captured(model, variables, x).fork()
+  staged = t.do(module(SITE), edit, intervention=verbs.InterventionOptions(engine="set_only"))
+  return staged.run().output
+
+
+def _door_differentiable(model, variables, x, edit):
+  t = _captured(model, variables, x).fork()
+  opts = verbs.InterventionOptions(differentiable=True)
+  return t.do(module(SITE), edit, intervention=opts).output
 
 
 # door name -> (spelling shown in the table, runner(model, variables, x, edit) -> output)
 DOORS: dict[str, tuple[str, Callable]] = {
     "live_bind": ("jl.when(site, edit).bind(model)(x)", _door_bind),
     "live_trace": ("jl.trace(model, x, intervene=...)", _door_trace),
+    "replay": ("trace.fork().do(site, edit)", _door_replay),
+    "rerun": ("trace.fork().do(site, edit, model=, inputs=)", _door_rerun),
+    "set_only_run": ('do(..., InterventionOptions(engine="set_only")) + run()', _door_set_only),
+    "differentiable_replay": ("do(..., InterventionOptions(differentiable=True))",
+                              _door_differentiable),
 }
 
 
 def expected(door: str, row: Row) -> tuple[str, str]:
   """The specification's outcome of a cell: (without keep_grad, with keep_grad)."""
-  del door  # The live doors keep whatever the verb keeps.
+  if door == "differentiable_replay":
+    # The frontier is re-leafed: nothing reaches upstream, whatever the verb.
+    return ("cut", "cut") if row.keeps else ("cut", "raises:edit_detached_from_graph")
+  # Every other door keeps whatever the verb keeps.
   if row.keeps:
     return ("reaches", "reaches")
   return ("cut", "raises:edit_detached_from_graph")
@@ -145,7 +180,7 @@ def spec_model():
 
 
 def make_case(model, variables, x, x_donor) -> Case:
-  donor_trace = doors.trace(model.bind(variables), x_donor)
+  donor_trace = tracing.trace(model.bind(variables), x_donor)
   donor = donor_trace[SITE].out
   pop = verbs.population(donor, donor[::-1] * 0.5)
   return Case(
@@ -164,6 +199,7 @@ class Cell:
   output: Any = None
   kernel_grad: Any = None
   message: str = ""
+  warnings: tuple = ()
 
 
 def run_cell(door: str, row: Row, keep: bool, model=None, variables=None, x=None,
@@ -179,17 +215,23 @@ def run_cell(door: str, row: Row, keep: bool, model=None, variables=None, x=None
       edit = verbs.keep_grad(edit)
     return runner(model, v, x, edit)
 
-  try:
-    out = out_fn(variables)
-    grads = jax.grad(lambda v: out_fn(v).sum())(variables)
-    dep = depends_on(lambda v: out_fn(v).sum(), variables)
-  except InvalidArgumentError as error:
-    return Cell(f"raises:{error.code}", message=str(error))
+  # Once-per-session warnings are reset so that every cell shows its own.
+  reset_warnings()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", JaxlensWarning)
+    try:
+      out = out_fn(variables)
+      grads = jax.grad(lambda v: out_fn(v).sum())(variables)
+      dep = depends_on(lambda v: out_fn(v).sum(), variables)
+    except InvalidArgumentError as error:
+      return Cell(f"raises:{error.code}", message=str(error))
+  codes = tuple(sorted({w.message.fields["code"] for w in caught
+                        if isinstance(w.message, JaxlensWarning)}))
   kernel_grad = grads["params"][SITE]["kernel"]
   reaches = dep["params"][SITE]["kernel"]
   if not reaches and np.any(np.asarray(kernel_grad) != 0):
-    return Cell("inconsistent", out, kernel_grad, "no dependence but a nonzero gradient")
-  return Cell("reaches" if reaches else "cut", out, kernel_grad)
+    return Cell("inconsistent", out, kernel_grad, "no dependence but a nonzero gradient", codes)
+  return Cell("reaches" if reaches else "cut", out, kernel_grad, warnings=codes)
 
 
 def run_matrix(doors_: tuple[str, ...] | None = None) -> dict:
@@ -208,12 +250,13 @@ def format_matrix(table: dict) -> str:
   rows_by_name = {r.name: r for r in ROWS}
   lines = ["| door | verb | without keep_grad | with keep_grad | spec agrees |",
            "|---|---|---|---|---|"]
+  warned = lambda c: c.outcome + (" (warns " + ", ".join(c.warnings) + ")" if c.warnings else "")
   agree = 0
   for (door, name), (a, b) in table.items():
     want = expected(door, rows_by_name[name])
     ok = (a.outcome, b.outcome) == want
     agree += ok
-    lines.append(f"| `{DOORS[door][0]}` | {name} | {a.outcome} | {b.outcome} | "
+    lines.append(f"| `{DOORS[door][0]}` | {name} | {warned(a)} | {warned(b)} | "
                  f"{'yes' if ok else 'NO: spec ' + ' / '.join(want)} |")
   lines.append("")
   lines.append(f"{agree} of {len(table)} rows agree with the specification.")

@@ -18,7 +18,8 @@ from typing import Iterable
 
 from jaxlens._src.errors import InvalidArgumentError, SiteError
 
-__all__ = ["Site", "SiteInfo", "module", "as_selector"]
+__all__ = ["Site", "SiteInfo", "module", "func", "label", "in_module", "all_sites",
+           "module_sites", "as_selector"]
 
 OUTPUT_LABEL = "output"
 
@@ -28,19 +29,30 @@ class SiteInfo:
   """What a selector sees of one site call.
 
   Attributes:
-    path: the module path joined with ``/`` (``""`` for the root module).
-    method: the method name (``"__call__"``).
-    call: 1 for the first call of this module method in the run, 2 for the next.
+    path: the module path joined with ``/`` (``""`` for the root module); for an
+      op site, the module that ran the op.
+    method: the method name (``"__call__"``; ``""`` for an op site).
+    call: 1 for the first call of this module method in the run, 2 for the next;
+      for an op site, n in its label ``<func>_<n>``.
     module_type: the module class name.
+    func: the primitive name of an op site (``"dot_general"``).
+    kind: ``"module"`` or ``"op"``.
+    index: the output index of a multiple-output op.
   """
 
   path: str
   method: str
   call: int
   module_type: str
+  func: str | None = None
+  kind: str = "module"
+  index: int | None = None
 
   @property
   def label(self) -> str:
+    if self.kind == "op":
+      base = f"{self.func}_{self.call}"
+      return base if self.index is None else f"{base}:{self.index}"
     base = OUTPUT_LABEL if self.path == "" else self.path
     if self.method != "__call__":
       base = f"{base}.{self.method}"
@@ -52,6 +64,10 @@ class Site:
 
   def matches(self, info: SiteInfo) -> bool:
     raise NotImplementedError
+
+  def may_match_ops(self) -> bool:
+    """Whether this selector can select op sites (which need the captured program)."""
+    return True
 
   def __and__(self, other: "Site") -> "Site":
     return _And(self, as_selector(other))
@@ -72,7 +88,7 @@ class _Module(Site):
   call: int | None = None
 
   def matches(self, info: SiteInfo) -> bool:
-    if info.method != self.method:
+    if info.kind != "module" or info.method != self.method:
       return False
     if self.call is not None and info.call != self.call:
       return False
@@ -80,8 +96,11 @@ class _Module(Site):
       return fnmatch.fnmatchcase(info.path, self.path)
     return info.path == self.path
 
+  def may_match_ops(self) -> bool:
+    return False
+
   def describe_miss(self, seen):
-    paths = sorted({s.path for s in seen if s.path})
+    paths = sorted({s.path for s in seen if s.path and s.kind == "module"})
     close = difflib.get_close_matches(self.path, paths, n=5, cutoff=0.4)
     suffix = [p for p in paths if p.endswith("/" + self.path)]
     candidates = list(dict.fromkeys(suffix + close)) or paths[:10]
@@ -106,7 +125,7 @@ class _Label(Site):
             difflib.get_close_matches(self.label, labels, n=5, cutoff=0.4) or labels[:10])
 
   def __repr__(self) -> str:
-    return f"{self.label!r}"
+    return f"jl.label({self.label!r})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +135,9 @@ class _And(Site):
 
   def matches(self, info: SiteInfo) -> bool:
     return self.left.matches(info) and self.right.matches(info)
+
+  def may_match_ops(self) -> bool:
+    return self.left.may_match_ops() and self.right.may_match_ops()
 
   def __repr__(self) -> str:
     return f"({self.left!r} & {self.right!r})"
@@ -129,8 +151,58 @@ class _Or(Site):
   def matches(self, info: SiteInfo) -> bool:
     return self.left.matches(info) or self.right.matches(info)
 
+  def may_match_ops(self) -> bool:
+    return self.left.may_match_ops() or self.right.may_match_ops()
+
   def __repr__(self) -> str:
     return f"({self.left!r} | {self.right!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Func(Site):
+  name: str
+
+  def matches(self, info: SiteInfo) -> bool:
+    return info.kind == "op" and fnmatch.fnmatchcase(info.func or "", self.name)
+
+  def describe_miss(self, seen):
+    funcs = sorted({s.func for s in seen if s.kind == "op"})
+    return (f"no op {self.name!r} ran in this model",
+            difflib.get_close_matches(self.name, funcs, n=5, cutoff=0.4) or funcs[:10])
+
+  def __repr__(self) -> str:
+    return f"jl.func({self.name!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _InModule(Site):
+  path: str
+
+  def matches(self, info: SiteInfo) -> bool:
+    if info.kind != "op":
+      return False
+    return info.path == self.path or info.path.startswith(self.path + "/") or (
+        any(ch in self.path for ch in "*?[") and fnmatch.fnmatchcase(info.path, self.path))
+
+  def describe_miss(self, seen):
+    paths = sorted({s.path for s in seen if s.path})
+    return (f"no op ran inside module {self.path!r}",
+            difflib.get_close_matches(self.path, paths, n=5, cutoff=0.4) or paths[:10])
+
+  def __repr__(self) -> str:
+    return f"jl.in_module({self.path!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModuleSites(Site):
+  def matches(self, info: SiteInfo) -> bool:
+    return info.kind == "module"
+
+  def may_match_ops(self) -> bool:
+    return False
+
+  def __repr__(self) -> str:
+    return "jl.module_sites()"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,8 +242,43 @@ def module(path: str, *, method: str = "__call__", call: int | None = None) -> S
 
 
 def all_sites() -> Site:
-  """Selects every site (used as the default of ``save=``)."""
+  """Selects every site: module outputs and every op."""
   return _All()
+
+
+def module_sites() -> Site:
+  """Selects every module output (the default of ``save=``)."""
+  return _ModuleSites()
+
+
+def func(name: str) -> Site:
+  """Selects op sites by primitive name (``"tanh"``, ``"dot_general"``; globs allowed).
+
+  Example:
+    >>> import jaxlens as jl
+    >>> jl.func("tanh") & jl.in_module("block_1")
+    (jl.func('tanh') & jl.in_module('block_1'))
+  """
+  if not isinstance(name, str):
+    raise InvalidArgumentError(f"jl.func expects a primitive name, got {type(name).__name__}",
+                               code="invalid_site", fix='jl.func("tanh")')
+  return _Func(name)
+
+
+def label(name: str) -> Site:
+  """Selects the site with this exact label (``"dot_general_3"``, ``"block_0/mlp"``)."""
+  if not isinstance(name, str):
+    raise InvalidArgumentError(f"jl.label expects a label string, got {type(name).__name__}",
+                               code="invalid_site", fix='jl.label("tanh_1")')
+  return _Label(name)
+
+
+def in_module(path: str) -> Site:
+  """Selects the op sites run by the module at ``path`` or its submodules."""
+  if not isinstance(path, str):
+    raise InvalidArgumentError(f"jl.in_module expects a module path, got {type(path).__name__}",
+                               code="invalid_site", fix='jl.in_module("block_1")')
+  return _InModule(path.strip("/"))
 
 
 def as_selector(obj) -> Site:

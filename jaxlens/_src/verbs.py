@@ -201,7 +201,7 @@ def _key(seed, ctx, verb):
 
 def source_values(source, ctx, verb):
   """The array behind a source: an array, a Population or a donor Trace."""
-  from jaxlens._src.doors import Trace  # a Trace is a source; doors import verbs.
+  from jaxlens._src.tracing import Trace  # a Trace is a source; tracing imports verbs.
   if isinstance(source, Trace):
     return source.value_for_donor(ctx.label, verb)
   if isinstance(source, Population):
@@ -249,7 +249,7 @@ def population(*sources, site=None) -> Population:
     >>> jl.population(jnp.ones((2, 4)), jnp.zeros((3, 4)))
     Population(shape=(5, 4))
   """
-  from jaxlens._src.doors import Trace
+  from jaxlens._src.tracing import Trace
   parts = []
   for s in sources:
     if isinstance(s, Trace):

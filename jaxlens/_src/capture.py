@@ -1,0 +1,396 @@
+"""Op-level capture: the model as a flat program whose every value is a labelled site.
+
+``jl.trace`` turns the model call into a jaxpr (``jax.make_jaxpr``) while a Flax
+interceptor marks each module output with an identity ``checkpoint_name`` equation
+and opens a named scope per module call, so that every equation can be attributed
+to the module that ran it. Nested ``jit`` calls are inlined; every other equation
+is one *op site*, labelled ``<primitive>_<n>`` in the order it runs
+(``dot_general_3``). Module outputs are *module sites*, labelled by path.
+
+The program is then evaluated by a small interpreter that binds each primitive
+under whatever transforms are active (``jit``, ``grad``, ``vmap``), applies the
+edits whose selectors match, and keeps the values ``save=`` selects. Replay
+evaluates only the downstream cone of the edited sites, taking the values it
+needs from the saved ones and recomputing the rest from the stored inputs.
+
+Control flow: ``scan``, ``while``, ``cond`` and ``remat`` bodies run as single op
+sites; a module site inside one cannot be edited or selected for saving, and
+asking for one raises ``unsupported_control_flow``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend import core as jcore
+
+from jaxlens._src.errors import InvalidArgumentError
+from jaxlens._src.sites import SiteInfo
+from jaxlens._src.verbs import FireContext, fire
+
+MARK = "jaxlens:"
+SCOPE = "jl@"
+_INLINE = ("jit", "pjit", "closed_call", "core_call")
+_CONTROL = ("scan", "while", "cond", "remat2", "checkpoint", "custom_vjp_call",
+            "custom_vjp_call_jaxpr")
+
+
+@dataclasses.dataclass
+class Node:
+  """One equation of the flattened program."""
+
+  prim: Any
+  params: dict
+  ins: list  # int ids, or ("lit", value)
+  outs: list[int]
+  infos: list[SiteInfo | None]
+  module: str  # the module path that ran it ("" for the root)
+
+
+class Program:
+  """A model call as a flat list of nodes over integer value ids (static data).
+
+  Equality is identity: a program is built once per capture.
+  """
+
+  def __init__(self):
+    self.nodes: list[Node] = []
+    self.n_ids = 0
+    self.in_ids: list[int] = []
+    self.const_ids: list[int] = []
+    self.out_ids: list = []
+    self.in_tree = None
+    self.out_tree = None
+    self.n_var_leaves = 0
+    self.module_infos: dict[str, SiteInfo] = {}
+    self.hidden: dict[str, str] = {}  # module label -> control-flow primitive hiding it
+    self.nonarray: dict[str, tuple] = {}  # module label -> (info, type) of non-array outputs
+    self.producer: dict[int, int] = {}
+    self.id_label: dict[int, str] = {}
+
+  def fresh(self) -> int:
+    self.n_ids += 1
+    return self.n_ids - 1
+
+  @property
+  def infos(self) -> list[SiteInfo]:
+    return [i for n in self.nodes for i in n.infos if i is not None]
+
+  def __hash__(self):
+    return id(self)
+
+  def __eq__(self, other):
+    return self is other
+
+
+def _module_of(name_stack) -> str:
+  parts = [str(s.name) for s in getattr(name_stack, "stack", ()) if hasattr(s, "name")]
+  for part in reversed(parts):
+    if part.startswith(SCOPE):
+      return part[len(SCOPE):]
+  text = str(name_stack)
+  for part in reversed(text.split("/")):
+    if part.startswith(SCOPE):
+      return part[len(SCOPE):]
+  return ""
+
+
+def _flatten(prog: Program, jaxpr, in_ids, const_vals, consts_out, prefix_stack=None):
+  """Appends the nodes of ``jaxpr`` to ``prog``; returns the ids of its outputs."""
+  env: dict = {}
+  for var, i in zip(jaxpr.invars, in_ids):
+    env[var] = i
+  for var, val in zip(jaxpr.constvars, const_vals):
+    i = prog.fresh()
+    prog.const_ids.append(i)
+    consts_out.append(val)
+    env[var] = i
+
+  def read(v):
+    if isinstance(v, jcore.Literal):
+      return ("lit", v.val)
+    return env[v]
+
+  for eqn in jaxpr.eqns:
+    stack = eqn.source_info.name_stack if prefix_stack is None else prefix_stack + \
+        eqn.source_info.name_stack
+    name = eqn.primitive.name
+    if name in _INLINE and "jaxpr" in eqn.params:
+      inner = eqn.params["jaxpr"]
+      outs = _flatten(prog, inner.jaxpr, [read(v) for v in eqn.invars], inner.consts,
+                      consts_out, stack)
+      for var, o in zip(eqn.outvars, outs):
+        env[var] = o
+      continue
+    if name in _CONTROL or any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))
+                               for v in eqn.params.values()):
+      _note_hidden(prog, eqn)
+    outs = []
+    for var in eqn.outvars:
+      i = prog.fresh()
+      env[var] = i
+      outs.append(i)
+    ins = [read(v) for v in eqn.invars]
+    # A literal id mapping (outer literal passed into an inlined call) is a tuple.
+    prog.nodes.append(Node(eqn.primitive, eqn.primitive.get_bind_params(eqn.params), ins, outs,
+                           [None] * len(outs), _module_of(stack)))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _note_hidden(prog, eqn):
+  def walk(j):
+    j = getattr(j, "jaxpr", j)
+    for e in j.eqns:
+      if e.primitive.name == "name" and str(e.params.get("name", "")).startswith(MARK):
+        prog.hidden[e.params["name"][len(MARK):]] = eqn.primitive.name
+      for v in e.params.values():
+        if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+          walk(v)
+        elif isinstance(v, (tuple, list)):
+          for w in v:
+            if isinstance(w, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+              walk(w)
+  for v in eqn.params.values():
+    if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+      walk(v)
+    elif isinstance(v, (tuple, list)):
+      for w in v:
+        if isinstance(w, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+          walk(w)
+
+
+def _label_nodes(prog: Program):
+  counts: dict[str, int] = {}
+  for k, node in enumerate(prog.nodes):
+    for i in node.outs:
+      prog.producer[i] = k
+    pname = node.prim.name
+    marker = node.params.get("name") if pname == "name" else None
+    if isinstance(marker, str) and marker.startswith(MARK):
+      label = marker[len(MARK):]
+      node.infos = [prog.module_infos[label]]
+      prog.id_label[node.outs[0]] = label
+      continue
+    counts[pname] = counts.get(pname, 0) + 1
+    for j, out in enumerate(node.outs):
+      info = SiteInfo(node.module, "", counts[pname], "", func=pname, kind="op",
+                      index=j if len(node.outs) > 1 else None)
+      node.infos[j] = info
+      prog.id_label[out] = info.label
+
+
+def build_program(module, variables, inputs, kwargs, method, apply_kwargs):
+  """Captures ``module.apply(variables, *inputs)`` as a :class:`Program` and its consts."""
+  prog = Program()
+  calls: dict[tuple, int] = {}
+
+  def interceptor(next_fun, args, kw, context):
+    if context.method_name == "setup":
+      return next_fun(*args, **kw)
+    path = "/".join(context.module.path)
+    key = (path, context.method_name)
+    calls[key] = calls.get(key, 0) + 1
+    info = SiteInfo(path, context.method_name, calls[key], type(context.module).__name__)
+    if path:
+      with jax.named_scope(SCOPE + path):
+        out = next_fun(*args, **kw)
+    else:
+      out = next_fun(*args, **kw)
+    if path and (isinstance(out, jax.Array) or hasattr(out, "aval")):
+      prog.module_infos[info.label] = info
+      return checkpoint_name(out, MARK + info.label)
+    if path:
+      prog.nonarray[info.label] = (info, type(out).__name__)
+    return out
+
+  leaves, in_tree = jax.tree.flatten((variables, inputs))
+  prog.in_tree = in_tree
+  prog.n_var_leaves = len(jax.tree.leaves(variables))
+  out_box = []
+
+  def fn(*flat):
+    v, xs = jax.tree.unflatten(in_tree, flat)
+    with nn.intercept_methods(interceptor):
+      out = module.apply(v, *xs, method=method, **apply_kwargs, **kwargs)
+    out_leaves, out_tree = jax.tree.flatten(out)
+    out_box.append(out_tree)
+    return out_leaves
+
+  abstract = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+  closed = jax.make_jaxpr(fn)(*abstract)
+  prog.out_tree = out_box[-1]
+  prog.in_ids = [prog.fresh() for _ in closed.jaxpr.invars]
+  consts: list = []
+  prog.out_ids = _flatten(prog, closed.jaxpr, prog.in_ids, closed.consts, consts)
+  _label_nodes(prog)
+  for k, i in enumerate(prog.in_ids):
+    prog.id_label[i] = f"input_{k - prog.n_var_leaves}" if k >= prog.n_var_leaves else \
+        f"variables_{k}"
+  return prog, consts, leaves
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+class Evaluation:
+  """The values of one evaluation of a program."""
+
+  def __init__(self):
+    self.env: dict[int, Any] = {}
+    self.saved: dict[str, Any] = {}
+    self.saved_infos: dict[str, SiteInfo] = {}
+    self.fired: list[int] = []
+    self.frontier: dict[str, Any] = {}
+    self.recorded: list = []
+    self.hook_asked = False
+
+
+def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
+             known: dict | None = None, start_labels=None, releaf=False,
+             frontier_values: dict | None = None, probe=False) -> Evaluation:
+  """Runs the program, applying ``rules`` and keeping the sites ``save`` selects.
+
+  Args:
+    prog: the program.
+    args, consts: the flat input leaves and the program's constants.
+    rules: (selector, edit) pairs applied at every evaluated site they match.
+    save: a selector of the sites to keep, or None.
+    known: label -> value of saved sites, used for values outside the replay cone.
+    start_labels: when given, replay: evaluate only the downstream cone of these
+      labels (and what it needs that is not known).
+    releaf: re-leaf the values entering the cone (differentiable replay).
+    frontier_values: label -> value overriding frontier values (attribution).
+    probe: fire edits without keep_grad checks and record keep_grad site values.
+  """
+  ev = Evaluation()
+  ev.fired = [0] * len(rules)
+  env = ev.env
+  for i, a in zip(prog.in_ids, args):
+    env[i] = a
+  for i, c in zip(prog.const_ids, consts):
+    env[i] = c
+
+  run_nodes = range(len(prog.nodes))
+  frontier_ids: set[int] = set()
+  if start_labels is not None:
+    run_nodes, frontier_ids = _replay_plan(prog, start_labels, known or {})
+    for i in frontier_ids:
+      lbl = prog.id_label[i]
+      if known and lbl in known and i not in env:
+        env[i] = known[lbl]
+  site_values: dict[str, tuple] = {}
+
+  def read(a):
+    if isinstance(a, tuple):
+      return a[1]
+    return env[a]
+
+  frontier_ids -= set(prog.in_ids[:prog.n_var_leaves]) | set(prog.const_ids)
+  if releaf or frontier_values:
+    for i in frontier_ids:
+      if i in env:
+        lbl = prog.id_label[i]
+        if frontier_values is not None and lbl in frontier_values:
+          env[i] = frontier_values[lbl]
+        elif releaf and _is_float(env[i]):
+          env[i] = jax.lax.stop_gradient(env[i])
+        ev.frontier[lbl] = env[i]
+
+  pending_frontier = {i for i in frontier_ids if i not in env}
+  for k in run_nodes:
+    node = prog.nodes[k]
+    invals = [read(a) for a in node.ins]
+    out = node.prim.bind(*invals, **node.params)
+    outs = list(out) if node.prim.multiple_results else [out]
+    for j, (i, info) in enumerate(zip(node.outs, node.infos)):
+      val = outs[j]
+      if info is not None:
+        ctx = FireContext(info.label, info.path, info.module_type, site_values=site_values,
+                          grad_disabled=grad_disabled)
+        for r, (selector, edit) in enumerate(rules):
+          if selector.matches(info):
+            ev.fired[r] += 1
+            if probe:
+              site_value = val
+              ctx.checks = False
+              val = fire(edit, val, ctx)
+              from jaxlens._src.doors import _asks_keep_grad
+              if _asks_keep_grad(edit) or ctx.asked_keep_grad:
+                ev.recorded.append((info.label, site_value))
+            else:
+              val = fire(edit, val, ctx)
+              ev.hook_asked |= ctx.asked_keep_grad
+            ctx.asked_keep_grad = False
+        if info.kind == "module":
+          site_values[info.label] = (info, val)
+        if save is not None and save.matches(info):
+          ev.saved[info.label] = val
+          ev.saved_infos[info.label] = info
+      if i in pending_frontier:
+        lbl = prog.id_label[i]
+        if frontier_values is not None and lbl in frontier_values:
+          val = frontier_values[lbl]
+        elif releaf and _is_float(val):
+          val = jax.lax.stop_gradient(val)
+        ev.frontier[lbl] = val
+      env[i] = val
+  return ev
+
+
+def _replay_plan(prog: Program, start_labels, known: dict):
+  """The nodes to evaluate for a replay from ``start_labels``, and the frontier ids."""
+  starts = set(start_labels)
+  cone: set[int] = set()
+  tainted: set[int] = set()
+  for k, node in enumerate(prog.nodes):
+    is_start = any(info is not None and info.label in starts for info in node.infos)
+    if is_start or any(not isinstance(a, tuple) and a in tainted for a in node.ins):
+      cone.add(k)
+      tainted.update(node.outs)
+  # Values the cone reads from outside it.
+  frontier = set()
+  for k in cone:
+    for a in prog.nodes[k].ins:
+      if not isinstance(a, tuple) and a not in tainted:
+        frontier.add(a)
+  # What must be recomputed: frontier values that are neither inputs nor saved.
+  available = set(prog.in_ids) | set(prog.const_ids)
+  available |= {i for i, lbl in prog.id_label.items() if lbl in known}
+  need = {i for i in frontier if i not in available}
+  extra: set[int] = set()
+  for k in range(len(prog.nodes) - 1, -1, -1):
+    if k in cone:
+      continue
+    node = prog.nodes[k]
+    if any(o in need for o in node.outs):
+      extra.add(k)
+      for a in node.ins:
+        if not isinstance(a, tuple) and a not in available:
+          need.add(a)
+  # Outputs not in the cone come from the original trace; nothing else to run.
+  return sorted(cone | extra), frontier
+
+
+def check_selectable(prog: Program, selector, what: str, *, editing: bool = True):
+  """Raises when ``selector`` names a module site that cannot be edited or saved."""
+  if editing:
+    for label, (info, type_name) in prog.nonarray.items():
+      if selector.matches(info):
+        raise InvalidArgumentError(
+            f"{what}: the site value is a {type_name}, not an array; edits apply to array sites",
+            code="site_not_array", site=label,
+            fix="select a submodule whose call returns one array")
+  for label, prim in prog.hidden.items():
+    info = prog.module_infos.get(label)
+    if info is not None and selector.matches(info):
+      raise InvalidArgumentError(
+          f"{what}: the module site {label!r} runs inside a `{prim}` body, which jaxlens "
+          "runs as one op site; its value cannot be edited or saved from outside",
+          code="unsupported_control_flow", site=label,
+          fix=f"select the `{prim}` op site itself, or move the module out of the {prim}")

@@ -1,0 +1,433 @@
+"""``jl.trace`` and the capture doors: replay (``fork().do``), rerun, set_only + run.
+
+A :class:`Trace` holds the captured program (static), the call's flat inputs and
+constants, the spec that ran live, the saved site values and the output. It is a
+pytree, so it can leave ``jax.jit`` and serve as a donor. ``do`` never mutates a
+trace: it returns a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxlens._src import capture, dependence
+from jaxlens._src.doors import (Spec, _asks_keep_grad, _grad_disabled, _split, _stop, as_spec)
+from jaxlens._src.errors import GradientContractError, InvalidArgumentError, SiteError, warn_once
+from jaxlens._src.sites import OUTPUT_LABEL, SiteInfo, as_selector, module_sites, unmatched_error
+from jaxlens._src.verbs import (FireContext, InterventionOptions, as_edit,
+                                check_keep_grad_preconditions)
+
+__all__ = ["Trace", "SiteValue", "trace"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteValue:
+  """One saved site: ``.out`` is its value, ``.label`` its label."""
+
+  label: str
+  out: Any
+  info: SiteInfo | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """The static part of a trace (pytree aux data)."""
+
+  labels: tuple
+  infos: tuple
+  program: Any = None
+  save: Any = None
+  frontier_labels: tuple = ()
+  replay_starts: tuple | None = None
+  stale: bool = False
+  module: Any = None
+  call: Any = None  # (method, apply_kwargs items, model kwargs items)
+
+
+def _id_eq(a, b):
+  return a is b
+
+
+@jax.tree_util.register_pytree_node_class
+class Trace:
+  """The result of ``jl.trace``: the model output and the saved site values.
+
+  Index it by label (``trace["layers_0"]``, ``trace["tanh_1"]``) or by a selector
+  that matches one saved site; ``trace[trace.output_layers[0]].out`` is the
+  output (also ``trace.output``). ``trace.labels`` lists the saved sites in the
+  order they ran; ``trace.sites`` every site of the captured program.
+  """
+
+  def __init__(self, output, values: dict, infos: dict, *, program=None, args=(), consts=(),
+               spec: Spec | None = None, staged: Spec | None = None, save=None,
+               frontier: dict | None = None, replay_starts=None, stale=False, module=None,
+               call=None):
+    self.output = output
+    self.values = dict(values)
+    self.infos = dict(infos)
+    self._program = program
+    self._args = tuple(args)
+    self._consts = tuple(consts)
+    self._spec = spec if spec is not None else Spec(())
+    self._staged = staged if staged is not None else Spec(())
+    self._save = save
+    self.frontier = dict(frontier or {})
+    self._replay_starts = replay_starts
+    self.stale = stale
+    self._module = module
+    self._call = call
+
+  # -- pytree -------------------------------------------------------------
+
+  def tree_flatten(self):
+    labels = tuple(self.values)
+    flabels = tuple(self.frontier)
+    children = (self.output, tuple(self.values[k] for k in labels), self._args, self._consts,
+                self._spec, self._staged, tuple(self.frontier[k] for k in flabels))
+    aux = _Static(labels, tuple(self.infos.get(k) for k in labels), _Ident(self._program),
+                  self._save, flabels, self._replay_starts, self.stale, _Ident(self._module),
+                  self._call)
+    return children, aux
+
+  @classmethod
+  def tree_unflatten(cls, aux: "_Static", children):
+    output, vals, args, consts, spec, staged, fvals = children
+    return cls(output, dict(zip(aux.labels, vals)), dict(zip(aux.labels, aux.infos)),
+               program=aux.program.obj, args=args, consts=consts, spec=spec, staged=staged,
+               save=aux.save, frontier=dict(zip(aux.frontier_labels, fvals)),
+               replay_starts=aux.replay_starts, stale=aux.stale, module=aux.module.obj,
+               call=aux.call)
+
+  # -- reading ------------------------------------------------------------
+
+  @property
+  def output_layers(self) -> tuple[str, ...]:
+    return (OUTPUT_LABEL,)
+
+  @property
+  def labels(self) -> tuple[str, ...]:
+    """The saved site labels, in the order the sites ran."""
+    return tuple(self.values)
+
+  @property
+  def sites(self) -> tuple[SiteInfo, ...]:
+    """Every site of the captured program (module outputs and ops), in order."""
+    if self._program is None:
+      return tuple(i for i in self.infos.values() if i is not None)
+    return tuple(self._program.infos)
+
+  @property
+  def spec(self) -> Spec:
+    """The edits this trace's values reflect (live, replayed and rerun)."""
+    return self._spec
+
+  def __contains__(self, key) -> bool:
+    try:
+      self[key]
+    except SiteError:
+      return False
+    return True
+
+  def __getitem__(self, key) -> SiteValue:
+    if isinstance(key, str) and key in self.values:
+      return SiteValue(key, self.values[key], self.infos.get(key))
+    if isinstance(key, str) and key == OUTPUT_LABEL:
+      return SiteValue(OUTPUT_LABEL, self.output)
+    selector = as_selector(key)
+    hits = [lbl for lbl, info in self.infos.items() if info is not None and selector.matches(info)]
+    if not hits:
+      raise unmatched_error(selector, list(self.sites), "this trace saved no such site")
+    if len(hits) > 1:
+      raise SiteError(f"{selector!r} matches {len(hits)} saved sites: {hits}",
+                      code="ambiguous_site", site=repr(selector), candidates=hits,
+                      fix=f"index by one label, e.g. trace[{hits[0]!r}]")
+    return SiteValue(hits[0], self.values[hits[0]], self.infos[hits[0]])
+
+  def value_for_donor(self, label: str, verb: str):
+    """The value this trace saved at ``label``, for a verb that reads it as a donor."""
+    if label in self.values:
+      return self.values[label]
+    raise SiteError(
+        f"{verb}: the donor trace saved no value at {label!r} (it saved {list(self.values)})",
+        code="donor_site_missing", site=label,
+        fix=f"capture the donor with save=jl.label({label!r}) or the default save=None")
+
+  def __repr__(self) -> str:
+    shapes = {k: tuple(jnp.shape(v)) for k, v in self.values.items()}
+    stale = ", stale" if self.stale else ""
+    return f"Trace(output={tuple(jnp.shape(self.output))}, sites={shapes}{stale})"
+
+  # -- doors --------------------------------------------------------------
+
+  def fork(self) -> "Trace":
+    """A copy to edit; ``do`` never changes the trace it is called on."""
+    return jax.tree.unflatten(*reversed(jax.tree.flatten(self, is_leaf=lambda x: False)))
+
+  def do(self, site, edit=None, *, model=None, inputs=None,
+         intervention: InterventionOptions | None = None) -> "Trace":
+    """Applies an edit at ``site`` and returns the new trace.
+
+    Args:
+      site: a selector or label (or a spec from ``jl.when``, with ``edit`` omitted).
+      edit: a verb, ``keep_grad(verb)``, a callable or an array.
+      model, inputs: rerun: re-execute ``model`` (bound, or unbound with this
+        trace's variables) on ``inputs`` (default: this trace's inputs) with every
+        edit of this trace plus the new one live.
+      intervention: ``InterventionOptions``: ``engine="set_only"`` stages the edit
+        (``run`` executes it); ``differentiable=True`` replays with the frontier
+        re-leafed.
+
+    Without ``model`` the edit is replayed: only the downstream cone of ``site``
+    is recomputed, from the saved values, without calling the model.
+    """
+    opts = intervention or InterventionOptions()
+    new = as_spec(site) if edit is None else Spec(((as_selector(site), as_edit(edit)),))
+    engine = opts.engine
+    if engine == "auto":
+      engine = "rerun" if model is not None or inputs is not None else "replay"
+    if engine == "set_only":
+      return self._with(staged=self._staged + new, stale=True)
+    if engine == "rerun":
+      return self._rerun(self._staged + new, model, inputs)
+    return self._replay(self._staged + new, differentiable=opts.differentiable)
+
+  def run(self, model=None, inputs=None) -> "Trace":
+    """Executes the edits staged with ``engine="set_only"`` (replay, or rerun with a model)."""
+    if not self._staged.rules:
+      return self
+    if model is not None or inputs is not None:
+      return self._rerun(self._staged, model, inputs)
+    return self._replay(self._staged, differentiable=False)
+
+  def replay(self, frontier: dict) -> Any:
+    """The output of a differentiable replay recomputed from new frontier values.
+
+    ``jax.grad(lambda f: metric(r.replay(f)))(r.frontier)`` is the gradient of a
+    metric with respect to the values entering the replayed computation
+    (attribution patching).
+    """
+    if self._replay_starts is None:
+      raise InvalidArgumentError(
+          "replay(frontier) needs a trace from a differentiable replay", code="not_a_replay",
+          fix="trace.do(site, edit, intervention=InterventionOptions(differentiable=True))")
+    prog = self._need_program("replay")
+    ev = capture.evaluate(prog, self._args, self._consts, self._spec.rules, None,
+                          known=self.values, start_labels=self._replay_starts,
+                          frontier_values=frontier)
+    return _output(prog, ev, self.output)
+
+  # -- implementation -----------------------------------------------------
+
+  def _with(self, **changes) -> "Trace":
+    fields = dict(program=self._program, args=self._args, consts=self._consts,
+                  spec=self._spec, staged=self._staged, save=self._save,
+                  frontier=self.frontier, replay_starts=self._replay_starts, stale=self.stale,
+                  module=self._module, call=self._call)
+    output = changes.pop("output", self.output)
+    values = changes.pop("values", self.values)
+    infos = changes.pop("infos", self.infos)
+    fields.update(changes)
+    return Trace(output, values, infos, **fields)
+
+  def _need_program(self, what):
+    if self._program is None:
+      raise InvalidArgumentError(f"{what} needs a trace captured by jl.trace",
+                                 code="not_a_capture", fix="t = jl.trace(model, variables, x)")
+    return self._program
+
+  def _replay(self, new: Spec, *, differentiable: bool) -> "Trace":
+    prog = self._need_program("replay")
+    starts = []
+    for selector, edit in new.rules:
+      capture.check_selectable(prog, selector, "do()")
+      hits = [i.label for i in prog.infos if selector.matches(i)]
+      if not hits:
+        raise unmatched_error(selector, prog.infos, "do()")
+      starts.extend(hits)
+    rules = self._spec.rules + new.rules
+    spec = Spec(rules)
+    asks = any(_asks_keep_grad(e) for _, e in new.rules)
+    if asks:
+      if differentiable:
+        warn_once(
+            "keep_grad under differentiable replay: the edit stays connected inside the "
+            "replayed computation, but parameters upstream of the replay frontier get no "
+            "gradient; the live door jl.when(site, keep_grad(edit)).bind(model)(x) reaches them",
+            code="keep_grad_replay_frontier")
+      _probe_replay(prog, self, spec, starts, differentiable)
+    ev = capture.evaluate(prog, self._args, self._consts, rules, self._save,
+                          known=self.values, start_labels=tuple(starts), releaf=differentiable,
+                          grad_disabled=_grad_disabled())
+    values = dict(self.values)
+    values.update(ev.saved)
+    return self._with(output=_output(prog, ev, self.output), values=values, spec=spec,
+                      staged=Spec(()), stale=False,
+                      frontier=ev.frontier if differentiable else {},
+                      replay_starts=tuple(starts) if differentiable else None)
+
+  def _rerun(self, new: Spec, model, inputs) -> "Trace":
+    prog = self._need_program("rerun")
+    variables, old_inputs = jax.tree.unflatten(prog.in_tree, self._args)
+    if model is None:
+      module = self._module
+    else:
+      module, bound = _split(model)
+      variables = variables if bound is None else bound
+    if inputs is None:
+      inputs = old_inputs
+    elif not isinstance(inputs, tuple):
+      inputs = (inputs,)
+    method, apply_kwargs, kwargs = self._call
+    return _capture(module, variables, inputs, dict(kwargs), self._spec + new, self._save,
+                    save_given=False, method=method, apply_kwargs=dict(apply_kwargs))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Ident:
+  """Identity-compared holder for static objects (programs, modules)."""
+
+  obj: Any
+
+  def __eq__(self, other):
+    return isinstance(other, _Ident) and other.obj is self.obj
+
+  def __hash__(self):
+    return id(self.obj)
+
+
+def _output(prog, ev, original):
+  orig_leaves = jax.tree.leaves(original)
+  leaves = []
+  for k, i in enumerate(prog.out_ids):
+    if isinstance(i, tuple):
+      leaves.append(i[1])
+    elif i in ev.env:
+      leaves.append(ev.env[i])
+    else:
+      leaves.append(orig_leaves[k])
+  return jax.tree.unflatten(prog.out_tree, leaves)
+
+
+def _raise_no_graph(recorded_labels, table, dtypes):
+  for label, row, dtype in zip(recorded_labels, table, dtypes):
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      check_keep_grad_preconditions(jax.ShapeDtypeStruct((), dtype), FireContext(label))
+    if not any(row):
+      raise GradientContractError(
+          "keep_grad: the site value does not depend on any float variable or input of the "
+          "call, so there is no gradient to keep", code="site_has_no_graph", site=label,
+          fix="drop keep_grad here, or edit a site downstream of the parameters")
+
+
+def _probe(prog, args, consts, spec, **kw):
+  labels, dtypes = [], []
+
+  def probe_fn(args, known):
+    ev = capture.evaluate(prog, args, consts, spec.rules, None, probe=True,
+                          known=known or None, **kw)
+    labels[:] = [lbl for lbl, _ in ev.recorded]
+    dtypes[:] = [jnp.result_type(v) for _, v in ev.recorded]
+    return [v for _, v in ev.recorded]
+
+  return probe_fn, labels, dtypes
+
+
+def _probe_capture(prog, args, consts, spec):
+  probe_fn, labels, dtypes = _probe(prog, args, consts, spec)
+  table, _ = dependence.outputs_depend_on_inputs(probe_fn, list(args), {})
+  _raise_no_graph(labels, table, dtypes)
+
+
+def _probe_replay(prog, t: Trace, spec, starts, differentiable):
+  probe_fn, labels, dtypes = _probe(prog, t._args, t._consts, spec, start_labels=tuple(starts),
+                                    releaf=differentiable)
+  table, _ = dependence.outputs_depend_on_inputs(probe_fn, list(t._args), dict(t.values))
+  if differentiable:
+    # Re-leafed frontier values are fresh inputs of the replay: a site computed from
+    # them has a graph inside the replayed computation.
+    return
+  _raise_no_graph(labels, table, dtypes)
+
+
+def _capture(module, variables, inputs, kwargs, spec: Spec, save, *, save_given, method,
+             apply_kwargs) -> Trace:
+  disabled = _grad_disabled()
+  if disabled:
+    variables, inputs = _stop(variables), _stop(inputs)
+  prog, consts, args = capture.build_program(module, variables, inputs, kwargs, method,
+                                             apply_kwargs)
+  for selector, _ in spec.rules:
+    capture.check_selectable(prog, selector, "intervene=")
+  if save_given:
+    capture.check_selectable(prog, save, "save=", editing=False)
+  probed = False
+  if not disabled and any(_asks_keep_grad(e) for _, e in spec.rules):
+    _probe_capture(prog, args, consts, spec)
+    probed = True
+  ev = capture.evaluate(prog, args, consts, spec.rules, save, grad_disabled=disabled)
+  seen = prog.infos
+  for (selector, _), count in zip(spec.rules, ev.fired):
+    if count == 0:
+      raise unmatched_error(selector, seen, "intervene=")
+  if save_given and not ev.saved:
+    raise unmatched_error(save, seen, "save=")
+  if not probed and ev.hook_asked:
+    # A hook may ask for keep_grad at fire time (InterventionDecision): check its site.
+    probe_fn, labels, dtypes = _probe(prog, args, consts, spec)
+    table, _ = dependence.outputs_depend_on_inputs(probe_fn, list(args), {})
+    _raise_no_graph(labels, table, dtypes)
+  output = _output(prog, ev, None)
+  call = (method, tuple(sorted(apply_kwargs.items())), tuple(sorted(kwargs.items())))
+  return Trace(output, ev.saved, ev.saved_infos, program=prog, args=args, consts=consts,
+               spec=spec, save=save, module=module, call=call)
+
+
+def trace(model, *args, intervene=None, save=None, method=None, **apply_kwargs) -> Trace:
+  """Runs ``model`` with edits live and returns a :class:`Trace`.
+
+  Spellings:
+    ``jl.trace(model.bind(variables), x, ...)`` for a bound module, and
+    ``jl.trace(model, variables, x, ...)`` for an unbound one.
+
+  Args:
+    model: a linen module, bound or unbound (then the first argument is its variables).
+    *args: the variables (unbound model only), then the model's positional inputs.
+    intervene: a spec from ``jl.when`` (or a list of them).
+    save: which sites to keep: ``None`` (every module output), a selector
+      (``jl.func("tanh")``, ``jl.all_sites()`` for every op too), a list of
+      selectors, or ``False`` for none. A trace that saves one site holds about
+      the memory of a plain forward.
+    method: the module method to call.
+    **apply_kwargs: ``rngs=``/``mutable=`` for ``Module.apply``; other keywords go
+      to the model call.
+
+  Returns:
+    A Trace whose values are functions of the variables and inputs: differentiate
+    through it with ``jax.grad``, return it from ``jax.jit``, replay edits on it
+    with ``trace.fork().do(site, edit)``.
+  """
+  module, variables = _split(model)
+  if variables is None:
+    if not args:
+      raise InvalidArgumentError("an unbound module needs its variables as the first argument",
+                                 code="missing_variables", fix="jl.trace(model, variables, x)")
+    variables, args = args[0], args[1:]
+  save_given = save is not None and save is not False
+  if save is None:
+    selector = module_sites()
+  elif save is False:
+    selector = None
+  elif isinstance(save, (list, tuple)):
+    selector = None
+    for s in save:
+      selector = as_selector(s) if selector is None else selector | as_selector(s)
+  else:
+    selector = as_selector(save)
+  model_kwargs = {k: apply_kwargs.pop(k) for k in list(apply_kwargs)
+                  if k not in ("rngs", "mutable")}
+  return _capture(module, variables, tuple(args), model_kwargs, as_spec(intervene), selector,
+                  save_given=save_given, method=method, apply_kwargs=apply_kwargs)
