@@ -12,6 +12,11 @@ from jaxlens._src.doors import when as when
 from jaxlens._src.tracing import SiteValue as SiteValue
 from jaxlens._src.tracing import Trace as Trace
 from jaxlens._src.tracing import trace as trace
+from jaxlens._src.portable import SpecFormatError as SpecFormatError
+from jaxlens._src.portable import SpecReport as SpecReport
+from jaxlens._src.portable import check_spec as check_spec
+from jaxlens._src.portable import load_spec as load_spec
+from jaxlens._src.portable import save_spec as save_spec
 from jaxlens._src.errors import GradientContractError as GradientContractError
 from jaxlens._src.errors import InvalidArgumentError as InvalidArgumentError
 from jaxlens._src.errors import JaxlensError as JaxlensError
@@ -48,7 +53,8 @@ __version__ = "0.1.0"
 __all__ = [
     "GradientContractError", "InterventionDecision", "InterventionOptions", "InvalidArgumentError",
     "JaxlensError", "JaxlensWarning", "Population", "ShapeError", "Site", "SiteError",
-    "SiteValue", "Spec", "Trace", "add", "add_noise", "all_sites", "clamp", "depends_on",
+    "SiteValue", "Spec", "SpecFormatError", "SpecReport", "Trace", "check_spec", "load_spec",
+    "save_spec", "add", "add_noise", "all_sites", "clamp", "depends_on",
     "func", "in_module", "intervention", "label", "mean_ablate", "module", "module_sites", "no_grad", "patch_from", "population",
     "project_onto", "project_out", "replace_with", "scale", "splice_module", "steer",
     "swap_with", "trace", "when", "zero_ablate",

@@ -71,6 +71,7 @@ class Program:
     self.hidden: dict[str, str] = {}  # module label -> control-flow primitive hiding it
     self.nonarray: dict[str, tuple] = {}  # module label -> (info, type) of non-array outputs
     self.producer: dict[int, int] = {}
+    self.data_ids: set[int] = set()  # values that depend on the model inputs
     self.id_label: dict[int, str] = {}
 
   def fresh(self) -> int:
@@ -228,6 +229,11 @@ def build_program(module, variables, inputs, kwargs, method, apply_kwargs):
   consts: list = []
   prog.out_ids = _flatten(prog, closed.jaxpr, prog.in_ids, closed.consts, consts)
   _label_nodes(prog)
+  data = set(prog.in_ids[prog.n_var_leaves:])
+  for node in prog.nodes:
+    if any(not isinstance(a, tuple) and a in data for a in node.ins):
+      data.update(node.outs)
+  prog.data_ids = data
   for k, i in enumerate(prog.in_ids):
     prog.id_label[i] = f"input_{k - prog.n_var_leaves}" if k >= prog.n_var_leaves else \
         f"variables_{k}"
@@ -291,7 +297,7 @@ def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
       return a[1]
     return env[a]
 
-  frontier_ids -= set(prog.in_ids[:prog.n_var_leaves]) | set(prog.const_ids)
+  frontier_ids &= prog.data_ids
   if releaf or frontier_values:
     for i in frontier_ids:
       if i in env:
@@ -353,7 +359,9 @@ def _replay_plan(prog: Program, start_labels, known: dict):
     if is_start or any(not isinstance(a, tuple) and a in tainted for a in node.ins):
       cone.add(k)
       tainted.update(node.outs)
-  # Values the cone reads from outside it.
+  # Values the cone reads from outside it. Only those computed from the model inputs
+  # form the frontier; values computed from the variables alone (a reshaped bias)
+  # stay connected to the parameters downstream of the edit.
   frontier = set()
   for k in cone:
     for a in prog.nodes[k].ins:
@@ -386,6 +394,9 @@ def check_selectable(prog: Program, selector, what: str, *, editing: bool = True
             f"{what}: the site value is a {type_name}, not an array; edits apply to array sites",
             code="site_not_array", site=label,
             fix="select a submodule whose call returns one array")
+  if not editing and getattr(selector, "broad", False):
+    # "Every site" skips the ones hidden in control flow rather than refusing.
+    return
   for label, prim in prog.hidden.items():
     info = prog.module_infos.get(label)
     if info is not None and selector.matches(info):

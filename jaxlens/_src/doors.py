@@ -88,6 +88,16 @@ class Spec:
   def __repr__(self) -> str:
     return " + ".join(f"jl.when({s!r}, {e!r})" for s, e in self.rules) or "Spec()"
 
+  def save(self, path):
+    """Saves this spec to a directory (portable JSON + npz, hashed, atomic)."""
+    from jaxlens._src.portable import save_spec
+    return save_spec(self, path)
+
+  def check(self, model, *args):
+    """Checks this spec against a model's sites; see ``jl.check_spec``."""
+    from jaxlens._src.portable import check_spec
+    return check_spec(self, model, *args)
+
   @property
   def keep_grad(self) -> bool:
     return any(_asks_keep_grad(e) for _, e in self.rules)

@@ -118,6 +118,25 @@ def _door_differentiable(model, variables, x, edit):
   return t.do(module(SITE), edit, intervention=opts).output
 
 
+def _door_spec_bind(model, variables, x, edit):
+  import tempfile
+
+  from jaxlens._src import portable
+  spec = doors.when(module(SITE), edit)
+  try:
+    with tempfile.TemporaryDirectory() as tmp:
+      spec = portable.load_spec(portable.save_spec(spec, f"{tmp}/spec"))
+  except portable.SpecFormatError as error:
+    # Hooks and splice_module hold Python callables: they bind in memory only.
+    if error.code != "spec_not_portable":
+      raise
+  return spec.bind(model.bind(variables))(x)
+
+
+# Doors whose edit is built outside the differentiated function (a saved spec holds
+# concrete arrays, so its donors carry no graph).
+CONCRETE_EDIT = {"spec_bind"}
+
 # door name -> (spelling shown in the table, runner(model, variables, x, edit) -> output)
 DOORS: dict[str, tuple[str, Callable]] = {
     "live_bind": ("jl.when(site, edit).bind(model)(x)", _door_bind),
@@ -125,6 +144,7 @@ DOORS: dict[str, tuple[str, Callable]] = {
     "replay": ("trace.fork().do(site, edit)", _door_replay),
     "rerun": ("trace.fork().do(site, edit, model=, inputs=)", _door_rerun),
     "set_only_run": ('do(..., InterventionOptions(engine="set_only")) + run()', _door_set_only),
+    "spec_bind": ("jl.load_spec(spec.save(dir)).bind(model)(x)", _door_spec_bind),
     "differentiable_replay": ("do(..., InterventionOptions(differentiable=True))",
                               _door_differentiable),
 }
@@ -209,8 +229,11 @@ def run_cell(door: str, row: Row, keep: bool, model=None, variables=None, x=None
     model, variables, x, x_donor, _ = spec_model()
   runner = DOORS[door][1]
 
+  concrete = row.build(make_case(model, variables, x, x_donor)) if door in CONCRETE_EDIT \
+      else None
+
   def out_fn(v):
-    edit = row.build(make_case(model, v, x, x_donor))
+    edit = concrete if concrete is not None else row.build(make_case(model, v, x, x_donor))
     if keep:
       edit = verbs.keep_grad(edit)
     return runner(model, v, x, edit)

@@ -195,6 +195,8 @@ class _InModule(Site):
 
 @dataclasses.dataclass(frozen=True)
 class _ModuleSites(Site):
+  broad = True
+
   def matches(self, info: SiteInfo) -> bool:
     return info.kind == "module"
 
@@ -207,6 +209,8 @@ class _ModuleSites(Site):
 
 @dataclasses.dataclass(frozen=True)
 class _All(Site):
+  broad = True
+
   def matches(self, info: SiteInfo) -> bool:
     return True
 
