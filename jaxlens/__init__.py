@@ -5,6 +5,11 @@
 """
 
 from jaxlens import intervention as intervention
+from jaxlens import sweep as sweep
+from jaxlens._src.backward import backward_hook as backward_hook
+from jaxlens._src.backward import grad_clip as grad_clip
+from jaxlens._src.backward import grad_scale as grad_scale
+from jaxlens._src.backward import grad_zero as grad_zero
 from jaxlens._src.dependence import depends_on as depends_on
 from jaxlens._src.doors import Spec as Spec
 from jaxlens._src.doors import no_grad as no_grad
@@ -33,8 +38,18 @@ from jaxlens._src.sites import module_sites as module_sites
 from jaxlens._src.verbs import InterventionDecision as InterventionDecision
 from jaxlens._src.verbs import InterventionOptions as InterventionOptions
 from jaxlens._src.verbs import Population as Population
+from jaxlens._src.selections import orthonormal as orthonormal
+from jaxlens._src.selections import set_affine_coordinates as set_affine_coordinates
+from jaxlens._src.selections import subspace_patch as subspace_patch
+from jaxlens._src.selections import subspace_scale as subspace_scale
+from jaxlens._src.selections import subspace_set as subspace_set
+from jaxlens._src.selections import subspace_zero as subspace_zero
+from jaxlens._src.selections import Selection as Selection
+from jaxlens._src.selections import subspace as subspace
+from jaxlens._src.selections import units as units
 from jaxlens._src.verbs import add as add
 from jaxlens._src.verbs import add_noise as add_noise
+from jaxlens._src.verbs import at_positions as at_positions
 from jaxlens._src.verbs import clamp as clamp
 from jaxlens._src.verbs import mean_ablate as mean_ablate
 from jaxlens._src.verbs import patch_from as patch_from
@@ -51,11 +66,13 @@ from jaxlens._src.verbs import zero_ablate as zero_ablate
 __version__ = "0.1.0"
 
 __all__ = [
+    "orthonormal", "set_affine_coordinates", "subspace_patch", "subspace_scale", "subspace_set", "subspace_zero", "Selection", "subspace", "units",
     "GradientContractError", "InterventionDecision", "InterventionOptions", "InvalidArgumentError",
     "JaxlensError", "JaxlensWarning", "Population", "ShapeError", "Site", "SiteError",
     "SiteValue", "Spec", "SpecFormatError", "SpecReport", "Trace", "check_spec", "load_spec",
-    "save_spec", "add", "add_noise", "all_sites", "clamp", "depends_on",
+    "save_spec", "add", "add_noise", "at_positions", "all_sites", "clamp", "depends_on",
     "func", "in_module", "intervention", "label", "mean_ablate", "module", "module_sites", "no_grad", "patch_from", "population",
     "project_onto", "project_out", "replace_with", "scale", "splice_module", "steer",
     "swap_with", "trace", "when", "zero_ablate",
+    "backward_hook", "grad_clip", "grad_scale", "grad_zero", "sweep",
 ]

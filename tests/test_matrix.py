@@ -51,7 +51,43 @@ HAND = {
 }
 
 
-def _hand_output(model, variables, x, x_donor, name):
+_RAW = np.asarray([[1.0, 0.5], [-2.0, 1.0], [0.5, 3.0], [1.0, -1.0]])
+_Q, _R = np.linalg.qr(_RAW)
+BASIS = jnp.asarray(_Q * np.sign(np.diag(_R)))  # orthonormal, 4 x 2
+W = jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]])
+B_AFF = jnp.asarray([0.1, -0.2])
+SOURCE_ROWS = {"replace_with", "swap_with", "patch_from", "resample_rows_from",
+               "mean_ablate(source=)", "scramble_elements(source=)"}
+
+
+def _hand_subspace_patch(x, d, pop):
+  o = _sg(pop).mean(0)
+  c, c_new = (x - o) @ BASIS, (_sg(d) - o) @ BASIS
+  return x + (c_new - c) @ BASIS.T
+
+
+HAND["subspace_* (subspace_patch)"] = _hand_subspace_patch
+
+
+def _hand_edit(name, kind, x, d, pop):
+  """The row's edit on the site value x, under no selection, units or a subspace."""
+  if kind == "units":
+    cols = jnp.asarray([False, True, False, True])[None, :]
+    return jnp.where(cols, HAND[name](x, d, pop), x)
+  if kind == "subspace":
+    o = _sg(pop).mean(0)
+    c = (x - o) @ BASIS
+    if name == "set_affine_coordinates":
+      c_new = x @ W.T + B_AFF
+    elif name in SOURCE_ROWS:
+      c_new = (HAND[name](x, d, pop) - o) @ BASIS
+    else:
+      c_new = HAND[name](c @ BASIS.T, d, pop) @ BASIS
+    return x + (c_new - c) @ BASIS.T
+  return HAND[name](x, d, pop)
+
+
+def _hand_output(model, variables, x, x_donor, name, kind=""):
   """The edit applied by a hand-written interceptor in a plain Flax forward."""
   captured = {}
 
@@ -69,7 +105,7 @@ def _hand_output(model, variables, x, x_donor, name):
   def edit(next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
     if context.module.path == (SITE,):
-      return HAND[name](out, d, pop)
+      return _hand_edit(name, kind, out, d, pop)
     return out
 
   with nn.intercept_methods(edit):
@@ -77,7 +113,8 @@ def _hand_output(model, variables, x, x_donor, name):
 
 
 def test_hand_table_covers_every_row():
-  assert set(HAND) == {r.name for r in matrix.ROWS}
+  assert set(HAND) | {"set_affine_coordinates"} == {r.name for r in matrix.ROWS}
+  np.testing.assert_allclose(BASIS, matrix.matrix_basis(), atol=1e-15)
 
 
 @pytest.mark.parametrize("door", list(matrix.DOORS))
@@ -88,9 +125,12 @@ def test_cell(spec_model, door, row):
   cells = [matrix.run_cell(door, row, keep, model, variables, x, x_donor) for keep in (False, True)]
   assert (cells[0].outcome, cells[1].outcome) == want, [c.message for c in cells]
 
-  hand_out = _hand_output(model, variables, x, x_donor, row.name)
+  if all(c.outcome.startswith("raises:") for c in cells):
+    return
+  kind, _, base = door.rpartition(":")
+  hand_out = _hand_output(model, variables, x, x_donor, row.name, kind)
   hand_grad = jax.grad(
-      lambda v: _hand_output(model, v, x, x_donor, row.name).sum())(variables)
+      lambda v: _hand_output(model, v, x, x_donor, row.name, kind).sum())(variables)
   hand_kernel = hand_grad["params"][SITE]["kernel"]
   for keep, cell in zip((False, True), cells):
     if cell.outcome.startswith("raises:"):
@@ -100,10 +140,10 @@ def test_cell(spec_model, door, row):
       assert np.max(np.abs(cell.kernel_grad - hand_kernel)) <= 1e-12
     else:
       assert np.all(cell.kernel_grad == 0)
-      if door != "differentiable_replay":
+      if base != "differentiable_replay":
         assert np.all(hand_kernel == 0)
     # keep_grad under differentiable replay warns; nothing else does.
-    want_warning = keep and door == "differentiable_replay"
+    want_warning = keep and base == "differentiable_replay"
     assert cell.warnings == (("keep_grad_replay_frontier",) if want_warning else ())
 
 
@@ -112,7 +152,8 @@ def test_edits_change_the_output(spec_model):
   model, variables, x, x_donor, _ = spec_model
   clean = model.apply(variables, x)
   for row in matrix.ROWS:
-    cell = matrix.run_cell("live_trace", row, False, model, variables, x, x_donor)
+    door = "subspace:live_bind" if row.name in matrix.SUBSPACE_ONLY else "live_trace"
+    cell = matrix.run_cell(door, row, False, model, variables, x, x_donor)
     assert np.max(np.abs(cell.output - clean)) > 1e-6, row.name
 
 

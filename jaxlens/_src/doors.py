@@ -158,7 +158,15 @@ def when(site, edit) -> Spec:
     >>> jl.when(jl.module("layers_0"), jl.scale(0.5))
     jl.when(jl.module('layers_0'), jl.scale())
   """
-  return Spec(((as_selector(site), as_edit(edit)),))
+  return Spec((rule(site, edit),))
+
+
+def rule(site, edit) -> tuple:
+  """One (selector, edit) rule; a selection (``jl.units``, ``jl.subspace``) wraps the edit."""
+  from jaxlens._src.selections import Selection
+  if isinstance(site, Selection):
+    return (site.site, site.wrap(edit))
+  return (as_selector(site), as_edit(edit))
 
 
 def as_spec(obj) -> Spec:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._src import doors, tracing, verbs
+from jaxlens._src import doors, selections, tracing, verbs
 from jaxlens._src.dependence import depends_on
 from jaxlens._src.errors import InvalidArgumentError, JaxlensWarning, reset_warnings
 from jaxlens._src.sites import module
@@ -42,6 +42,10 @@ class Case:
   population: Any
   direction: Any
   delta: Any
+  basis: Any = None
+  units: Any = None
+  W: Any = None
+  b: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +80,15 @@ ROWS: tuple[Row, ...] = (
     Row("mean_ablate(source=)", lambda c: verbs.mean_ablate(source=c.population), False),
     Row("scramble_elements(source=)",
         lambda c: verbs.scramble_elements(seed=0, source=c.donor), False),
+    Row("set_affine_coordinates", lambda c: selections.set_affine_coordinates(c.W, c.b), True),
+    Row("subspace_* (subspace_patch)",
+        lambda c: selections.subspace_patch(c.basis, c.donor_trace, origin=c.population), True),
 )
+
+# Rows that write subspace coordinates: refused outside a jl.subspace selection.
+SUBSPACE_ONLY = {"set_affine_coordinates"}
+# Rows refused under a jl.subspace selection.
+NOT_UNDER_SUBSPACE = {"project_onto", "project_out"}
 
 
 def _square(x):
@@ -133,6 +145,20 @@ def _door_spec_bind(model, variables, x, edit):
   return spec.bind(model.bind(variables))(x)
 
 
+def _selection(kind, case):
+  if kind == "units":
+    return selections.units(module(SITE), case.units)
+  return selections.subspace(module(SITE), case.basis, origin=case.population)
+
+
+def _selected(base, kind):
+  """A selection door: the base door's edit wrapped by jl.units / jl.subspace."""
+  def runner(model, variables, x, edit, case):
+    return base(model, variables, x, _selection(kind, case).wrap(edit))
+  runner.takes_case = True
+  return runner
+
+
 # Doors whose edit is built outside the differentiated function (a saved spec holds
 # concrete arrays, so its donors carry no graph).
 CONCRETE_EDIT = {"spec_bind"}
@@ -148,15 +174,33 @@ DOORS: dict[str, tuple[str, Callable]] = {
     "differentiable_replay": ("do(..., InterventionOptions(differentiable=True))",
                               _door_differentiable),
 }
+# Selection doors: every base door but live_trace (the same program path as replay)
+# under jl.units (features 1 and 3 of every row) and jl.subspace (a 2-D orthonormal
+# basis, origin the population mean).
+_BASES = ("live_bind", "replay", "rerun", "set_only_run", "spec_bind", "differentiable_replay")
+for _kind in ("units", "subspace"):
+  for _base in _BASES:
+    _spelling, _run = DOORS[_base]
+    DOORS[f"{_kind}:{_base}"] = (f"{_spelling} with jl.{_kind}(site, ...)",
+                                 _selected(_run, _kind))
+CONCRETE_EDIT |= {f"{k}:spec_bind" for k in ("units", "subspace")}
 
 
 def expected(door: str, row: Row) -> tuple[str, str]:
   """The specification's outcome of a cell: (without keep_grad, with keep_grad)."""
-  if door == "differentiable_replay":
+  kind, _, base = door.rpartition(":")
+  if row.name in SUBSPACE_ONLY and kind != "subspace":
+    return ("raises:affine_source_needs_subspace",) * 2
+  if row.name in NOT_UNDER_SUBSPACE and kind == "subspace":
+    return ("raises:subspace_edit_unsupported",) * 2
+  # A selection writes only what it selects: the rest keeps the graph, so every verb
+  # keeps it (and passes keep_grad) through the unselected elements or the complement.
+  keeps = row.keeps or bool(kind)
+  if base == "differentiable_replay":
     # The frontier is re-leafed: nothing reaches upstream, whatever the verb.
-    return ("cut", "cut") if row.keeps else ("cut", "raises:edit_detached_from_graph")
+    return ("cut", "cut") if keeps else ("cut", "raises:edit_detached_from_graph")
   # Every other door keeps whatever the verb keeps.
-  if row.keeps:
+  if keeps:
     return ("reaches", "reaches")
   return ("cut", "raises:edit_detached_from_graph")
 
@@ -210,7 +254,17 @@ def make_case(model, variables, x, x_donor) -> Case:
       population=pop,
       direction=jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float64),
       delta=jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float64).reshape(3, 4),
+      basis=matrix_basis(),
+      units=np.asarray([1, 3]),
+      W=jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]], jnp.float64),
+      b=jnp.asarray([0.1, -0.2], jnp.float64),
   )
+
+
+def matrix_basis():
+  """The matrix's subspace basis: orthonormal, 4 x 2, spanning no coordinate axis."""
+  raw = jnp.asarray([[1.0, 0.5], [-2.0, 1.0], [0.5, 3.0], [1.0, -1.0]], jnp.float64)
+  return selections.orthonormal(raw)
 
 
 @dataclasses.dataclass
@@ -229,13 +283,15 @@ def run_cell(door: str, row: Row, keep: bool, model=None, variables=None, x=None
     model, variables, x, x_donor, _ = spec_model()
   runner = DOORS[door][1]
 
-  concrete = row.build(make_case(model, variables, x, x_donor)) if door in CONCRETE_EDIT \
-      else None
+  concrete_case = make_case(model, variables, x, x_donor) if door in CONCRETE_EDIT else None
 
   def out_fn(v):
-    edit = concrete if concrete is not None else row.build(make_case(model, v, x, x_donor))
+    case = concrete_case if concrete_case is not None else make_case(model, v, x, x_donor)
+    edit = row.build(case)
     if keep:
       edit = verbs.keep_grad(edit)
+    if getattr(runner, "takes_case", False):
+      return runner(model, v, x, edit, case)
     return runner(model, v, x, edit)
 
   # Once-per-session warnings are reset so that every cell shows its own.
@@ -243,8 +299,8 @@ def run_cell(door: str, row: Row, keep: bool, model=None, variables=None, x=None
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always", JaxlensWarning)
     try:
-      out = out_fn(variables)
-      grads = jax.grad(lambda v: out_fn(v).sum())(variables)
+      (_, out), grads = jax.value_and_grad(lambda v: (lambda o: (o.sum(), o))(out_fn(v)),
+                                           has_aux=True)(variables)
       dep = depends_on(lambda v: out_fn(v).sum(), variables)
     except InvalidArgumentError as error:
       return Cell(f"raises:{error.code}", message=str(error))

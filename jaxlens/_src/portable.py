@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._src import sites, verbs
+from jaxlens._src import selections, sites, verbs
 from jaxlens._src.doors import Spec
 from jaxlens._src.errors import InvalidArgumentError, ShapeError, SiteError
 
@@ -43,7 +43,9 @@ _IMPLS = {
     "set_direction_mean": verbs._set_direction_mean, "compose": verbs._compose,
     "zero_ablate": verbs._zero_ablate, "replace_with": verbs._replace_with,
     "swap_with": verbs._swap_with, "patch_from": verbs._patch_from,
-    "resample_rows_from": verbs._resample_rows,
+    "resample_rows_from": verbs._resample_rows, "at_positions": verbs._at_positions,
+    "units": selections._units, "subspace": selections._subspace,
+    "set_affine_coordinates": selections._set_affine,
 }
 
 
@@ -152,14 +154,16 @@ def _read_value(v, arrays):
   if not isinstance(v, dict):
     return v
   if "$array" in v:
-    return jnp.asarray(arrays[v["$array"]])
+    # Host arrays: verbs convert them where they are used, and checks on their
+    # values (index bounds, basis rank) still run inside jit and grad.
+    return arrays[v["$array"]]
   if "$edit" in v:
     return _read_edit(v["$edit"], arrays)
   if "$population" in v:
-    return verbs.Population(jnp.asarray(arrays[v["$population"]["$array"]]))
+    return verbs.Population(arrays[v["$population"]["$array"]])
   if "$trace" in v:
     from jaxlens._src.tracing import Trace
-    values = {lbl: jnp.asarray(arrays[ref["$array"]]) for lbl, ref in v["$trace"].items()}
+    values = {lbl: arrays[ref["$array"]] for lbl, ref in v["$trace"].items()}
     return Trace(None, values, {lbl: None for lbl in values})
   if "$dict" in v:
     return {k: _read_value(x, arrays) for k, x in v["$dict"].items()}

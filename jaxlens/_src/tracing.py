@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxlens._src import capture, dependence
-from jaxlens._src.doors import (Spec, _asks_keep_grad, _grad_disabled, _split, _stop, as_spec)
+from jaxlens._src.doors import (Spec, _asks_keep_grad, _grad_disabled, _split, _stop, as_spec,
+                                rule)
 from jaxlens._src.errors import GradientContractError, InvalidArgumentError, SiteError, warn_once
 from jaxlens._src.sites import OUTPUT_LABEL, SiteInfo, as_selector, module_sites, unmatched_error
 from jaxlens._src.verbs import (FireContext, InterventionOptions, as_edit,
@@ -185,7 +186,7 @@ class Trace:
     is recomputed, from the saved values, without calling the model.
     """
     opts = intervention or InterventionOptions()
-    new = as_spec(site) if edit is None else Spec(((as_selector(site), as_edit(edit)),))
+    new = as_spec(site) if edit is None else Spec((rule(site, edit),))
     engine = opts.engine
     if engine == "auto":
       engine = "rerun" if model is not None or inputs is not None else "replay"

@@ -533,6 +533,43 @@ def hook(fn: Callable) -> Edit:
   return _make("hook", _hook, {}, fn=_ByIdentity(fn), takes_hook=takes_hook)
 
 
+def _at_positions(x, p, s, ctx):
+  axis = s["axis"]
+  axis = axis + x.ndim if axis < 0 else axis
+  if not 0 <= axis < x.ndim:
+    _fail_shape(f"axis={s['axis']} is out of range for a site of shape {x.shape}", ctx,
+                "at_positions", fix="at_positions(positions, edit, axis=1)")
+  host = None if isinstance(p["positions"], jax.core.Tracer) else np.asarray(p["positions"])
+  positions = jnp.asarray(p["positions"])
+  if not jnp.issubdtype(positions.dtype, jnp.integer):
+    _fail_shape(f"positions must be integers, got dtype {positions.dtype}", ctx, "at_positions",
+                code="dtype_mismatch", fix="at_positions(jnp.array([0, 3]), edit)")
+  n = x.shape[axis]
+  if host is not None and host.size and (host.max() >= n or host.min() < -n):
+    raise InvalidArgumentError(
+        f"at_positions: positions {host.tolist()} out of range for axis {axis} of size {n}",
+        code="index_out_of_range", site=ctx.label, fix=f"positions in [0, {n})")
+  mask = jnp.zeros((n,), bool).at[positions % n].set(True)
+  shape = [1] * x.ndim
+  shape[axis] = n
+  edited = fire(p["edit"], x, ctx)
+  return jnp.where(mask.reshape(shape), edited, x)
+
+
+def at_positions(positions, edit, *, axis=1) -> Edit:
+  """Applies ``edit`` at the given sequence positions only.
+
+  The edit sees the whole site value; its result is written at ``positions``
+  along ``axis`` (default 1, the sequence axis of a ``(batch, seq, features)``
+  site) and the other positions keep the site value, with its gradient. It keeps
+  the gradient through the edited positions when the inner verb does.
+  ``positions`` is a leaf: ``jax.vmap`` over positions sweeps them in one call.
+  """
+  inner = as_edit(edit)
+  return Edit("at_positions", _at_positions, {"positions": positions, "edit": inner},
+              (("axis", axis),), keeps=inner.keeps)
+
+
 # --------------------------------------------------------------------------
 # Cutting verbs.
 

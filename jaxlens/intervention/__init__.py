@@ -1,12 +1,23 @@
 """Intervention verbs, keep_grad, decisions and options (``jaxlens.intervention``)."""
 
+from jaxlens._src.backward import backward_hook as backward_hook
+from jaxlens._src.backward import grad_clip as grad_clip
+from jaxlens._src.backward import grad_scale as grad_scale
+from jaxlens._src.backward import grad_zero as grad_zero
 from jaxlens._src.verbs import Edit as Edit
 from jaxlens._src.verbs import FireContext as FireContext
 from jaxlens._src.verbs import InterventionDecision as InterventionDecision
 from jaxlens._src.verbs import InterventionOptions as InterventionOptions
 from jaxlens._src.verbs import Population as Population
+from jaxlens._src.selections import orthonormal as orthonormal
+from jaxlens._src.selections import set_affine_coordinates as set_affine_coordinates
+from jaxlens._src.selections import subspace_patch as subspace_patch
+from jaxlens._src.selections import subspace_scale as subspace_scale
+from jaxlens._src.selections import subspace_set as subspace_set
+from jaxlens._src.selections import subspace_zero as subspace_zero
 from jaxlens._src.verbs import add as add
 from jaxlens._src.verbs import add_noise as add_noise
+from jaxlens._src.verbs import at_positions as at_positions
 from jaxlens._src.verbs import clamp as clamp
 from jaxlens._src.verbs import compose as compose
 from jaxlens._src.verbs import hook as hook
@@ -28,9 +39,11 @@ from jaxlens._src.verbs import swap_with as swap_with
 from jaxlens._src.verbs import zero_ablate as zero_ablate
 
 __all__ = [
+    "orthonormal", "set_affine_coordinates", "subspace_patch", "subspace_scale", "subspace_set", "subspace_zero",
     "Edit", "FireContext", "InterventionDecision", "InterventionOptions", "Population", "add",
-    "add_noise", "clamp", "compose", "hook", "keep_grad", "mean_ablate", "patch_from",
+    "add_noise", "at_positions", "clamp", "compose", "hook", "keep_grad", "mean_ablate", "patch_from",
     "permute_batch", "population", "project_onto", "project_out", "replace_with",
     "resample_rows_from", "scale", "scramble_elements", "set_direction_mean", "splice_module",
     "steer", "swap_with", "zero_ablate",
+    "backward_hook", "grad_clip", "grad_scale", "grad_zero",
 ]

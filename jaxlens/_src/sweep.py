@@ -1,0 +1,172 @@
+"""Activation-patching sweeps as one compiled call.
+
+An activation-patching sweep asks, for every layer ``l`` and sequence position
+``p``: if the corrupt run is given the clean run's value of layer ``l`` at
+position ``p``, how much of the clean behaviour comes back? Written as a Python
+loop it is ``L * P`` model runs and as many dispatches.
+
+Here the grid is a batch of edits. The spec has one rule per layer,
+``jl.when(site(l), jl.at_positions(p, gate(l == l_star, jl.patch_from(clean))))``,
+where ``gate`` writes its inner edit's value when its flag is on and the site
+value itself when it is off. Every array in it (the flag, the position) is a
+pytree leaf, so ``jax.vmap`` over a ``(l_star, p)`` grid runs the whole sweep in
+one jitted call with one copy of the model in the program, whatever ``L``. For a
+flag that is off, ``where(False, patched, x)`` is ``x`` bit for bit, and for one
+that is on it is the donor, so each grid cell equals the single patch exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxlens._src.doors import Spec, when
+from jaxlens._src.errors import InvalidArgumentError, ShapeError
+from jaxlens._src.sites import module
+from jaxlens._src.verbs import Edit, as_edit, at_positions, fire, patch_from
+
+__all__ = ["gate", "layer_sites", "patching_sweep"]
+
+
+def _gate(x, p, s, ctx):
+  # The inner edit runs on every firing (its shape checks apply either way); its
+  # value is written only where the flag is on.
+  edited = fire(p["edit"], x, ctx)
+  return jnp.where(p["flag"], edited, x)
+
+
+def gate(flag, edit) -> Edit:
+  """Applies ``edit`` when the boolean scalar ``flag`` is true, else leaves the site alone.
+
+  ``flag`` is a leaf: under ``jax.vmap`` a batch of flags selects, per batch
+  element, which rules of a spec are live. The edit keeps the gradient when the
+  inner one does.
+  """
+  inner = as_edit(edit)
+  return Edit("gate", _gate, {"flag": flag, "edit": inner}, (), keeps=inner.keeps)
+
+
+def layer_sites(n_layers: int, pattern: str = "block_{}") -> tuple[str, ...]:
+  """The site paths ``pattern.format(l)`` for ``l`` in ``range(n_layers)``."""
+  return tuple(pattern.format(i) for i in range(n_layers))
+
+
+def _check(clean, corrupt, sites, positions):
+  if not sites:
+    raise InvalidArgumentError("patching_sweep needs at least one site to patch",
+                               code="invalid_argument",
+                               fix='patching_sweep(..., sites=jl.sweep.layer_sites(2))')
+  if jnp.shape(clean) != jnp.shape(corrupt):
+    raise ShapeError(
+        f"patching_sweep: clean has shape {jnp.shape(clean)} but corrupt has "
+        f"{jnp.shape(corrupt)}; a patch needs the same positions in both runs",
+        code="shape_mismatch", fix="pad or crop the two inputs to one shape",
+        expected=str(jnp.shape(clean)), received=str(jnp.shape(corrupt)))
+  if jnp.ndim(clean) < 2:
+    raise ShapeError(f"patching_sweep: inputs must be (batch, seq, ...), got shape "
+                     f"{jnp.shape(clean)}", code="shape_mismatch",
+                     fix="add a batch axis: tokens[None]")
+  seq = jnp.shape(clean)[1]
+  bad = [p for p in positions if not 0 <= p < seq]
+  if bad:
+    raise InvalidArgumentError(
+        f"patching_sweep: positions {bad} are out of range for sequence length {seq}",
+        code="index_out_of_range", fix=f"positions in [0, {seq})",
+        expected=f"[0, {seq})", received=str(bad))
+
+
+def _sweep_spec(sites, donor, site_index, position):
+  """The spec patching ``donor`` into ``sites[site_index]`` at ``position``, only there."""
+  spec = Spec(())
+  for i, path in enumerate(sites):
+    edit = at_positions(position[None], gate(site_index == i, patch_from(donor)))
+    spec = spec + when(module(path), edit)
+  return spec
+
+
+@functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "positions",
+                                             "batch_size"))
+def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_size):
+  from jaxlens._src.tracing import trace  # tracing imports doors; keep import order simple
+  donor = trace(model, variables, clean, save=[module(s) for s in sites])
+  grid_l, grid_p = jnp.meshgrid(jnp.arange(len(sites)), jnp.asarray(positions, jnp.int32),
+                                indexing="ij")
+
+  def one(cell):
+    site_index, position = cell
+    out = _sweep_spec(sites, donor, site_index, position).bind(model)(variables, corrupt)
+    value = jnp.asarray(metric(out))
+    if value.shape != ():
+      raise ShapeError(f"patching_sweep: metric returned shape {value.shape}, expected a scalar",
+                       code="metric_not_scalar", fix="reduce the metric over the batch: .mean()")
+    return value
+
+  cells = (grid_l.reshape(-1), grid_p.reshape(-1))
+  if batch_size is None:
+    values = jax.vmap(one)(cells)
+  else:
+    # lax.map vectorises chunks of batch_size cells with vmap and loops over the chunks.
+    values = jax.lax.map(one, cells, batch_size=batch_size)
+  return values.reshape(grid_l.shape)
+
+
+def patching_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any], *,
+                   sites: Sequence[str] | None = None, positions: Sequence[int] | None = None,
+                   batch_size: int | None = None):
+  """Patches the clean run into the corrupt one at every (site, position); returns the metric.
+
+  Cell ``[i, j]`` of the result is ``metric(out)`` where ``out`` is the model's
+  output on ``corrupt`` with the value of ``sites[i]`` at sequence position
+  ``positions[j]`` (axis 1 of that site's value) replaced by its value in the run
+  on ``clean`` (``jl.at_positions([p], jl.patch_from(clean_trace))``); nothing
+  else is edited. The whole grid is one jitted call: the cells are a batch of
+  edits, vectorised with ``jax.vmap`` (in chunks of ``batch_size`` when given).
+
+  Args:
+    model: an unbound linen module whose sites ``sites`` return
+      ``(batch, seq, ...)`` values (``jaxlens.models.GPT``: ``"block_0"`` ..).
+    variables: its variables.
+    clean: the input whose values are patched in, ``(batch, seq, ...)``.
+    corrupt: the input that is run, of the same shape.
+    metric: a function of the model output returning a scalar (for example the
+      mean logit difference between the clean and the corrupt answer). It must be
+      hashable; a module-level function avoids a recompile per call.
+    sites: the module paths to patch, in order (default: ``block_0`` ..
+      ``block_{L-1}`` from ``model.n_layers``).
+    positions: the sequence positions (default: all of them).
+    batch_size: how many cells to run at once (default: all); bounds memory.
+
+  Returns:
+    A float array of shape ``(len(sites), len(positions))``.
+
+  Raises:
+    InvalidArgumentError: ``invalid_argument`` (no sites), ``index_out_of_range``
+      (a position outside the sequence); :class:`ShapeError` ``shape_mismatch``
+      (clean and corrupt differ in shape) or ``metric_not_scalar``.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxlens as jl
+    >>> from jaxlens.models import init_gpt
+    >>> model, variables, clean = init_gpt(0, n_layers=2, d_model=16, max_len=4, batch=2)
+    >>> corrupt = clean.at[:, 1].set(0)
+    >>> grid = jl.sweep.patching_sweep(model, variables, clean, corrupt,
+    ...                                lambda out: out[:, -1, 0].mean())
+    >>> grid.shape
+    (2, 4)
+  """
+  if sites is None:
+    n_layers = getattr(model, "n_layers", None)
+    if n_layers is None:
+      raise InvalidArgumentError(
+          f"patching_sweep: a {type(model).__name__} has no n_layers; name the sites",
+          code="invalid_argument", fix='patching_sweep(..., sites=("layers_0", "layers_1"))')
+    sites = layer_sites(n_layers)
+  sites = tuple(sites)
+  seq = jnp.shape(clean)[1] if jnp.ndim(clean) >= 2 else 0
+  positions = tuple(range(seq)) if positions is None else tuple(int(p) for p in positions)
+  _check(clean, corrupt, sites, positions)
+  return _sweep(model, variables, clean, corrupt, metric=metric, sites=sites,
+                positions=positions, batch_size=batch_size)
