@@ -181,7 +181,7 @@ def test_grad_disabled(spec_model):
     (lambda m, v, x: jl.module(3), "invalid_site", "module path string"),
     (lambda m, v, x: jl.module("a", call=0), "invalid_site", "positive int"),
     (lambda m, v, x: jl.trace(m, v, x, intervene="x"), "invalid_spec", "intervene="),
-    (lambda m, v, x: jl.trace(lambda y: y, v, x), "invalid_model", "flax.linen Module"),
+    (lambda m, v, x: jl.trace(lambda y: y, v, x), "invalid_model", "flax.linen or flax.nnx Module"),
     (lambda m, v, x: jl.trace(m), "missing_variables", "variables"),
     (lambda m, v, x: jl.clamp(), "invalid_argument", "min= or max="),
     (lambda m, v, x: ji.compose(), "invalid_argument", "at least one"),

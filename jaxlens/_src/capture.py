@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -186,17 +185,16 @@ def _label_nodes(prog: Program):
 
 
 def build_program(module, variables, inputs, kwargs, method, apply_kwargs):
-  """Captures ``module.apply(variables, *inputs)`` as a :class:`Program` and its consts."""
+  """Captures ``module.run(variables, inputs, ...)`` (a model call from ``calls``) as a
+  :class:`Program` with its consts and flat input leaves."""
   prog = Program()
   calls: dict[tuple, int] = {}
 
   def interceptor(next_fun, args, kw, context):
-    if context.method_name == "setup":
-      return next_fun(*args, **kw)
-    path = "/".join(context.module.path)
+    path = "/".join(context.path)
     key = (path, context.method_name)
     calls[key] = calls.get(key, 0) + 1
-    info = SiteInfo(path, context.method_name, calls[key], type(context.module).__name__)
+    info = SiteInfo(path, context.method_name, calls[key], context.module_type)
     if path:
       with jax.named_scope(SCOPE + path):
         out = next_fun(*args, **kw)
@@ -216,8 +214,7 @@ def build_program(module, variables, inputs, kwargs, method, apply_kwargs):
 
   def fn(*flat):
     v, xs = jax.tree.unflatten(in_tree, flat)
-    with nn.intercept_methods(interceptor):
-      out = module.apply(v, *xs, method=method, **apply_kwargs, **kwargs)
+    out = module.run(v, xs, kwargs, interceptor, method, apply_kwargs)
     out_leaves, out_tree = jax.tree.flatten(out)
     out_box.append(out_tree)
     return out_leaves

@@ -107,8 +107,9 @@ class Spec:
     """The model's function with this spec's edits live.
 
     Args:
-      model: a bound linen module (``model.bind(variables)``), giving a function of
-        ``*inputs``; or an unbound one, giving a function of ``(variables, *inputs)``.
+      model: a bound linen module (``model.bind(variables)``) or an ``nnx.Module``,
+        giving a function of ``*inputs``; or an unbound linen module, giving a
+        function of ``(variables, *inputs)``.
       method: the module method to call (default ``__call__``).
       **apply_kwargs: passed to ``Module.apply`` (``rngs=``, ``mutable=``).
 
@@ -130,6 +131,15 @@ class Spec:
         return _run(module, variables, inputs, kwargs, spec, save=None, method=method,
                     apply_kwargs=apply_kwargs)[0]
 
+    from flax import nnx
+    if isinstance(model, nnx.Module):
+      # An NNX module is mutable (optimisers update it in place): read its state
+      # at every call, so the bound function follows the module.
+      def nnx_fn(*inputs, **kwargs):
+        nonlocal module
+        module, state = _split(model)
+        return run(state, inputs, kwargs)
+      return nnx_fn
     if bound_vars is not None:
       return lambda *inputs, **kwargs: run(bound_vars, inputs, kwargs)
     return lambda variables, *inputs, **kwargs: run(variables, inputs, kwargs)
@@ -189,14 +199,8 @@ def as_spec(obj) -> Spec:
 
 
 def _split(model):
-  if not isinstance(model, nn.Module):
-    raise InvalidArgumentError(
-        f"expected a flax.linen Module, got {type(model).__name__}", code="invalid_model",
-        fix="jl.trace(model.bind(variables), x) or jl.trace(model, variables, x)")
-  if model.scope is not None:
-    module, variables = model.unbind()
-    return module, variables
-  return model, None
+  from jaxlens._src.calls import split
+  return split(model)
 
 
 class _Run:
@@ -217,13 +221,11 @@ class _Run:
     self.hook_asked = False
 
   def interceptor(self, next_fun, args, kwargs, context):
-    if context.method_name == "setup":
-      return next_fun(*args, **kwargs)
     out = next_fun(*args, **kwargs)
-    path = "/".join(context.module.path)
+    path = "/".join(context.path)
     key = (path, context.method_name)
     self.calls[key] = self.calls.get(key, 0) + 1
-    info = SiteInfo(path, context.method_name, self.calls[key], type(context.module).__name__)
+    info = SiteInfo(path, context.method_name, self.calls[key], context.module_type)
     self.seen.append(info)
     ctx = FireContext(info.label, path, info.module_type,
                       site_values=self.values, grad_disabled=self.grad_disabled)
@@ -261,9 +263,8 @@ def _stop(tree):
       else a, tree)
 
 
-def _apply(module, variables, inputs, kwargs, run: _Run, method, apply_kwargs):
-  with nn.intercept_methods(run.interceptor):
-    return module.apply(variables, *inputs, method=method, **apply_kwargs, **kwargs)
+def _apply(call, variables, inputs, kwargs, run: _Run, method, apply_kwargs):
+  return call.run(variables, inputs, kwargs, run.interceptor, method, apply_kwargs)
 
 
 def _probe_site_graphs(module, variables, inputs, kwargs, spec, method, apply_kwargs):

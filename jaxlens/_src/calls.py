@@ -1,0 +1,134 @@
+"""How a door calls a model: Flax linen through ``intercept_methods``, NNX through
+an equivalent interception of ``__call__``.
+
+Both give the doors the same interface: ``call.run(variables, inputs, kwargs,
+interceptor, method, apply_kwargs)``, where ``interceptor(next_fun, args, kwargs,
+info)`` sees every module method call with a :class:`CallInfo`.
+
+NNX interception patches ``__call__`` on the classes of the model's submodules
+for the duration of the call (restored in ``finally``, guarded by a lock) and
+dispatches on the instance, so modules outside the model, and other threads'
+calls, are not intercepted. Only ``__call__`` is intercepted for NNX modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable
+
+import flax.linen as nn
+from flax import nnx
+
+from jaxlens._src.errors import InvalidArgumentError
+
+
+@dataclasses.dataclass(frozen=True)
+class CallInfo:
+  """One intercepted module call: its path (tuple of names), method and class name."""
+
+  path: tuple
+  method_name: str
+  module_type: str
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LinenCall:
+  """A linen module, called with ``Module.apply``."""
+
+  module: nn.Module
+
+  def run(self, variables, inputs, kwargs, interceptor, method, apply_kwargs):
+    def adapt(next_fun, args, kw, context):
+      if context.method_name == "setup":
+        return next_fun(*args, **kw)
+      info = CallInfo(tuple(context.module.path), context.method_name,
+                      type(context.module).__name__)
+      return interceptor(next_fun, args, kw, info)
+
+    with nn.intercept_methods(adapt):
+      return self.module.apply(variables, *inputs, method=method, **apply_kwargs, **kwargs)
+
+
+_patch_lock = threading.RLock()
+_active = threading.local()
+
+
+def _owner_of_call(cls):
+  for klass in cls.__mro__:
+    if "__call__" in klass.__dict__:
+      return klass
+  return None
+
+
+def _make_wrapper(original):
+  def __call__(self, *args, **kwargs):
+    state = getattr(_active, "state", None)
+    if state is None or id(self) not in state["paths"] or id(self) in state["inside"]:
+      return original(self, *args, **kwargs)
+    info = CallInfo(state["paths"][id(self)], "__call__", type(self).__name__)
+    state["inside"].add(id(self))
+    try:
+      def next_fun(*a, **k):
+        return original(self, *a, **k)
+      return state["interceptor"](next_fun, args, kwargs, info)
+    finally:
+      state["inside"].discard(id(self))
+  __call__.__jaxlens_wrapped__ = original
+  return __call__
+
+
+@contextlib.contextmanager
+def _intercept_nnx(model, interceptor):
+  paths = {id(sub): tuple(str(p) for p in path) for path, sub in nnx.iter_modules(model)}
+  owners = {_owner_of_call(type(sub)) for _, sub in nnx.iter_modules(model)} - {None}
+  with _patch_lock:
+    saved = {}
+    for klass in owners:
+      current = klass.__dict__["__call__"]
+      if hasattr(current, "__jaxlens_wrapped__"):
+        continue  # already patched by an enclosing door
+      saved[klass] = current
+      klass.__call__ = _make_wrapper(current)
+    previous = getattr(_active, "state", None)
+    _active.state = {"paths": paths, "interceptor": interceptor, "inside": set()}
+    try:
+      yield
+    finally:
+      _active.state = previous
+      for klass, original in saved.items():
+        klass.__call__ = original
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NnxCall:
+  """An NNX module as a pure function of its state (``nnx.split`` / ``nnx.merge``)."""
+
+  graphdef: Any
+
+  def run(self, state, inputs, kwargs, interceptor, method, apply_kwargs):
+    if apply_kwargs:
+      raise InvalidArgumentError(
+          f"NNX models take no Module.apply options, got {sorted(apply_kwargs)}",
+          code="invalid_argument", fix="pass rngs to the NNX module's constructor")
+    model = nnx.merge(self.graphdef, state)
+    fn = model if method is None else getattr(model, method)
+    with _intercept_nnx(model, interceptor):
+      return fn(*inputs, **kwargs)
+
+
+def split(model) -> tuple[Any, Any]:
+  """``(call, variables)`` for a door: variables is None for an unbound linen module."""
+  if isinstance(model, nnx.Module):
+    graphdef, state = nnx.split(model)
+    return NnxCall(graphdef), state
+  if isinstance(model, nn.Module):
+    if model.scope is not None:
+      module, variables = model.unbind()
+      return LinenCall(module), variables
+    return LinenCall(model), None
+  raise InvalidArgumentError(
+      f"expected a flax.linen or flax.nnx Module, got {type(model).__name__}",
+      code="invalid_model",
+      fix="jl.trace(model.bind(variables), x), jl.trace(model, variables, x) or an nnx.Module")
