@@ -120,3 +120,35 @@ def test_trace_under_grad_jit_vmap_matches_apply(mlp):
   xs = jnp.stack([X, -X])
   np.testing.assert_allclose(jax.vmap(f, (None, 0))(v, xs), jax.vmap(g, (None, 0))(v, xs),
                              atol=1e-12)
+
+
+class _RematBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dense(4, name="fc")(jnp.tanh(x))
+
+
+class RematModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for i in range(2):
+      x = nn.remat(_RematBlock)(name=f"block_{i}")(x)
+    x = jax.checkpoint(lambda y: jnp.sin(y) * 2.0)(x)
+    return nn.Dense(1, name="head")(x)
+
+
+def test_edits_under_remat_on_every_door():
+  model = RematModel()
+  v = model.init(jax.random.key(0), X)
+  spec = jl.when(jl.module("block_1/fc"), jl.scale(0.0))
+  t = jl.trace(model, v, X, intervene=spec)
+  assert t.labels == ("block_0/fc", "block_0", "block_1/fc", "block_1", "head")
+  assert "sin_1" in {i.label for i in t.sites}
+  np.testing.assert_allclose(spec.bind(model)(v, X), t.output, atol=1e-12)
+  np.testing.assert_allclose(jl.trace(model, v, X).do(jl.module("block_1/fc"), jl.scale(0.0))
+                             .output, t.output, atol=1e-12)
+  g_live = jax.grad(lambda v: spec.bind(model)(v, X).sum())(v)
+  g_trace = jax.grad(lambda v: jl.trace(model, v, X, intervene=spec).output.sum())(v)
+  for a, b in zip(jax.tree.leaves(g_live), jax.tree.leaves(g_trace)):
+    np.testing.assert_allclose(a, b, atol=1e-12)
+  assert np.all(g_live["params"]["block_1"]["fc"]["kernel"] == 0)

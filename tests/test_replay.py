@@ -223,3 +223,12 @@ def test_replay_errors(mlp):
     t.replay({})
   with pytest.raises(jl.GradientContractError, match="edit_detached_from_graph"):
     t.do(SITE, ji.keep_grad(jl.zero_ablate()))
+
+
+def test_replay_from_every_module_site_equals_live(mlp):
+  model, v = mlp
+  t = jl.trace(model, v, X)
+  for label in t.labels:
+    live = jl.trace(model, v, X, intervene=jl.when(jl.label(label), jl.scale(0.5)))
+    np.testing.assert_allclose(t.do(jl.label(label), jl.scale(0.5)).output, live.output,
+                               atol=1e-12, err_msg=label)

@@ -13,8 +13,8 @@ edits whose selectors match, and keeps the values ``save=`` selects. Replay
 evaluates only the downstream cone of the edited sites, taking the values it
 needs from the saved ones and recomputing the rest from the stored inputs.
 
-Control flow: ``scan``, ``while``, ``cond`` and ``remat`` bodies run as single op
-sites; a module site inside one cannot be edited or selected for saving, and
+Control flow: ``scan``, ``while`` and ``cond`` bodies run as single op sites
+(``remat`` bodies are inlined); a module site inside one cannot be edited or selected for saving, and
 asking for one raises ``unsupported_control_flow``.
 """
 
@@ -35,7 +35,8 @@ from jaxlens._src.verbs import FireContext, fire
 MARK = "jaxlens:"
 SCOPE = "jl@"
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
-_CONTROL = ("scan", "while", "cond", "remat2", "checkpoint", "custom_vjp_call",
+_REMAT = ("remat2", "checkpoint")
+_CONTROL = ("scan", "while", "cond", "custom_vjp_call",
             "custom_vjp_call_jaxpr")
 
 
@@ -120,10 +121,13 @@ def _flatten(prog: Program, jaxpr, in_ids, const_vals, consts_out, prefix_stack=
     stack = eqn.source_info.name_stack if prefix_stack is None else prefix_stack + \
         eqn.source_info.name_stack
     name = eqn.primitive.name
-    if name in _INLINE and "jaxpr" in eqn.params:
+    if name in _INLINE + _REMAT and "jaxpr" in eqn.params:
+      # Nested jit calls, and remat bodies, are inlined: their ops become sites. (A
+      # remat body evaluated by the interpreter is not rematerialised.)
       inner = eqn.params["jaxpr"]
-      outs = _flatten(prog, inner.jaxpr, [read(v) for v in eqn.invars], inner.consts,
-                      consts_out, stack)
+      closed = isinstance(inner, jcore.ClosedJaxpr)
+      outs = _flatten(prog, inner.jaxpr if closed else inner, [read(v) for v in eqn.invars],
+                      inner.consts if closed else [], consts_out, stack)
       for var, o in zip(eqn.outvars, outs):
         env[var] = o
       continue
@@ -283,10 +287,16 @@ def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
   frontier_ids: set[int] = set()
   if start_labels is not None:
     run_nodes, frontier_ids = _replay_plan(prog, start_labels, known or {})
-    for i in frontier_ids:
-      lbl = prog.id_label[i]
-      if known and lbl in known and i not in env:
-        env[i] = known[lbl]
+    # Values read by the nodes that run but produced by none of them come from the
+    # saved sites (the frontier, and saved values the recomputed nodes need).
+    produced = {i for k in run_nodes for i in prog.nodes[k].outs}
+    for k in run_nodes:
+      for i in prog.nodes[k].ins:
+        if isinstance(i, tuple) or i in produced or i in env:
+          continue
+        lbl = prog.id_label.get(i)
+        if known and lbl in known:
+          env[i] = known[lbl]
   site_values: dict[str, tuple] = {}
 
   def read(a):
