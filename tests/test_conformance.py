@@ -45,11 +45,20 @@ BATTERY = {
     "resample_rows_from": lambda c, v: ji.resample_rows_from(c.population, seed=v),
     "mean_ablate(source=)": lambda c, v: jl.mean_ablate(source=c.population),
     "scramble_elements(source=)": lambda c, v: ji.scramble_elements(seed=v, source=c.donor),
+    "set_affine_coordinates": lambda c, v: jl.subspace(SITE, c.basis).wrap(
+        ji.set_affine_coordinates(c.W * (1 + v), c.b)),
+    "subspace_* (subspace_patch)": lambda c, v: ji.subspace_patch(c.basis * (1 + v),
+                                                                  c.donor_trace),
+    # Not matrix rows, but verbs all the same.
+    "at_positions": lambda c, v: jl.at_positions(jnp.asarray([v, 2]), jl.scale(3.0)),
+    "units": lambda c, v: jl.units(SITE, jnp.asarray([v, 3])).wrap(jl.zero_ablate()),
+    "subspace": lambda c, v: jl.subspace(SITE, c.basis, origin=c.donor.mean(0) * (1 + v)).wrap(
+        jl.patch_from(c.donor_trace)),
 }
 
 
 def test_battery_covers_every_matrix_row():
-  assert set(BATTERY) == {r.name for r in matrix.ROWS}
+  assert set(BATTERY) >= {r.name for r in matrix.ROWS}
 
 
 def _setup(spec_model, dtype):
@@ -59,6 +68,7 @@ def _setup(spec_model, dtype):
   case = matrix.make_case(model, variables, x, x_donor)
   case.direction = case.direction.astype(dtype)
   case.delta = case.delta.astype(dtype)
+  case.basis, case.W, case.b = (a.astype(dtype) for a in (case.basis, case.W, case.b))
   return model, variables, x, x_donor, case
 
 
