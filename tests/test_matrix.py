@@ -159,7 +159,8 @@ def test_edits_change_the_output(spec_model):
 
 def test_matrix_formats_with_full_agreement(spec_model):
   table = {(d, r.name): tuple(matrix.run_cell(d, r, k, *spec_model[:4]) for k in (False, True))
-           for d in matrix.DOORS for r in matrix.ROWS[:2] + matrix.ROWS[-2:]}
+           for d in ("live_bind", "replay") for r in matrix.ROWS
+           if r.name in ("scale", "zero_ablate", "set_affine_coordinates")}
   text = matrix.format_matrix(table)
   assert f"{len(table)} of {len(table)} rows agree" in text
   assert "raises:edit_detached_from_graph" in text
