@@ -166,7 +166,7 @@ class Trace:
 
   def fork(self) -> "Trace":
     """A copy to edit; ``do`` never changes the trace it is called on."""
-    return jax.tree.unflatten(*reversed(jax.tree.flatten(self, is_leaf=lambda x: False)))
+    return self._with()
 
   def do(self, site, edit=None, *, model=None, inputs=None,
          intervention: InterventionOptions | None = None) -> "Trace":
