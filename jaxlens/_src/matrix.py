@@ -16,6 +16,7 @@ so they carry a graph and a cutting verb has to detach them to read ``cut``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -313,14 +314,28 @@ def run_cell(door: str, row: Row, keep: bool, model=None, variables=None, x=None
   return Cell("reaches" if reaches else "cut", out, kernel_grad, warnings=codes)
 
 
+@functools.lru_cache(maxsize=None)
+def measured(door: str, row_name: str, keep: bool) -> Cell:
+  """One cell on the specification's model, measured once per process.
+
+  The matrix tests, the torch parity tests and ``python -m jaxlens`` share it.
+  """
+  model, variables, x, x_donor, _ = _spec_model_cached()
+  row = next(r for r in ROWS if r.name == row_name)
+  return run_cell(door, row, keep, model, variables, x, x_donor)
+
+
+@functools.lru_cache(maxsize=1)
+def _spec_model_cached():
+  return spec_model()
+
+
 def run_matrix(doors_: tuple[str, ...] | None = None) -> dict:
   """Measures every cell: ``{(door, row name): (Cell without, Cell with keep_grad)}``."""
-  model, variables, x, x_donor, _ = spec_model()
   table = {}
   for door in doors_ or tuple(DOORS):
     for row in ROWS:
-      table[(door, row.name)] = tuple(
-          run_cell(door, row, keep, model, variables, x, x_donor) for keep in (False, True))
+      table[(door, row.name)] = tuple(measured(door, row.name, keep) for keep in (False, True))
   return table
 
 

@@ -1,0 +1,106 @@
+"""The docs run: every ```python block of docs/*.md, and the generated matrix is current.
+
+The blocks of one page run in order in one namespace (a page reads like a notebook).
+A block preceded by the line ``<!-- no-run -->`` is not run. A block containing
+``# docs-test: expected=<literal>`` must leave ``RESULT == <literal>``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+CONTRACT = ROOT / "docs" / "gradient_contract.md"
+_EXPECTED = re.compile(r"^# docs-test: expected=(.*)$", re.M)
+
+
+def python_blocks(path: Path) -> list[tuple[int, str]]:
+  """``(first code line number, code)`` of each runnable python block of ``path``."""
+  lines = path.read_text().splitlines()
+  blocks, i = [], 0
+  while i < len(lines):
+    if lines[i].strip() == "```python":
+      previous = next((l.strip() for l in reversed(lines[:i]) if l.strip()), "")
+      j = i + 1
+      while j < len(lines) and lines[j].strip() != "```":
+        j += 1
+      if j == len(lines):
+        raise AssertionError(f"{path}:{i + 1}: unterminated python block")
+      if previous != "<!-- no-run -->":
+        blocks.append((i + 2, "\n".join(lines[i + 1:j])))
+      i = j
+    i += 1
+  return blocks
+
+
+def test_the_contract_page_has_examples():
+  assert len(python_blocks(CONTRACT)) >= 4
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_docs_examples_run(path):
+  namespace = {"__name__": f"docs_{path.stem}"}
+  for line, code in python_blocks(path):
+    # Padding puts the block at its own line numbers, so a traceback points into the page.
+    exec(compile("\n" * (line - 1) + code, str(path), "exec"), namespace)
+    expected = _EXPECTED.search(code)
+    if expected:
+      assert namespace.get("RESULT") == ast.literal_eval(expected.group(1)), (
+          f"{path}:{line}: RESULT is {namespace.get('RESULT')!r}")
+
+
+def test_the_runner_skips_marked_blocks(tmp_path):
+  page = tmp_path / "page.md"
+  page.write_text("text\n\n```python\nA = 1\n```\n\n<!-- no-run -->\n```python\nraise SystemExit\n"
+                  "```\n")
+  assert python_blocks(page) == [(4, "A = 1")]
+
+
+def test_the_committed_matrix_is_a_fresh_run():
+  from torch_bridge import _matrix
+  block = _matrix.render_block(_matrix.full_table())
+  assert _matrix.committed_block(CONTRACT) == block, (
+      "docs/gradient_contract.md's matrix differs from this run: "
+      "python -m torch_bridge.matrix --write docs/gradient_contract.md")
+  agree, spec, total = _matrix.summary(_matrix.full_table())
+  assert agree == spec == total
+
+
+def test_the_matrix_command(tmp_path, capsys):
+  from torch_bridge import matrix as command
+  copy = tmp_path / "contract.md"
+  copy.write_text(CONTRACT.read_text().replace("| yes |", "| edited |", 1))
+  assert command.main(["--check", str(copy)]) == 1
+  assert command.main(["--write", str(copy)]) == 0
+  assert copy.read_text() == CONTRACT.read_text()
+  assert command.main(["--check", str(copy)]) == 0
+  assert "up to date" in capsys.readouterr().out
+
+
+def test_python_m_jaxlens_shows_both_frameworks(capsys):
+  from jaxlens import __main__ as entry
+  from torch_bridge import _matrix
+  assert entry.main([]) == 0
+  out = capsys.readouterr().out
+  agree, _, total = _matrix.summary(_matrix.full_table())
+  assert f"agreement: {agree} of {total} rows" in out and "torch reference" in out
+
+
+def test_python_m_jaxlens_without_torch(monkeypatch, capsys):
+  from jaxlens import __main__ as entry
+  from jaxlens._src import matrix
+  from torch_bridge import _matrix
+  # The jaxlens cells already measured this session stand in for a fresh jaxlens run.
+  cells = {key: pair.jax for key, pair in _matrix.door_table("live_bind").items()}
+  monkeypatch.setattr(entry, "_torch_available", lambda: False)
+  monkeypatch.setattr(matrix, "run_matrix", lambda: cells)
+  monkeypatch.setattr(matrix, "spec_model", lambda: (None,) * 4 + ("jax.random",))
+  assert entry.main([]) == 0
+  out = capsys.readouterr().out
+  assert "torch is not installed" in out and "| torch reference |" not in out
+  assert f"{len(cells)} of {len(cells)} rows agree" in out
