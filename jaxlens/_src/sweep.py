@@ -150,12 +150,13 @@ def patching_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any
   Example:
     >>> import jax.numpy as jnp, jaxlens as jl
     >>> from jaxlens.models import init_gpt
-    >>> model, variables, clean = init_gpt(0, n_layers=2, d_model=16, max_len=4, batch=2)
+    >>> model, variables, clean = init_gpt(0, n_layers=1, d_model=8, n_heads=2, max_len=3,
+    ...                                    vocab_size=8, batch=2)
     >>> corrupt = clean.at[:, 1].set(0)
     >>> grid = jl.sweep.patching_sweep(model, variables, clean, corrupt,
     ...                                lambda out: out[:, -1, 0].mean())
     >>> grid.shape
-    (2, 4)
+    (1, 3)
   """
   if sites is None:
     n_layers = getattr(model, "n_layers", None)
