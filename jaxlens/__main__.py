@@ -21,6 +21,30 @@ def _torch_available() -> bool:
 
 
 def main(argv=None) -> int:
+  """The matrix (both frameworks where torch is installed), then the patching demo.
+
+  ``--matrix-only`` skips the demo; ``--demo-out PATH`` sets where its heatmap goes.
+  """
+  import argparse
+  parser = argparse.ArgumentParser(prog="python -m jaxlens", description=__doc__.split("\n")[0])
+  parser.add_argument("--matrix-only", action="store_true", help="skip the patching demo")
+  parser.add_argument("--demo-out", default="patching_heatmap.png",
+                      help="the demo's heatmap PNG (default patching_heatmap.png)")
+  args = parser.parse_args(argv)
+  status = _matrix_main()
+  if not args.matrix_only:
+    # The demo trains in float32; the matrix needed float64.
+    jax.config.update("jax_enable_x64", False)
+    from jaxlens import demo
+    print("\n" + "=" * 72 + "\n")
+    try:
+      status = demo.main(["--out", args.demo_out]) or status
+    finally:
+      jax.config.update("jax_enable_x64", True)
+  return status
+
+
+def _matrix_main() -> int:
   jax.config.update("jax_enable_x64", True)
   from jaxlens._src import matrix
 
