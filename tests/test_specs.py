@@ -139,3 +139,15 @@ def test_traced_values_cannot_be_saved(tmp_path):
     return d
   with pytest.raises(jl.SpecFormatError, match="traced values"):
     jax.jit(f)(jnp.ones(4))
+
+
+@pytest.mark.parametrize("edit", [jl.grad_scale(2.0), jl.grad_zero(), jl.grad_clip(0.5)],
+                         ids=["grad_scale", "grad_zero", "grad_clip"])
+def test_backward_verbs_round_trip(spec_model, edit, tmp_path):
+  import jax
+  model, variables, x, _, _ = spec_model
+  spec = jl.when(SITE, edit)
+  loaded = jl.load_spec(spec.save(tmp_path / "s"))
+  grad = lambda s: jax.grad(lambda v: s.bind(model)(v, x).sum())(variables)
+  for a, b in zip(jax.tree.leaves(grad(loaded)), jax.tree.leaves(grad(spec))):
+    assert np.array_equal(a, b)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._src import selections, sites, verbs
+from jaxlens._src import backward, selections, sites, sweep, verbs
 from jaxlens._src.doors import Spec
 from jaxlens._src.errors import InvalidArgumentError, ShapeError, SiteError
 
@@ -46,6 +46,8 @@ _IMPLS = {
     "resample_rows_from": verbs._resample_rows, "at_positions": verbs._at_positions,
     "units": selections._units, "subspace": selections._subspace,
     "set_affine_coordinates": selections._set_affine,
+    "grad_scale": backward._grad_scale, "grad_zero": backward._grad_zero,
+    "grad_clip": backward._grad_clip, "gate": sweep._gate,
 }
 
 
