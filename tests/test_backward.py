@@ -91,6 +91,18 @@ def test_jit_and_grad_in_either_order_agree(spec_model, name):
   chex.assert_trees_all_close(traced, eager, atol=1e-12, rtol=0)
 
 
+def test_replay_applies_the_backward_rule(spec_model):
+  """fork().do(site, verb) on a trace captured inside the differentiated function."""
+  model, variables, x, _, _ = spec_model
+
+  def replayed(v):
+    t = jl.trace(model, v, x)
+    return (t.fork().do(SITE, jl.grad_clip(0.6)).output * W_OUT).sum()
+
+  want = _hand_grads(model, variables, x, lambda g: jnp.clip(g, -0.6, 0.6))
+  chex.assert_trees_all_close(jax.grad(replayed)(variables)["params"], want, atol=1e-12, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["grad_scale", "grad_clip(min,max)", "backward_hook"])
 def test_vmap_of_per_example_gradients_equals_a_loop(spec_model, name):
   model, variables, x, _, _ = spec_model

@@ -74,3 +74,20 @@ def test_png_writer_round_trips_the_colours(tmp_path):
   assert pick(0, 1) == (255, 255, 255)  # 0: white
   assert pick(1, 0) == (33, 102, 172)  # -1: blue
   assert pick(1, 1) == (216, 139, 149)  # halfway to red
+
+
+def test_progress_bar_redraws_in_place_on_a_terminal():
+  import io
+
+  class Terminal(io.StringIO):
+    def isatty(self):
+      return True
+
+  stream = Terminal()
+  bar = demo.ProgressBar(4, stream, width=4)
+  for i in range(1, 5):
+    bar.update(i, 1.0 / i)
+  bar.close()
+  text = stream.getvalue()
+  assert text.count("\r") == 4 and text.endswith("\n") and text.count("\n") == 1
+  assert "\r[##--] 2/4  loss 0.5000" in text and "\r[####] 4/4  loss 0.2500" in text
