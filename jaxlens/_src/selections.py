@@ -178,7 +178,7 @@ def _units(x, p, s, ctx):
           f"units: {inner!r} moves whole rows, so it needs the same selection in every row",
           code="mask_not_row_equivariant", site=ctx.label,
           fix="select feature indices (a 1-D integer array) instead of a per-row mask")
-  return jnp.where(mask, fire(inner, x, ctx), x)
+  return jnp.where(verbs.place_like(mask, x), fire(inner, x, ctx), x)
 
 
 # -- subspace -----------------------------------------------------------------

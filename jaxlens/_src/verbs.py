@@ -136,6 +136,28 @@ def _param(value, x, ctx, verb, name):
   return arr.astype(x.dtype)
 
 
+def place_like(y, x):
+  """Places ``y`` with the sharding of the site value ``x``.
+
+  Concrete arrays are moved with ``device_put``; inside ``jit`` on an explicit mesh the
+  value is resharded to the site's type. Elsewhere (no mesh, or an Auto mesh under jit,
+  where XLA chooses) ``y`` is returned as it is.
+  """
+  if not isinstance(x, jax.core.Tracer):
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None and not isinstance(y, jax.core.Tracer) and \
+        getattr(y, "sharding", None) != sharding:
+      return jax.device_put(y, sharding)
+    return y
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  explicit = mesh is not None and any(
+      t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+  if explicit and getattr(jax.typeof(y), "sharding", None) != sharding:
+    return jax.sharding.reshard(y, sharding)
+  return y
+
+
 def _donor(value, x, ctx, verb, name, *, broadcast=False):
   """A value written verbatim into the site: same dtype, shape equal (or broadcast)."""
   weak = isinstance(value, (int, float, bool))
@@ -156,7 +178,7 @@ def _donor(value, x, ctx, verb, name, *, broadcast=False):
     _fail_shape(f"{name} has shape {arr.shape}, expected {want}", ctx, verb,
                 fix=f"pass a {name} of shape {x.shape}", expected=str(x.shape),
                 received=str(arr.shape))
-  return jnp.broadcast_to(arr.astype(x.dtype), x.shape)
+  return place_like(jnp.broadcast_to(arr.astype(x.dtype), x.shape), x)
 
 
 def _resolve_axis(x, direction, feature_axis, ctx, verb):
