@@ -32,27 +32,24 @@ from __future__ import annotations
 import argparse
 import difflib
 import hashlib
-import json
 import os
-import platform
 import re
-import statistics
 import sys
-import time
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
   sys.path.insert(0, str(_ROOT))
 
-import flax  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxlens as jl  # noqa: E402
-from jaxlens import models  # noqa: E402
+from benchmarks import _setup  # noqa: E402
+from benchmarks._timing import (aot_times, canonical_hlo, env_info, interleaved,  # noqa: E402
+                                max_abs_diff, median, ratio, row, timed, write_json)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "live_edit.json"
 MAGNITUDE = 2.0
@@ -60,20 +57,13 @@ MAGNITUDE = 2.0
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--size", default="small", choices=("small", "medium"))
-  p.add_argument("--repeats", type=int, default=30, help="timed calls of each function")
-  p.add_argument("--warmup", type=int, default=3, help="untimed calls after the first")
+  _setup.add_model_args(p)
+  _setup.add_run_args(p, repeats=30, out=str(DEFAULT_OUT))
+  p.set_defaults(warmup=3)
   p.add_argument("--compile-repeats", type=int, default=5,
                  help="fresh trace+compile measurements of each (after the first call)")
-  p.add_argument("--batch", type=int, default=8)
-  p.add_argument("--layers", type=int, default=None, help="override the size's n_layers")
-  p.add_argument("--d-model", type=int, default=None, help="override the size's d_model")
-  p.add_argument("--heads", type=int, default=None, help="override the size's n_heads")
-  p.add_argument("--seq", type=int, default=None, help="override the size's sequence length")
-  p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-warmup-compile", dest="warmup_compile", action="store_false",
                  help="skip compiling an unedited step before the measured first calls")
-  p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON result path ('' to skip)")
   p.add_argument("--hlo-dir", default="",
                  help="if set, write both optimised HLO texts there for diffing")
   return p.parse_args(argv)
@@ -117,50 +107,15 @@ def make_plain_loss(model):
   return plain_loss
 
 
-def _timed(fn, *args):
-  t0 = time.perf_counter()
-  out = jax.block_until_ready(fn(*args))
-  return time.perf_counter() - t0, out
-
-
 def _normalise_stablehlo(text: str) -> str:
   """StableHLO text (``as_text()`` prints no locations) without the function's name."""
   return re.sub(r"jit_\w+_loss", "jit_loss", text)
 
 
-def _canonical_hlo(text: str) -> str:
-  """Optimised HLO with only what it computes.
-
-  Drops the stack-frame tables and ``metadata={...}`` (they name source files and
-  functions), and renames every ``%value`` by order of first use (XLA names values
-  after the JAX primitive that made them, so the same program can name one value
-  ``%mul.3`` and ``%broadcast.7``).
-  """
-  keep = [ln for ln in text.splitlines()
-          if ln.startswith(("%", "ENTRY", " ", "}"))]
-  text = "\n".join(keep)
-  text = re.sub(r",?\s*metadata=\{[^}]*\}", "", text)
-  names: dict[str, str] = {}
-  return re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), text)
-
-
 def _aot(fn, args):
-  """Fresh trace+lower and compile times of ``value_and_grad(fn)``, and its texts."""
-  step = jax.jit(jax.value_and_grad(lambda *a: fn(*a)))  # a new function object: no cache hit
-  t0 = time.perf_counter()
-  lowered = step.lower(*args)
-  t1 = time.perf_counter()
-  compiled = lowered.compile()
-  t2 = time.perf_counter()
-  return t1 - t0, t2 - t1, lowered, compiled
-
-
-def _median(xs):
-  return float(statistics.median(xs)) if xs else None
-
-
-def _ratio(a, b):
-  return None if a is None or b is None else a / b
+  """Fresh trace+lower and compile times of ``value_and_grad(fn)``, and its programs."""
+  # A new function object each time: no jit cache hit.
+  return aot_times(lambda: jax.value_and_grad(lambda *a: fn(*a)), args)
 
 
 def _diff_lines(a: str, b: str, limit: int = 20) -> list[str]:
@@ -171,25 +126,10 @@ def _diff_lines(a: str, b: str, limit: int = 20) -> list[str]:
   return lines[:limit]
 
 
-def _max_abs_diff(a, b):
-  diffs = jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y))), a, b))
-  return max(diffs) if diffs else 0.0
-
-
 def main(argv=None) -> dict:
   """Runs the benchmark; returns (and writes, unless ``--out ''``) the result dict."""
   args = parse_args(argv)
-  overrides = {}
-  if args.layers is not None:
-    overrides["n_layers"] = args.layers
-  if args.d_model is not None:
-    overrides["d_model"] = args.d_model
-  if args.heads is not None:
-    overrides["n_heads"] = args.heads
-  if args.seq is not None:
-    overrides["max_len"] = args.seq
-  model, variables, tokens = models.init_gpt(jax.random.key(args.seed), args.size,
-                                             batch=args.batch, dtype=jnp.float32, **overrides)
+  model, variables, tokens = _setup.build_gpt(args)
   site = f"block_{max(model.n_layers // 2 - 1, 0)}"
   direction = jax.random.normal(jax.random.key(args.seed + 1), (model.d_model,), jnp.float32)
   call_args = (variables, tokens, direction)
@@ -203,19 +143,19 @@ def main(argv=None) -> dict:
   # Warm the process up (imports, lowering-rule caches) on a step without an edit, so
   # that neither measured first call pays one-time costs for the other.
   if args.warmup_compile:
-    _timed(jax.jit(jax.value_and_grad(make_plain_loss(model))), *call_args)
+    timed(jax.jit(jax.value_and_grad(make_plain_loss(model))), *call_args)
 
   # First calls: trace + lower + compile + one run. Hand first, then jaxlens.
   first_call, outputs = {}, {}
   for name in ("hand", "jaxlens"):
-    first_call[name], outputs[name] = _timed(steps[name], *call_args)
+    first_call[name], outputs[name] = timed(steps[name], *call_args)
 
   # The edit is live: a zero direction (the same compiled step) gives the unedited loss.
   loss_plain, _ = steps["jaxlens"](variables, tokens, jnp.zeros_like(direction))
   # Same loss and gradients.
   (loss_jl, grads_jl), (loss_hand, grads_hand) = outputs["jaxlens"], outputs["hand"]
   loss_diff = abs(float(loss_jl) - float(loss_hand))
-  grad_diff = _max_abs_diff(grads_jl, grads_hand)
+  grad_diff = max_abs_diff(grads_jl, grads_hand)
   np.testing.assert_allclose(np.asarray(loss_jl), np.asarray(loss_hand), rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                        rtol=1e-5, atol=1e-7),
@@ -237,7 +177,7 @@ def main(argv=None) -> dict:
       lowered = steps[name].lower(*call_args)
       texts[name] = (lowered, lowered.compile())
   stablehlo = {n: _normalise_stablehlo(lo.as_text()) for n, (lo, _) in texts.items()}
-  hlo = {n: _canonical_hlo(co.as_text()) for n, (_, co) in texts.items()}
+  hlo = {n: canonical_hlo(co.as_text()) for n, (_, co) in texts.items()}
   if args.hlo_dir:
     os.makedirs(args.hlo_dir, exist_ok=True)
     for n in hlo:
@@ -245,20 +185,29 @@ def main(argv=None) -> dict:
       Path(args.hlo_dir, f"{n}.hlo.txt").write_text(hlo[n])
 
   # Steady state: warm-up calls discarded, then alternate which runs first each round.
-  for _ in range(args.warmup):
-    for name in ("hand", "jaxlens"):
-      _timed(steps[name], *call_args)
-  times = {"jaxlens": [], "hand": []}
-  for r in range(args.repeats):
-    order = ("hand", "jaxlens") if r % 2 == 0 else ("jaxlens", "hand")
-    for name in order:
-      dt, _ = _timed(steps[name], *call_args)
-      times[name].append(dt)
+  times = interleaved({name: (lambda name=name: steps[name](*call_args))
+                       for name in ("hand", "jaxlens")}, args.repeats, args.warmup)
 
-  med = {n: _median(ts) for n, ts in times.items()}
+  med = {n: median(ts) for n, ts in times.items()}
   first = first_call
-  comp = {n: None if not lower_s[n] else _median(lower_s[n]) + _median(compile_s[n])
+  comp = {n: None if not lower_s[n] else median(lower_s[n]) + median(compile_s[n])
           for n in fns}
+  rows = [
+      row("live_edit_step", "jitted train step with a live edit / the same edit by hand",
+          ratio(med["jaxlens"], med["hand"]), target=("<=", 1.05),
+          candidate="jl.when(site, jl.steer(d, 2.0)).bind(model)",
+          baseline="nn.intercept_methods interceptor", candidate_value=med["jaxlens"],
+          baseline_value=med["hand"]),
+      row("live_edit_first_call", "first call (trace + compile + run) of that step",
+          ratio(first["jaxlens"], first["hand"]), candidate="jaxlens step",
+          baseline="hand step", candidate_value=first["jaxlens"],
+          baseline_value=first["hand"]),
+  ]
+  if comp["jaxlens"] is not None:
+    rows.append(row("live_edit_compile", "trace + lower + XLA compile of that step (fresh)",
+                    ratio(comp["jaxlens"], comp["hand"]), candidate="jaxlens step",
+                    baseline="hand step", candidate_value=comp["jaxlens"],
+                    baseline_value=comp["hand"]))
   result = {
       "benchmark": "live_edit",
       "config": {
@@ -269,11 +218,8 @@ def main(argv=None) -> dict:
           "warmup": args.warmup, "compile_repeats": args.compile_repeats,
           "workload": "jit(value_and_grad(next-token cross-entropy)) w.r.t. all variables",
       },
-      "env": {
-          "jax": jax.__version__, "flax": flax.__version__, "python": platform.python_version(),
-          "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-          "cpu_count": os.cpu_count(), "x64": bool(jax.config.jax_enable_x64),
-      },
+      "env": env_info(),
+      "rows": rows,
       "runtime_s": {
           "jaxlens_median": med["jaxlens"], "hand_median": med["hand"],
           "jaxlens_min": min(times["jaxlens"]), "hand_min": min(times["hand"]),
@@ -282,15 +228,15 @@ def main(argv=None) -> dict:
       "runtime_ratio": med["jaxlens"] / med["hand"],
       "compile_s": {
           "jaxlens_first_call": first["jaxlens"], "hand_first_call": first["hand"],
-          "jaxlens_trace_lower_median": _median(lower_s["jaxlens"]),
-          "hand_trace_lower_median": _median(lower_s["hand"]),
-          "jaxlens_compile_median": _median(compile_s["jaxlens"]),
-          "hand_compile_median": _median(compile_s["hand"]),
+          "jaxlens_trace_lower_median": median(lower_s["jaxlens"]),
+          "hand_trace_lower_median": median(lower_s["hand"]),
+          "jaxlens_compile_median": median(compile_s["jaxlens"]),
+          "hand_compile_median": median(compile_s["hand"]),
           "jaxlens_trace_lower_all": lower_s["jaxlens"], "hand_trace_lower_all": lower_s["hand"],
           "jaxlens_compile_all": compile_s["jaxlens"], "hand_compile_all": compile_s["hand"],
       },
       "compile_ratio_first_call": first["jaxlens"] / first["hand"],
-      "compile_ratio_fresh": _ratio(comp["jaxlens"], comp["hand"]),
+      "compile_ratio_fresh": ratio(comp["jaxlens"], comp["hand"]),
       "check": {
           "loss_jaxlens": float(loss_jl), "loss_hand": float(loss_hand),
           "loss_unedited": float(loss_plain), "loss_max_abs_diff": loss_diff,
@@ -313,10 +259,8 @@ def main(argv=None) -> dict:
     if not result["programs"][f"{kind}_identical"]:
       print(f"\n{kind} lines that differ (- hand, + jaxlens; first 20):")
       print("\n".join("  " + ln for ln in result["programs"][f"{kind}_diff"]))
-  if args.out:
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+  out = write_json(result, args.out)
+  if out is not None:
     print(f"\nwrote {out}")
   return result
 

@@ -1,0 +1,1 @@
+"""jaxlens benchmarks: scripts with a ``main(argv) -> dict``; ``python -m benchmarks`` runs all."""
