@@ -81,15 +81,15 @@ _SMOKE = {
 def _miss_trace(r):
   return (
       "The interpreter itself costs nothing: returning only the output, XLA compiles the plain "
-      "forward's program (see the split above). What remains is, first, writing every saved "
-      "site into a fresh output buffer on each call; flax's `capture_intermediates`, which "
-      "writes the same sites, pays about the same, and the calibration above (a program that "
-      "only writes arrays of those shapes) shows that this is the cost of allocating and "
-      "touching new buffers, not of jaxlens. Second, for a returned Trace, copying the call's "
-      "inputs, which a Trace carries for replay: `jax.jit` copies an input it returns "
-      "unchanged. To pay less: save fewer sites (`save=`), or return `(t.output, t.values)`; "
-      "a Trace that leaves jit without copying its inputs needs a change in "
-      "`jaxlens/_src/tracing.py` (see the report).")
+      "forward's program (see the split above). What remains is, first, returning every saved "
+      "site: each must be materialised as its own buffer, which splits the fused kernels of "
+      "the plain forward into more passes over memory; flax's `capture_intermediates`, which "
+      "returns the same sites, compiles to as many kernels and pays about the same, so this is "
+      "the price of the values leaving the program, not of jaxlens. Second, for a returned "
+      "Trace, copying the call's inputs, which a Trace carries for replay: `jax.jit` copies "
+      "an input it returns unchanged. To pay less: save fewer sites (`save=`), or return "
+      "`(t.output, t.values)`; a Trace that leaves jit without copying its inputs needs a "
+      "change in `jaxlens/_src/tracing.py` (see the report).")
 
 
 def _miss_live_edit(r):
@@ -100,14 +100,28 @@ def _miss_live_edit(r):
   return "The compiled programs differ; the diff is in the JSON (`programs`)."
 
 
+def _miss_torchlens_trace(r):
+  rows = {rw["key"]: rw for rw in r["rows"]}
+  return (
+      f"torchlens costs {rows['torchlens_over_torch']['value']:.1f} plain torch forwards (with a "
+      f"hook doing the edit), and plain torch is {rows['torch_over_jaxlens']['value']:.1f}x "
+      "slower than the jitted jaxlens trace; the speedup is the product of the two. torchlens's "
+      "overhead is per recorded op, so at a size where each op's arithmetic dominates it "
+      "shrinks relative to the forward, and what remains is torch's eager CPU kernels against "
+      "XLA's compiled program.")
+
+
 def _miss_torchlens_backward(r):
   rows = {rw["key"]: rw for rw in r["rows"]}
   fwd = r["runtime_s"]["jaxlens_trace"]["median"]
   step = r["runtime_s"]["jaxlens_backward"]["median"]
+  over = rows["jaxlens_backward_over_flax"]["value"]
+  where = ("so the backward is XLA's on this CPU, not jaxlens's" if over <= 1.1 else
+           "the rest is returning every saved site from the differentiated program (the "
+           "trace rows: each must be materialised) on top of XLA's backward")
   return (
-      f"jaxlens's jitted step costs {step / fwd:.1f} forwards, and "
-      f"{rows['jaxlens_backward_over_flax']['value']:.2f} of the same step written in plain "
-      "flax without jaxlens or the edit: the backward is XLA's on this CPU, not jaxlens's. "
+      f"jaxlens's jitted step costs {step / fwd:.1f} of its forwards, and {over:.2f} of the same "
+      f"step written in plain flax without jaxlens, the edit or the saved sites; {where}. "
       "torchlens's overhead is per recorded op on the forward; its backward is plain "
       "autograd, so the ratio with a backward is lower than the forward's.")
 
@@ -128,6 +142,7 @@ MISSES = {
         "holds where calls, not arithmetic, dominate (the tiny-GPT row), and on an accelerator "
         "with room for the batched program. A sweep that replays only the cone of each block "
         "from a saved corrupt trace cuts the arithmetic itself by about half (replay rows)."),
+    "torchlens_trace": _miss_torchlens_trace,
     "torchlens_backward": _miss_torchlens_backward,
 }
 

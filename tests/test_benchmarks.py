@@ -55,6 +55,8 @@ def test_trace_saves_what_flax_captures(results):
   for key in ("trace_output", "trace_values_output", "trace_output_only", "sites_vs_flax"):
     assert r["check"][key] < 1e-5, key
   assert r["programs"]["trace_output_identical_to_plain"]
+  fusions = r["programs"]["fusions"]
+  assert fusions["trace_output"] == fusions["plain"] > 0
   assert len(r["analysis"]) == 3
   assert {rw["key"] for rw in r["rows"]} >= {"trace_all_sites", "flax_capture_intermediates"}
 
