@@ -286,6 +286,16 @@ def _probe_site_graphs(module, variables, inputs, kwargs, spec, method, apply_kw
     return [v for _, v in recorded]
 
   table, _ = dependence.outputs_depend_on_inputs(probe_fn, variables, inputs)
+  raise_no_graph(labels, table, dtypes)
+
+
+def raise_no_graph(labels, table, dtypes):
+  """Raises for the first probed keep_grad site that is not float or has no graph.
+
+  Args:
+    labels, dtypes: the probed sites' labels and dtypes.
+    table: ``outputs_depend_on_inputs`` rows, one per probed site.
+  """
   for label, row, dtype in zip(labels, table, dtypes):
     if not jnp.issubdtype(dtype, jnp.inexact):
       check_keep_grad_preconditions(jax.ShapeDtypeStruct((), dtype), FireContext(label))

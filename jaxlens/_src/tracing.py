@@ -16,11 +16,10 @@ import jax.numpy as jnp
 
 from jaxlens._src import capture, dependence
 from jaxlens._src.doors import (Spec, _asks_keep_grad, _grad_disabled, _split, _stop, as_spec,
-                                rule)
-from jaxlens._src.errors import GradientContractError, InvalidArgumentError, SiteError, warn_once
+                                raise_no_graph, rule)
+from jaxlens._src.errors import InvalidArgumentError, SiteError, warn_once
 from jaxlens._src.sites import OUTPUT_LABEL, SiteInfo, as_selector, module_sites, unmatched_error
-from jaxlens._src.verbs import (FireContext, InterventionOptions, as_edit,
-                                check_keep_grad_preconditions)
+from jaxlens._src.verbs import InterventionOptions
 
 __all__ = ["Trace", "SiteValue", "trace"]
 
@@ -313,17 +312,6 @@ def _output(prog, ev, original):
   return jax.tree.unflatten(prog.out_tree, leaves)
 
 
-def _raise_no_graph(recorded_labels, table, dtypes):
-  for label, row, dtype in zip(recorded_labels, table, dtypes):
-    if not jnp.issubdtype(dtype, jnp.inexact):
-      check_keep_grad_preconditions(jax.ShapeDtypeStruct((), dtype), FireContext(label))
-    if not any(row):
-      raise GradientContractError(
-          "keep_grad: the site value does not depend on any float variable or input of the "
-          "call, so there is no gradient to keep", code="site_has_no_graph", site=label,
-          fix="drop keep_grad here, or edit a site downstream of the parameters")
-
-
 def _probe(prog, args, consts, spec, **kw):
   labels, dtypes = [], []
 
@@ -340,7 +328,7 @@ def _probe(prog, args, consts, spec, **kw):
 def _probe_capture(prog, args, consts, spec):
   probe_fn, labels, dtypes = _probe(prog, args, consts, spec)
   table, _ = dependence.outputs_depend_on_inputs(probe_fn, list(args), {})
-  _raise_no_graph(labels, table, dtypes)
+  raise_no_graph(labels, table, dtypes)
 
 
 def _probe_replay(prog, t: Trace, spec, starts, differentiable):
@@ -351,7 +339,7 @@ def _probe_replay(prog, t: Trace, spec, starts, differentiable):
     # Re-leafed frontier values are fresh inputs of the replay: a site computed from
     # them has a graph inside the replayed computation.
     return
-  _raise_no_graph(labels, table, dtypes)
+  raise_no_graph(labels, table, dtypes)
 
 
 def _capture(module, variables, inputs, kwargs, spec: Spec, save, *, save_given, method,
@@ -380,7 +368,7 @@ def _capture(module, variables, inputs, kwargs, spec: Spec, save, *, save_given,
     # A hook may ask for keep_grad at fire time (InterventionDecision): check its site.
     probe_fn, labels, dtypes = _probe(prog, args, consts, spec)
     table, _ = dependence.outputs_depend_on_inputs(probe_fn, list(args), {})
-    _raise_no_graph(labels, table, dtypes)
+    raise_no_graph(labels, table, dtypes)
   output = _output(prog, ev, None)
   call = (method, tuple(sorted(apply_kwargs.items())), tuple(sorted(kwargs.items())))
   return Trace(output, ev.saved, ev.saved_infos, program=prog, args=args, consts=consts,
