@@ -2,8 +2,8 @@
 
 Usage (from the repository root)::
 
-  python -m benchmarks                        # small and medium, full repeats (~40 min)
-  python -m benchmarks --quick medium         # small full, medium quick (~20 min)
+  python -m benchmarks                        # small and medium, full repeats (~35 min)
+  python -m benchmarks --quick medium         # small full, medium quick (~10 min)
   python -m benchmarks --quick --sizes small  # a few minutes
   python benchmarks/run_all.py --only trace,replay --sizes small
 
@@ -19,6 +19,7 @@ import argparse
 import datetime
 import importlib
 import json
+import shlex
 import sys
 import time
 import traceback
@@ -102,10 +103,12 @@ def _miss_live_edit(r):
 
 def _miss_torchlens_trace(r):
   rows = {rw["key"]: rw for rw in r["rows"]}
+  torch = rows["torch_over_jaxlens"]["value"]
+  than = (f"{torch:.1f}x slower than" if torch >= 1 else f"{1 / torch:.1f}x faster than")
   return (
       f"torchlens costs {rows['torchlens_over_torch']['value']:.1f} plain torch forwards (with a "
-      f"hook doing the edit), and plain torch is {rows['torch_over_jaxlens']['value']:.1f}x "
-      "slower than the jitted jaxlens trace; the speedup is the product of the two. torchlens's "
+      f"hook doing the edit), and plain torch is {than} the jitted jaxlens trace (which saves "
+      "every module site); the speedup is the product of the two. torchlens's "
       "overhead is per recorded op, so at a size where each op's arithmetic dominates it "
       "shrinks relative to the forward, and what remains is torch's eager CPU kernels against "
       "XLA's compiled program.")
@@ -158,6 +161,8 @@ def parse_args(argv=None):
   p.add_argument("--out", default=str(DEFAULT_DOC), help="the page to write ('' to skip)")
   p.add_argument("--results-dir", default=str(DEFAULT_RESULTS),
                  help="where each benchmark's JSON goes ('' to skip)")
+  p.add_argument("--render-only", action="store_true",
+                 help="run nothing: rewrite the page from --results-dir/suite.json")
   return p.parse_args(argv)
 
 
@@ -188,6 +193,8 @@ def run_one(name: str, argv: list[str]) -> dict:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.render_only:
+    return _render_saved(args)
   sizes = [s for s in args.sizes.split(",") if s]
   names = [n for n in args.only.split(",") if n] or list(SUITE)
   for s in sizes:
@@ -209,18 +216,39 @@ def main(argv=None) -> int:
       results[size].append(run_one(name, argv_one))
   wall = time.perf_counter() - t0
   command = "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])
-  page = render(results, command=command.strip(), wall_s=wall, quick=sorted(quick))
+  command = command.strip()
+  date = datetime.datetime.now().astimezone()
+  page = render(results, command=command, wall_s=wall, quick=sorted(quick), date=date)
   if args.out:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(page)
     print(f"\nwrote {args.out} ({wall / 60:.1f} min)")
   if args.results_dir:
-    _timing.write_json({"command": command, "wall_s": wall, "results": results},
+    _timing.write_json({"command": command, "wall_s": wall, "quick": sorted(quick),
+                        "date": date.isoformat(timespec="seconds"), "results": results},
                        str(Path(args.results_dir) / "suite.json"))
   failed = [f"{s}/{r['benchmark']}" for s, rs in results.items() for r in rs if "error" in r]
   if failed:
     print(f"failed: {', '.join(failed)}", file=sys.stderr)
   return 1 if failed else 0
+
+
+def _render_saved(args) -> int:
+  """Rewrites the page from a saved suite run (the page is a function of the results)."""
+  saved = json.loads((Path(args.results_dir) / "suite.json").read_text())
+  results = saved["results"]
+  dates = [r["env"]["date"] for rs in results.values() for r in rs if "env" in r]
+  date = saved.get("date") or (max(dates) if dates else None)
+  quick = saved.get("quick")
+  if quick is None:  # a suite.json written before "quick" was saved: read its command
+    old = parse_args(shlex.split(saved["command"])[3:])
+    sizes = [s for s in old.sizes.split(",") if s]
+    quick = sizes if old.quick == "all" else [s for s in old.quick.split(",") if s]
+  page = render(results, command=saved["command"], wall_s=saved["wall_s"], quick=quick,
+                date=None if date is None else datetime.datetime.fromisoformat(date))
+  Path(args.out).write_text(page)
+  print(f"wrote {args.out} from {Path(args.results_dir) / 'suite.json'}")
+  return 0
 
 
 # ---------------------------------------------------------------------------
@@ -239,7 +267,8 @@ def _fmt_figure(r):
   if r["value"] is None:
     return ""
   if r["kind"] == "speedup":
-    return f"{r['value']:.1f}x faster"
+    v = r["value"]
+    return f"{v:.1f}x faster" if v >= 1 else f"{1 / v:.1f}x slower"
   return f"{r['value']:.3f}"
 
 
@@ -271,10 +300,11 @@ def _env_line(results) -> str:
           f"({env['backend']}, {devices}), flax {env['flax']}, Python {env['python']}{extra}")
 
 
-def render(results: dict[str, list[dict]], *, command: str, wall_s: float,
-           quick=()) -> str:
-  """The markdown page of a suite run."""
-  now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+def render(results: dict[str, list[dict]], *, command: str, wall_s: float, quick=(),
+           date: datetime.datetime | None = None) -> str:
+  """The markdown page of a suite run (dated ``date``, default now)."""
+  date = date or datetime.datetime.now().astimezone()
+  now = date.strftime("%Y-%m-%d %H:%M %Z")
   lines = [
       "# Performance",
       "",
@@ -291,9 +321,10 @@ def render(results: dict[str, list[dict]], *, command: str, wall_s: float,
       "come from XLA's buffer assignment and are exact.",
       "",
       "Run it from the repository root: `python -m benchmarks` (small and medium, full "
-      "repeats; about 10 minutes for small and 30 for medium on 2 CPU cores), `python -m "
-      "benchmarks --quick medium` (small full, medium quick), `python -m benchmarks --quick "
-      "--sizes small` (about 4 minutes), `--only trace,replay` for some benchmarks. Each "
+      "repeats; roughly 8 minutes for small and 25 for medium on 2 shared CPU cores), "
+      "`python -m benchmarks --quick medium` (small full, medium quick: 9 to 13 minutes), "
+      "`python -m benchmarks --quick --sizes small` (about 4 minutes), `--only trace,replay` "
+      "for some benchmarks, `--render-only` to rewrite this page from the saved results. Each "
       "benchmark is also a script (`python benchmarks/bench_replay.py --help`); results go "
       "to benchmarks/results/<size>/<name>.json. The wall time of each benchmark in this "
       "run is under its table.",
