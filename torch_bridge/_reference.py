@@ -38,7 +38,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import warnings
 from typing import Any, Callable
 
@@ -50,7 +49,7 @@ import torch
 from jaxlens._src.errors import (GradientContractError, InvalidArgumentError, JaxlensWarning,
                                  ShapeError, SiteError)
 from jaxlens._src.tracing import SiteValue
-from jaxlens._src.verbs import InterventionDecision, InterventionOptions
+from jaxlens._src.verbs import InterventionDecision, InterventionOptions, takes_hook_keyword
 
 __all__ = [
     "Edit", "InterventionDecision", "InterventionOptions", "Population", "Selection", "SiteContext",
@@ -549,12 +548,7 @@ def hook(fn: Callable) -> Edit:
   if not callable(fn):
     raise InvalidArgumentError(f"a hook must be callable, got {type(fn).__name__}",
                                code="invalid_argument", fix='ref.when("0", lambda x: 2 * x)')
-  try:
-    params = inspect.signature(fn).parameters
-    takes_hook = "hook" in params or any(
-        q.kind is inspect.Parameter.VAR_KEYWORD for q in params.values())
-  except (TypeError, ValueError):
-    takes_hook = False
+  takes_hook = takes_hook_keyword(fn)
   return Edit("hook", (lambda x, ctx: fn(x, hook=ctx)) if takes_hook else (lambda x, ctx: fn(x)))
 
 

@@ -36,14 +36,13 @@ work.
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from jaxlens._src.errors import InvalidArgumentError, ShapeError
-from jaxlens._src.verbs import Edit, FireContext, _ByIdentity
+from jaxlens._src.verbs import Edit, FireContext, _ByIdentity, takes_hook_keyword
 
 __all__ = ["grad_scale", "grad_zero", "grad_clip", "backward_hook"]
 
@@ -334,10 +333,5 @@ def backward_hook(fn: Callable[..., Any]) -> Edit:
     raise InvalidArgumentError(
         f"backward_hook needs a function of the cotangent, got {type(fn).__name__}",
         code="invalid_argument", fix="jl.backward_hook(lambda g: 0.5 * g)")
-  try:
-    params = inspect.signature(fn).parameters
-    takes_hook = "hook" in params or any(
-        q.kind is inspect.Parameter.VAR_KEYWORD for q in params.values())
-  except (TypeError, ValueError):
-    takes_hook = False
+  takes_hook = takes_hook_keyword(fn)
   return _make("backward_hook", _backward_hook, {}, fn=_ByIdentity(fn), takes_hook=takes_hook)

@@ -535,6 +535,15 @@ def _hook(x, p, s, ctx):
   return fn(x)
 
 
+def takes_hook_keyword(fn: Callable) -> bool:
+  """Whether ``fn`` accepts a ``hook=`` keyword (by name or through ``**kwargs``)."""
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+  return "hook" in params or any(q.kind is inspect.Parameter.VAR_KEYWORD for q in params.values())
+
+
 def hook(fn: Callable) -> Edit:
   """Wraps a callable ``fn(x)`` or ``fn(x, *, hook)`` as an edit.
 
@@ -546,12 +555,7 @@ def hook(fn: Callable) -> Edit:
   if not callable(fn):
     raise InvalidArgumentError(f"a hook must be callable, got {type(fn).__name__}",
                                code="invalid_argument", fix="jl.when(site, lambda x: 2 * x)")
-  try:
-    params = inspect.signature(fn).parameters
-    takes_hook = "hook" in params or any(
-        q.kind is inspect.Parameter.VAR_KEYWORD for q in params.values())
-  except (TypeError, ValueError):
-    takes_hook = False
+  takes_hook = takes_hook_keyword(fn)
   return _make("hook", _hook, {}, fn=_ByIdentity(fn), takes_hook=takes_hook)
 
 
