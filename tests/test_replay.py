@@ -232,3 +232,39 @@ def test_replay_from_every_module_site_equals_live(mlp):
     live = jl.trace(model, v, X, intervene=jl.when(jl.label(label), jl.scale(0.5)))
     np.testing.assert_allclose(t.do(jl.label(label), jl.scale(0.5)).output, live.output,
                                atol=1e-12, err_msg=label)
+
+
+def test_keep_inputs_false_drops_the_inputs_and_refuses_replay(mlp):
+  model, v = mlp
+  full = jax.jit(lambda v, x: jl.trace(model, v, x))(v, X)
+  lean = jax.jit(lambda v, x: jl.trace(model, v, x, keep_inputs=False))(v, X)
+  np.testing.assert_allclose(lean.output, full.output, atol=0)
+  assert lean.labels == full.labels
+  for lbl in full.labels:
+    np.testing.assert_allclose(lean[lbl].out, full[lbl].out, atol=0)
+  # Returned from jit, the lean trace holds no copy of the variables and inputs.
+  n_inputs = len(jax.tree.leaves((v, X)))
+  assert len(jax.tree.leaves(full)) - len(jax.tree.leaves(lean)) >= n_inputs
+  lowered = {k: jax.jit(f).lower(v, X).compile().memory_analysis() for k, f in (
+      ("full", lambda v, x: jl.trace(model, v, x)),
+      ("lean", lambda v, x: jl.trace(model, v, x, keep_inputs=False)))}
+  input_bytes = sum(a.nbytes for a in jax.tree.leaves((v, X)))
+  assert (lowered["full"].output_size_in_bytes - lowered["lean"].output_size_in_bytes
+          >= input_bytes)
+  # Replay and differentiable replay need the inputs; a rerun with a bound model and
+  # inputs does not.
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[trace_without_inputs\]"):
+    lean.fork().do(SITE, jl.scale(0.5))
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[trace_without_inputs\]"):
+    lean.fork().do(SITE, jl.scale(0.5), intervention=DIFF)
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[trace_without_inputs\]"):
+    lean.fork().do(SITE, jl.scale(0.5), model=model.bind(v))
+  rerun = lean.fork().do(SITE, jl.scale(0.5), model=model.bind(v), inputs=X)
+  live = jl.trace(model, v, X, intervene=jl.when(SITE, jl.scale(0.5)))
+  np.testing.assert_allclose(rerun.output, live.output, atol=1e-12)
+  # A lean trace is still a donor.
+  patched = jl.trace(model, v, X2, intervene=jl.when(SITE, jl.patch_from(lean)))
+  ref = jl.trace(model, v, X2, intervene=jl.when(SITE, jl.patch_from(full)))
+  np.testing.assert_allclose(patched.output, ref.output, atol=0)
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[invalid_argument\]"):
+    jl.trace(model, v, X, keep_inputs="no")

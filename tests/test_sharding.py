@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.core import ShardingTypeError  # jax 0.10 gives it no public name
+
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -140,22 +140,12 @@ def plain_grad(net):
   return jax.jit(jax.grad(lambda v, x: jnp.sum(model.apply(v, x) ** 2)))(sv, sx)
 
 
-# Explicit-mesh failures inside jaxlens (ShardingTypeError), with the fix each needs.
-_EXPLICIT_FAILURES = {
-    "subspace_zero": ("a basis split on its feature axis: `z @ B` in selections._coords_fn "
-                      "contracts two split axes and explicit mode asks for out_sharding; fix: "
-                      "reshard B to replicated (or pass out_sharding) when the mesh is explicit"),
-}
-
 EDIT_NAMES = ["steer", "at_positions_patch", "subspace_zero", "units_scale", "replace_with"]
 
 
 @pytest.mark.parametrize("name", EDIT_NAMES)
 def test_live_edits_match_one_device(net, plain_grad, name, request):
   mesh, model, v, x, sv, sx = net
-  if mesh.axis_types[0] == AxisType.Explicit and name in _EXPLICIT_FAILURES:
-    request.applymarker(pytest.mark.xfail(strict=True, raises=ShardingTypeError,
-                                          reason=_EXPLICIT_FAILURES[name]))
   spec1, spec8 = _edits(mesh)[name]
 
   def loss(v, x, spec):

@@ -9,6 +9,13 @@ NNX interception patches ``__call__`` on the classes of the model's submodules
 for the duration of the call (restored in ``finally``, guarded by a lock) and
 dispatches on the instance, so modules outside the model, and other threads'
 calls, are not intercepted. Only ``__call__`` is intercepted for NNX modules.
+
+NNX lifted transforms (``nnx.scan`` over a stack of layers built with
+``nnx.vmap``) call fresh module instances merged from a slice of the stacked
+state. Such an instance is given the path of the model submodule it was sliced
+from: the one of the same class and state structure whose every state leaf has
+the instance's shape plus one leading axis; if no submodule or more than one
+fits, the instance is not intercepted (and a selector naming it matches nothing).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import threading
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxlens._src.errors import InvalidArgumentError
@@ -65,7 +74,9 @@ def _owner_of_call(cls):
 def _make_wrapper(original):
   def __call__(self, *args, **kwargs):
     state = getattr(_active, "state", None)
-    if state is None or id(self) not in state["paths"] or id(self) in state["inside"]:
+    if state is not None and id(self) not in state["paths"]:
+      _adopt(state, self)
+    if state is None or state["paths"].get(id(self)) is None or id(self) in state["inside"]:
       return original(self, *args, **kwargs)
     info = CallInfo(state["paths"][id(self)], "__call__", type(self).__name__)
     state["inside"].add(id(self))
@@ -79,9 +90,38 @@ def _make_wrapper(original):
   return __call__
 
 
+def _shapes(module):
+  leaves, tree = jax.tree.flatten(nnx.state(module))
+  return tree, [tuple(jnp.shape(x)) for x in leaves]
+
+
+def _adopt(state, fresh):
+  """Gives a module instance created by a lifted transform its stacked original's path."""
+  state["paths"][id(fresh)] = None  # looked at once
+  tree, shapes = _shapes(fresh)
+  if not shapes:
+    return
+  fits = []
+  for path, sub in state["modules"]:
+    if type(sub) is not type(fresh):
+      continue
+    sub_tree, sub_shapes = _shapes(sub)
+    if sub_tree == tree and all(len(a) == len(b) + 1 and a[1:] == b
+                                for a, b in zip(sub_shapes, shapes)):
+      fits.append(path)
+  if len(fits) != 1:
+    return
+  for rel, sub in nnx.iter_modules(fresh):
+    state["paths"].setdefault(id(sub), None)
+    if state["paths"][id(sub)] is None:
+      state["paths"][id(sub)] = fits[0] + tuple(str(p) for p in rel)
+  state["keep"].append(fresh)  # ids stay unique while the call runs
+
+
 @contextlib.contextmanager
 def _intercept_nnx(model, interceptor):
-  paths = {id(sub): tuple(str(p) for p in path) for path, sub in nnx.iter_modules(model)}
+  modules = [(tuple(str(p) for p in path), sub) for path, sub in nnx.iter_modules(model)]
+  paths = {id(sub): path for path, sub in modules}
   owners = {_owner_of_call(type(sub)) for _, sub in nnx.iter_modules(model)} - {None}
   with _patch_lock:
     saved = {}
@@ -92,7 +132,8 @@ def _intercept_nnx(model, interceptor):
       saved[klass] = current
       klass.__call__ = _make_wrapper(current)
     previous = getattr(_active, "state", None)
-    _active.state = {"paths": paths, "interceptor": interceptor, "inside": set()}
+    _active.state = {"paths": paths, "interceptor": interceptor, "inside": set(),
+                     "modules": modules, "keep": []}
     try:
       yield
     finally:

@@ -13,9 +13,17 @@ edits whose selectors match, and keeps the values ``save=`` selects. Replay
 evaluates only the downstream cone of the edited sites, taking the values it
 needs from the saved ones and recomputing the rest from the stored inputs.
 
-Control flow: ``scan``, ``while`` and ``cond`` bodies run as single op sites
-(``remat`` bodies are inlined); a module site inside one cannot be edited or selected for saving, and
-asking for one raises ``unsupported_control_flow``.
+Layer stacks: a ``scan`` whose body runs modules (``nn.scan``, ``nnx.scan``) is
+kept as a scan, and its body becomes a sub-program evaluated by the same
+interpreter inside ``lax.scan``, with the iteration index in the carry. A site in
+the body stands for every layer at once (saved stacked along axis 0); an edit at
+one layer (``jl.module(path, layer=k)``) is applied where the index equals ``k``,
+so the stack is never unrolled.
+
+Other control flow: ``while`` and ``cond`` bodies, and scans nested in a scanned
+body, run as single op sites (``remat`` bodies are inlined); a module site inside
+one cannot be edited or selected for saving, and asking for one raises
+``unsupported_control_flow``.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 from jaxlens._src.errors import InvalidArgumentError
-from jaxlens._src.sites import SiteInfo
+from jaxlens._src.sites import SiteInfo, hits, matched_layers
 from jaxlens._src.verbs import FireContext, fire
 
 MARK = "jaxlens:"
@@ -50,6 +58,9 @@ class Node:
   outs: list[int]
   infos: list[SiteInfo | None]
   module: str  # the module path that ran it ("" for the root)
+  # A scanned layer stack: the body as a sub-program, and the body's constants.
+  sub: "Program | None" = None
+  sub_consts: list = dataclasses.field(default_factory=list)
 
 
 class Program:
@@ -80,7 +91,12 @@ class Program:
 
   @property
   def infos(self) -> list[SiteInfo]:
-    return [i for n in self.nodes for i in n.infos if i is not None]
+    out = []
+    for n in self.nodes:
+      if n.sub is not None:
+        out.extend(n.sub.infos)
+      out.extend(i for i in n.infos if i is not None)
+    return out
 
   def __hash__(self):
     return id(self)
@@ -101,7 +117,20 @@ def _module_of(name_stack) -> str:
   return ""
 
 
-def _flatten(prog: Program, jaxpr, in_ids, const_vals, consts_out, prefix_stack=None):
+def _has_marks(j) -> bool:
+  j = getattr(j, "jaxpr", j)
+  for e in j.eqns:
+    if e.primitive.name == "name" and str(e.params.get("name", "")).startswith(MARK):
+      return True
+    for v in e.params.values():
+      vs = v if isinstance(v, (tuple, list)) else (v,)
+      if any(isinstance(w, (jcore.Jaxpr, jcore.ClosedJaxpr)) and _has_marks(w) for w in vs):
+        return True
+  return False
+
+
+def _flatten(prog: Program, jaxpr, in_ids, const_vals, consts_out, prefix_stack=None,
+             in_scan=False):
   """Appends the nodes of ``jaxpr`` to ``prog``; returns the ids of its outputs."""
   env: dict = {}
   for var, i in zip(jaxpr.invars, in_ids):
@@ -127,9 +156,26 @@ def _flatten(prog: Program, jaxpr, in_ids, const_vals, consts_out, prefix_stack=
       inner = eqn.params["jaxpr"]
       closed = isinstance(inner, jcore.ClosedJaxpr)
       outs = _flatten(prog, inner.jaxpr if closed else inner, [read(v) for v in eqn.invars],
-                      inner.consts if closed else [], consts_out, stack)
+                      inner.consts if closed else [], consts_out, stack, in_scan)
       for var, o in zip(eqn.outvars, outs):
         env[var] = o
+      continue
+    if name == "scan" and not in_scan and _has_marks(eqn.params["jaxpr"]):
+      # A layer stack: its body becomes a sub-program sharing the module tables.
+      body = eqn.params["jaxpr"]
+      sub = Program()
+      sub.module_infos, sub.hidden, sub.nonarray = prog.module_infos, prog.hidden, prog.nonarray
+      sub.in_ids = [sub.fresh() for _ in body.jaxpr.invars]
+      sub_consts: list = []
+      sub.out_ids = _flatten(sub, body.jaxpr, sub.in_ids, body.consts, sub_consts, stack,
+                             in_scan=True)
+      outs = []
+      for var in eqn.outvars:
+        i = prog.fresh()
+        env[var] = i
+        outs.append(i)
+      prog.nodes.append(Node(eqn.primitive, dict(eqn.params), [read(v) for v in eqn.invars],
+                             outs, [None] * len(outs), _module_of(stack), sub, sub_consts))
       continue
     if name in _CONTROL or any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))
                                for v in eqn.params.values()):
@@ -168,24 +214,42 @@ def _note_hidden(prog, eqn):
           walk(w)
 
 
-def _label_nodes(prog: Program):
-  counts: dict[str, int] = {}
+def _label_nodes(prog: Program, counts=None, calls=None, seen=None, layers=None):
+  """Labels every node. Module calls are numbered in the order their markers appear
+  in the program: Flax traces a scanned body more than once, and only the last trace
+  is in the jaxpr, so the interceptor's own call counts would run ahead."""
+  top = counts is None
+  if top:
+    counts, calls, seen = {}, {}, {}
   for k, node in enumerate(prog.nodes):
     for i in node.outs:
       prog.producer[i] = k
+    if node.sub is not None:
+      _label_nodes(node.sub, counts, calls, seen, node.params["length"])
     pname = node.prim.name
     marker = node.params.get("name") if pname == "name" else None
     if isinstance(marker, str) and marker.startswith(MARK):
-      label = marker[len(MARK):]
-      node.infos = [prog.module_infos[label]]
-      prog.id_label[node.outs[0]] = label
+      first = prog.module_infos[marker[len(MARK):]]
+      key = (first.path, first.method)
+      calls[key] = calls.get(key, 0) + 1
+      info = dataclasses.replace(first, call=calls[key], layers=layers)
+      seen[marker[len(MARK):]] = info
+      node.infos = [info]
+      prog.id_label[node.outs[0]] = info.label
       continue
     counts[pname] = counts.get(pname, 0) + 1
     for j, out in enumerate(node.outs):
       info = SiteInfo(node.module, "", counts[pname], "", func=pname, kind="op",
-                      index=j if len(node.outs) > 1 else None)
+                      index=j if len(node.outs) > 1 else None, layers=layers)
       node.infos[j] = info
       prog.id_label[out] = info.label
+  if top:
+    # Module infos by their final labels; modules hidden in control flow keep theirs.
+    kept = {old: info for old, info in prog.module_infos.items()
+            if old in prog.hidden and old not in seen}
+    prog.module_infos.clear()
+    prog.module_infos.update({info.label: info for info in seen.values()})
+    prog.module_infos.update(kept)
 
 
 def build_program(module, variables, inputs, kwargs, method, apply_kwargs):
@@ -256,11 +320,13 @@ class Evaluation:
     self.frontier: dict[str, Any] = {}
     self.recorded: list = []
     self.hook_asked = False
+    self.saved_layers: dict[str, list[int]] = {}  # scan-body sites: the layers saved
 
 
 def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
              known: dict | None = None, start_labels=None, releaf=False,
-             frontier_values: dict | None = None, probe=False) -> Evaluation:
+             frontier_values: dict | None = None, probe=False, layer=None,
+             site_values: dict | None = None, releaf_layers: dict | None = None) -> Evaluation:
   """Runs the program, applying ``rules`` and keeping the sites ``save`` selects.
 
   Args:
@@ -274,6 +340,12 @@ def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
     releaf: re-leaf the values entering the cone (differentiable replay).
     frontier_values: label -> value overriding frontier values (attribution).
     probe: fire edits without keep_grad checks and record keep_grad site values.
+    layer: inside a scan body, the traced iteration index.
+    site_values: the module sites that already ran (a scan body sees its caller's).
+    releaf_layers: differentiable replay from sites in a scan body: label -> the
+      first layer replayed. At that layer the values entering the body, and the
+      site's own value before the edit, are re-leafed, as the frontier of the same
+      replay on the unrolled stack would be.
   """
   ev = Evaluation()
   ev.fired = [0] * len(rules)
@@ -297,7 +369,7 @@ def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
         lbl = prog.id_label.get(i)
         if known and lbl in known:
           env[i] = known[lbl]
-  site_values: dict[str, tuple] = {}
+  site_values = {} if site_values is None else site_values
 
   def read(a):
     if isinstance(a, tuple):
@@ -319,11 +391,19 @@ def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
   for k in run_nodes:
     node = prog.nodes[k]
     invals = [read(a) for a in node.ins]
-    out = node.prim.bind(*invals, **node.params)
-    outs = list(out) if node.prim.multiple_results else [out]
+    if node.sub is not None:
+      outs = _eval_scan(node, invals, rules, save, ev, site_values, grad_disabled, probe,
+                        releaf_layers)
+    else:
+      out = node.prim.bind(*invals, **node.params)
+      outs = list(out) if node.prim.multiple_results else [out]
     for j, (i, info) in enumerate(zip(node.outs, node.infos)):
       val = outs[j]
-      if info is not None:
+      if info is not None and info.layers is not None:
+        if releaf_layers and info.label in releaf_layers and _is_float(val):
+          val = jnp.where(layer == releaf_layers[info.label], jax.lax.stop_gradient(val), val)
+        val = _fire_layers(info, val, rules, save, ev, site_values, grad_disabled, probe, layer)
+      elif info is not None:
         ctx = FireContext(info.label, info.path, info.module_type, site_values=site_values,
                           grad_disabled=grad_disabled)
         for r, (selector, edit) in enumerate(rules):
@@ -356,13 +436,88 @@ def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
   return ev
 
 
+def _fire_layers(info, val, rules, save, ev, site_values, grad_disabled, probe, layer):
+  """Edits and saves a site of a scan body at the layers the rules select.
+
+  The body runs once per layer with ``layer`` the traced iteration index: an edit
+  that selects some layers only is written where the index is one of them (the
+  other layers keep the value and its gradient untouched)."""
+  ctx = FireContext(info.label, info.path, info.module_type, site_values=site_values,
+                    grad_disabled=grad_disabled, layer=layer)
+  for r, (selector, edit) in enumerate(rules):
+    chosen = matched_layers(selector, info)
+    if not chosen:
+      continue
+    ev.fired[r] += 1
+    ctx.static_layer = chosen[0] if len(chosen) == 1 else None
+    ctx.checks = not probe
+    edited = fire(edit, val, ctx)
+    ev.hook_asked |= ctx.asked_keep_grad and not probe
+    ctx.asked_keep_grad = False
+    if len(chosen) < info.layers:
+      mask = jnp.asarray([k in chosen for k in range(info.layers)])
+      edited = jnp.where(mask[layer], edited, val)
+    val = edited
+  if info.kind == "module":
+    site_values[info.label] = (info, val)
+  chosen = None if save is None else matched_layers(save, info)
+  if chosen:
+    ev.saved[info.label] = val
+    ev.saved_infos[info.label] = info
+    ev.saved_layers[info.label] = chosen
+  return val
+
+
+def _eval_scan(node, invals, rules, save, outer: Evaluation, site_values, grad_disabled, probe,
+               releaf_layers=None):
+  """Runs a layer stack as ``lax.scan`` over its body sub-program."""
+  p = node.params
+  nc, ncar, n, rev = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
+  consts, carry, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
+  box: dict = {}
+  body_labels = {i.label for i in node.sub.infos}
+  firsts = [k for lbl, k in (releaf_layers or {}).items() if lbl in body_labels]
+  first = min(firsts) if firsts else None
+
+  def body(c, x):
+    k, carry = c
+    if first is not None:
+      carry = [jnp.where(k == first, jax.lax.stop_gradient(a), a) if _is_float(a) else a
+               for a in carry]
+    sev = evaluate(node.sub, [*consts, *carry, *x], node.sub_consts, rules, save,
+                   grad_disabled=grad_disabled, probe=probe, layer=k,
+                   site_values=dict(site_values), releaf_layers=releaf_layers)
+    outs = [o[1] if isinstance(o, tuple) else sev.env[o] for o in node.sub.out_ids]
+    box["ev"], box["labels"] = sev, list(sev.saved)
+    return (k + (-1 if rev else 1), outs[:ncar]), (outs[ncar:], [sev.saved[lbl]
+                                                                for lbl in box["labels"]])
+
+  start = jnp.asarray(n - 1 if rev else 0, jnp.int32)
+  (_, carry_out), (ys, stacks) = jax.lax.scan(body, (start, list(carry)), list(xs), length=n,
+                                              reverse=rev, unroll=p.get("unroll", 1))
+  sev = box["ev"]
+  for r, count in enumerate(sev.fired):
+    outer.fired[r] += count
+  outer.hook_asked |= sev.hook_asked
+  for lbl, stack in zip(box["labels"], stacks):
+    info, chosen = sev.saved_infos[lbl], sev.saved_layers[lbl]
+    if len(chosen) == n:
+      outer.saved[lbl], outer.saved_infos[lbl] = stack, info
+    else:
+      for k in chosen:
+        one = info.at_layer(k)
+        outer.saved[one.label], outer.saved_infos[one.label] = stack[k], one
+  return [*carry_out, *ys]
+
+
 def _replay_plan(prog: Program, start_labels, known: dict):
   """The nodes to evaluate for a replay from ``start_labels``, and the frontier ids."""
   starts = set(start_labels)
   cone: set[int] = set()
   tainted: set[int] = set()
   for k, node in enumerate(prog.nodes):
-    is_start = any(info is not None and info.label in starts for info in node.infos)
+    is_start = any(info is not None and info.label in starts for info in node.infos) or (
+        node.sub is not None and any(info.label in starts for info in node.sub.infos))
     if is_start or any(not isinstance(a, tuple) and a in tainted for a in node.ins):
       cone.add(k)
       tainted.update(node.outs)
@@ -395,8 +550,10 @@ def _replay_plan(prog: Program, start_labels, known: dict):
 def check_selectable(prog: Program, selector, what: str, *, editing: bool = True):
   """Raises when ``selector`` names a module site that cannot be edited or saved."""
   if editing:
+    # A module returning a non-array may run in a layer stack: let layer selectors see it.
+    longest = max((n.params["length"] for n in prog.nodes if n.sub is not None), default=None)
     for label, (info, type_name) in prog.nonarray.items():
-      if selector.matches(info):
+      if hits(selector, dataclasses.replace(info, layers=longest)):
         raise InvalidArgumentError(
             f"{what}: the site value is a {type_name}, not an array; edits apply to array sites",
             code="site_not_array", site=label,

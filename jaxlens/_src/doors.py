@@ -118,8 +118,9 @@ class Spec:
     """
     module, bound_vars = _split(model)
     spec = self
-    if any(sel.may_match_ops() for sel, _ in self.rules):
-      # Op-level sites need the captured program: run through jl.trace.
+    if any(sel.may_match_ops() or sel.picks_layer() for sel, _ in self.rules):
+      # Op-level sites, and single layers of a scanned stack (whose index only the
+      # captured program sees), need the captured program: run through jl.trace.
       from jaxlens._src.tracing import _capture
 
       def run(variables, inputs, kwargs):

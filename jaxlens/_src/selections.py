@@ -219,6 +219,29 @@ def _origin(origin, x, axis, d, ctx):
                      fix=f"an origin of shape ({d},)") from None
 
 
+def _replicated(a):
+  """``a`` replicated over its mesh when it is split (the basis is small, the site is not).
+
+  Contracting a split basis with a site split another way is a sharding conflict that
+  an explicit mesh refuses; a replicated basis contracts with any split of the site.
+  """
+  if isinstance(a, jax.core.Tracer):
+    sharding = getattr(jax.typeof(a), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not getattr(mesh, "axis_names", ()) or not any(
+        t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+      return a
+    if all(p is None for p in sharding.spec):
+      return a
+    return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh,
+                                                              jax.sharding.PartitionSpec()))
+  sharding = getattr(a, "sharding", None)
+  if isinstance(sharding, jax.sharding.NamedSharding) and not sharding.is_fully_replicated:
+    return jax.device_put(a, jax.sharding.NamedSharding(sharding.mesh,
+                                                        jax.sharding.PartitionSpec()))
+  return a
+
+
 def _coords_fn(B, host, ctx):
   gram = B.T @ B
   if host is not None:
@@ -250,7 +273,7 @@ def _subspace(x, p, s, ctx):
   if B.shape[1] == 0:
     raise InvalidArgumentError("subspace: the basis has no columns", code="empty_selection",
                                site=ctx.label, fix="a basis with at least one column")
-  B = B.astype(x.dtype)
+  B = _replicated(B.astype(x.dtype))
   d = B.shape[0]
   coords = _coords_fn(B, _host(p["basis"]), ctx)
   xm = jnp.moveaxis(x, axis, -1)

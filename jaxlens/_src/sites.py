@@ -38,6 +38,10 @@ class SiteInfo:
     func: the primitive name of an op site (``"dot_general"``).
     kind: ``"module"`` or ``"op"``.
     index: the output index of a multiple-output op.
+    layer: for a site inside a ``scan`` body (an ``nn.scan`` / ``nnx.scan`` layer
+      stack), the iteration (layer) this info stands for; ``None`` for the site as a
+      whole (its value stacks every layer along axis 0).
+    layers: the scan length for a site inside a ``scan`` body, else ``None``.
   """
 
   path: str
@@ -47,16 +51,37 @@ class SiteInfo:
   func: str | None = None
   kind: str = "module"
   index: int | None = None
+  layer: int | None = None
+  layers: int | None = None
 
   @property
   def label(self) -> str:
     if self.kind == "op":
       base = f"{self.func}_{self.call}"
-      return base if self.index is None else f"{base}:{self.index}"
-    base = OUTPUT_LABEL if self.path == "" else self.path
-    if self.method != "__call__":
-      base = f"{base}.{self.method}"
-    return base if self.call == 1 else f"{base}:{self.call}"
+      base = base if self.index is None else f"{base}:{self.index}"
+    else:
+      base = OUTPUT_LABEL if self.path == "" else self.path
+      if self.method != "__call__":
+        base = f"{base}.{self.method}"
+      base = base if self.call == 1 else f"{base}:{self.call}"
+    return base if self.layer is None else f"{base}[{self.layer}]"
+
+  def at_layer(self, layer: int) -> "SiteInfo":
+    return dataclasses.replace(self, layer=layer)
+
+
+def matched_layers(selector: "Site", info: SiteInfo) -> list[int] | None:
+  """The layers of a scan-body site that ``selector`` selects (None outside scans)."""
+  if info.layers is None or info.layer is not None:
+    return None
+  return [k for k in range(info.layers) if selector.matches(info.at_layer(k))]
+
+
+def hits(selector: "Site", info: SiteInfo) -> bool:
+  """Whether ``selector`` selects ``info`` or, for a scan-body site, one of its layers."""
+  if selector.matches(info):
+    return True
+  return bool(matched_layers(selector, info))
 
 
 class Site:
@@ -68,6 +93,10 @@ class Site:
   def may_match_ops(self) -> bool:
     """Whether this selector can select op sites (which need the captured program)."""
     return True
+
+  def picks_layer(self) -> bool:
+    """Whether this selector names one layer of a scanned stack (needs the program)."""
+    return False
 
   def __and__(self, other: "Site") -> "Site":
     return _And(self, as_selector(other))
@@ -86,11 +115,14 @@ class _Module(Site):
   path: str
   method: str = "__call__"
   call: int | None = None
+  layer: int | None = None
 
   def matches(self, info: SiteInfo) -> bool:
     if info.kind != "module" or info.method != self.method:
       return False
     if self.call is not None and info.call != self.call:
+      return False
+    if self.layer is not None and info.layer != self.layer:
       return False
     if any(ch in self.path for ch in "*?["):
       return fnmatch.fnmatchcase(info.path, self.path)
@@ -99,7 +131,17 @@ class _Module(Site):
   def may_match_ops(self) -> bool:
     return False
 
+  def picks_layer(self) -> bool:
+    return self.layer is not None
+
   def describe_miss(self, seen):
+    if self.layer is not None:
+      stacks = [s for s in seen if s.layers is not None and
+                dataclasses.replace(self, layer=None).matches(s)]
+      if stacks:
+        n = stacks[0].layers
+        return (f"layer {self.layer} is out of range: {stacks[0].label!r} runs in a scan of "
+                f"{n} layers", [stacks[0].at_layer(k).label for k in range(min(n, 10))])
     paths = sorted({s.path for s in seen if s.path and s.kind == "module"})
     close = difflib.get_close_matches(self.path, paths, n=5, cutoff=0.4)
     suffix = [p for p in paths if p.endswith("/" + self.path)]
@@ -109,6 +151,7 @@ class _Module(Site):
   def __repr__(self) -> str:
     extra = "" if self.method == "__call__" else f", method={self.method!r}"
     extra += "" if self.call is None else f", call={self.call}"
+    extra += "" if self.layer is None else f", layer={self.layer}"
     return f"jl.module({self.path!r}{extra})"
 
 
@@ -118,6 +161,9 @@ class _Label(Site):
 
   def matches(self, info: SiteInfo) -> bool:
     return info.label == self.label
+
+  def picks_layer(self) -> bool:
+    return self.label.endswith("]")
 
   def describe_miss(self, seen):
     labels = sorted({s.label for s in seen})
@@ -139,6 +185,9 @@ class _And(Site):
   def may_match_ops(self) -> bool:
     return self.left.may_match_ops() and self.right.may_match_ops()
 
+  def picks_layer(self) -> bool:
+    return self.left.picks_layer() or self.right.picks_layer()
+
   def __repr__(self) -> str:
     return f"({self.left!r} & {self.right!r})"
 
@@ -153,6 +202,9 @@ class _Or(Site):
 
   def may_match_ops(self) -> bool:
     return self.left.may_match_ops() or self.right.may_match_ops()
+
+  def picks_layer(self) -> bool:
+    return self.left.picks_layer() or self.right.picks_layer()
 
   def __repr__(self) -> str:
     return f"({self.left!r} | {self.right!r})"
@@ -218,7 +270,8 @@ class _All(Site):
     return "jl.all_sites()"
 
 
-def module(path: str, *, method: str = "__call__", call: int | None = None) -> Site:
+def module(path: str, *, method: str = "__call__", call: int | None = None,
+           layer: int | None = None) -> Site:
   """Selects the output of the Flax submodule at ``path``.
 
   Args:
@@ -227,6 +280,10 @@ def module(path: str, *, method: str = "__call__", call: int | None = None) -> S
       select every matching module.
     method: the method whose return value is the site (default ``__call__``).
     call: only the n-th call of that module (1-based) when it runs several times.
+    layer: for a module inside an ``nn.scan`` / ``nnx.scan`` layer stack, only the
+      layer with this index (0-based, the index of its stacked parameters); without
+      it every layer is selected. The stack is not unrolled: the edit is applied
+      inside the scan body where the iteration index equals ``layer``.
 
   Example:
     >>> import jaxlens as jl
@@ -242,7 +299,11 @@ def module(path: str, *, method: str = "__call__", call: int | None = None) -> S
     raise InvalidArgumentError(f"call must be a positive int, got {call!r}",
                                code="invalid_site", site=path,
                                fix=f'jl.module("{path}", call=1)')
-  return _Module(path, method, call)
+  if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
+    raise InvalidArgumentError(f"layer must be a non-negative int, got {layer!r}",
+                               code="invalid_site", site=path,
+                               fix=f'jl.module("{path}", layer=0)')
+  return _Module(path, method, call, layer)
 
 
 def all_sites() -> Site:

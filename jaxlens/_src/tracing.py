@@ -18,7 +18,9 @@ from jaxlens._src import capture, dependence
 from jaxlens._src.doors import (Spec, _asks_keep_grad, _grad_disabled, _split, _stop, as_spec,
                                 raise_no_graph, rule)
 from jaxlens._src.errors import InvalidArgumentError, SiteError, warn_once
-from jaxlens._src.sites import OUTPUT_LABEL, SiteInfo, as_selector, module_sites, unmatched_error
+from jaxlens._src.sites import (OUTPUT_LABEL, SiteInfo, as_selector, matched_layers, module_sites,
+                                unmatched_error)
+from jaxlens._src.sites import hits as site_hits
 from jaxlens._src.verbs import InterventionOptions
 
 __all__ = ["Trace", "SiteValue", "trace"]
@@ -43,7 +45,9 @@ class _Static:
   save: Any = None
   frontier_labels: tuple = ()
   replay_starts: tuple | None = None
+  replay_layers: tuple = ()  # (label, first layer) of replay starts inside layer stacks
   stale: bool = False
+  keep_inputs: bool = True
   module: Any = None
   call: Any = None  # (method, apply_kwargs items, model kwargs items)
 
@@ -65,7 +69,7 @@ class Trace:
   def __init__(self, output, values: dict, infos: dict, *, program=None, args=(), consts=(),
                spec: Spec | None = None, staged: Spec | None = None, save=None,
                frontier: dict | None = None, replay_starts=None, stale=False, module=None,
-               call=None):
+               call=None, replay_layers=(), keep_inputs=True):
     self.output = output
     self.values = dict(values)
     self.infos = dict(infos)
@@ -77,6 +81,8 @@ class Trace:
     self._save = save
     self.frontier = dict(frontier or {})
     self._replay_starts = replay_starts
+    self._replay_layers = tuple(replay_layers)
+    self._keep_inputs = keep_inputs
     self.stale = stale
     self._module = module
     self._call = call
@@ -89,8 +95,8 @@ class Trace:
     children = (self.output, tuple(self.values[k] for k in labels), self._args, self._consts,
                 self._spec, self._staged, tuple(self.frontier[k] for k in flabels))
     aux = _Static(labels, tuple(self.infos.get(k) for k in labels), _Ident(self._program),
-                  self._save, flabels, self._replay_starts, self.stale, _Ident(self._module),
-                  self._call)
+                  self._save, flabels, self._replay_starts, self._replay_layers, self.stale,
+                  self._keep_inputs, _Ident(self._module), self._call)
     return children, aux
 
   @classmethod
@@ -99,7 +105,8 @@ class Trace:
     return cls(output, dict(zip(aux.labels, vals)), dict(zip(aux.labels, aux.infos)),
                program=aux.program.obj, args=args, consts=consts, spec=spec, staged=staged,
                save=aux.save, frontier=dict(zip(aux.frontier_labels, fvals)),
-               replay_starts=aux.replay_starts, stale=aux.stale, module=aux.module.obj,
+               replay_starts=aux.replay_starts, replay_layers=aux.replay_layers,
+               stale=aux.stale, keep_inputs=aux.keep_inputs, module=aux.module.obj,
                call=aux.call)
 
   # -- reading ------------------------------------------------------------
@@ -140,6 +147,13 @@ class Trace:
     selector = as_selector(key)
     hits = [lbl for lbl, info in self.infos.items() if info is not None and selector.matches(info)]
     if not hits:
+      # One layer of a saved layer stack: its slice.
+      for lbl, info in self.infos.items():
+        layers = None if info is None else matched_layers(selector, info)
+        if layers and len(layers) == 1:
+          return SiteValue(info.at_layer(layers[0]).label, self.values[lbl][layers[0]],
+                           info.at_layer(layers[0]))
+    if not hits:
       raise unmatched_error(selector, list(self.sites), "this trace saved no such site")
     if len(hits) > 1:
       raise SiteError(f"{selector!r} matches {len(hits)} saved sites: {hits}",
@@ -147,10 +161,19 @@ class Trace:
                       fix=f"index by one label, e.g. trace[{hits[0]!r}]")
     return SiteValue(hits[0], self.values[hits[0]], self.infos[hits[0]])
 
-  def value_for_donor(self, label: str, verb: str):
-    """The value this trace saved at ``label``, for a verb that reads it as a donor."""
+  def value_for_donor(self, label: str, verb: str, *, layer=None, static_layer=None):
+    """The value this trace saved at ``label``, for a verb that reads it as a donor.
+
+    Inside a scan body (``layer`` is the traced iteration index) the donor is the
+    donor stack's slice at that layer, or the single layer the donor saved.
+    """
     if label in self.values:
-      return self.values[label]
+      value, info = self.values[label], self.infos.get(label)
+      if layer is not None and info is not None and info.layers is not None:
+        return jax.lax.dynamic_index_in_dim(value, layer, keepdims=False)
+      return value
+    if static_layer is not None and f"{label}[{static_layer}]" in self.values:
+      return self.values[f"{label}[{static_layer}]"]
     raise SiteError(
         f"{verb}: the donor trace saved no value at {label!r} (it saved {list(self.values)})",
         code="donor_site_missing", site=label,
@@ -217,7 +240,8 @@ class Trace:
     prog = self._need_program("replay")
     ev = capture.evaluate(prog, self._args, self._consts, self._spec.rules, None,
                           known=self.values, start_labels=self._replay_starts,
-                          frontier_values=frontier)
+                          frontier_values=frontier,
+                          releaf_layers=dict(self._replay_layers) or None)
     return _output(prog, ev, self.output)
 
   # -- implementation -----------------------------------------------------
@@ -225,7 +249,9 @@ class Trace:
   def _with(self, **changes) -> "Trace":
     fields = dict(program=self._program, args=self._args, consts=self._consts,
                   spec=self._spec, staged=self._staged, save=self._save,
-                  frontier=self.frontier, replay_starts=self._replay_starts, stale=self.stale,
+                  frontier=self.frontier, replay_starts=self._replay_starts,
+                  replay_layers=self._replay_layers, stale=self.stale,
+                  keep_inputs=self._keep_inputs,
                   module=self._module, call=self._call)
     output = changes.pop("output", self.output)
     values = changes.pop("values", self.values)
@@ -233,21 +259,32 @@ class Trace:
     fields.update(changes)
     return Trace(output, values, infos, **fields)
 
-  def _need_program(self, what):
+  def _need_program(self, what, *, inputs=True):
     if self._program is None:
       raise InvalidArgumentError(f"{what} needs a trace captured by jl.trace",
                                  code="not_a_capture", fix="t = jl.trace(model, variables, x)")
+    if inputs and not self._keep_inputs:
+      raise InvalidArgumentError(
+          f"{what} needs the call's variables and inputs, and this trace was captured with "
+          "keep_inputs=False", code="trace_without_inputs",
+          fix="jl.trace(model, variables, x) (keep_inputs=True, the default), or rerun with "
+              "trace.fork().do(site, edit, model=model.bind(variables), inputs=x)")
     return self._program
 
   def _replay(self, new: Spec, *, differentiable: bool) -> "Trace":
     prog = self._need_program("replay")
     starts = []
+    first_layers: dict[str, int] = {}
     for selector, edit in new.rules:
       capture.check_selectable(prog, selector, "do()")
-      hits = [i.label for i in prog.infos if selector.matches(i)]
+      hits = [i.label for i in prog.infos if site_hits(selector, i)]
       if not hits:
         raise unmatched_error(selector, prog.infos, "do()")
       starts.extend(hits)
+      for info in prog.infos:
+        layers = matched_layers(selector, info)
+        if layers:
+          first_layers[info.label] = min(layers + [first_layers.get(info.label, layers[0])])
     rules = self._spec.rules + new.rules
     spec = Spec(rules)
     asks = any(_asks_keep_grad(e) for _, e in new.rules)
@@ -261,17 +298,22 @@ class Trace:
       _probe_replay(prog, self, spec, starts, differentiable)
     ev = capture.evaluate(prog, self._args, self._consts, rules, self._save,
                           known=self.values, start_labels=tuple(starts), releaf=differentiable,
-                          grad_disabled=_grad_disabled())
+                          grad_disabled=_grad_disabled(),
+                          releaf_layers=first_layers if differentiable else None)
     values = dict(self.values)
     values.update(ev.saved)
     return self._with(output=_output(prog, ev, self.output), values=values, spec=spec,
                       staged=Spec(()), stale=False,
                       frontier=ev.frontier if differentiable else {},
-                      replay_starts=tuple(starts) if differentiable else None)
+                      replay_starts=tuple(starts) if differentiable else None,
+                      replay_layers=tuple(sorted(first_layers.items())) if differentiable else ())
 
   def _rerun(self, new: Spec, model, inputs) -> "Trace":
-    prog = self._need_program("rerun")
-    variables, old_inputs = jax.tree.unflatten(prog.in_tree, self._args)
+    prog = self._need_program("rerun", inputs=False)
+    if self._keep_inputs:
+      variables, old_inputs = jax.tree.unflatten(prog.in_tree, self._args)
+    else:
+      variables = old_inputs = None
     if model is None:
       module = self._module
     else:
@@ -279,11 +321,14 @@ class Trace:
       variables = variables if bound is None else bound
     if inputs is None:
       inputs = old_inputs
+    if variables is None or inputs is None:
+      self._need_program("rerun without a bound model= and inputs=")
     elif not isinstance(inputs, tuple):
       inputs = (inputs,)
     method, apply_kwargs, kwargs = self._call
     return _capture(module, variables, inputs, dict(kwargs), self._spec + new, self._save,
-                    save_given=False, method=method, apply_kwargs=dict(apply_kwargs))
+                    save_given=False, method=method, apply_kwargs=dict(apply_kwargs),
+                    keep_inputs=self._keep_inputs)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -343,7 +388,7 @@ def _probe_replay(prog, t: Trace, spec, starts, differentiable):
 
 
 def _capture(module, variables, inputs, kwargs, spec: Spec, save, *, save_given, method,
-             apply_kwargs) -> Trace:
+             apply_kwargs, keep_inputs=True) -> Trace:
   disabled = _grad_disabled()
   if disabled:
     variables, inputs = _stop(variables), _stop(inputs)
@@ -371,11 +416,14 @@ def _capture(module, variables, inputs, kwargs, spec: Spec, save, *, save_given,
     raise_no_graph(labels, table, dtypes)
   output = _output(prog, ev, None)
   call = (method, tuple(sorted(apply_kwargs.items())), tuple(sorted(kwargs.items())))
+  if not keep_inputs:
+    args, consts = (), ()
   return Trace(output, ev.saved, ev.saved_infos, program=prog, args=args, consts=consts,
-               spec=spec, save=save, module=module, call=call)
+               spec=spec, save=save, module=module, call=call, keep_inputs=keep_inputs)
 
 
-def trace(model, *args, intervene=None, save=None, method=None, **apply_kwargs) -> Trace:
+def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: bool = True,
+          **apply_kwargs) -> Trace:
   """Runs ``model`` with edits live and returns a :class:`Trace`.
 
   Spellings:
@@ -391,6 +439,11 @@ def trace(model, *args, intervene=None, save=None, method=None, **apply_kwargs) 
       selectors, or ``False`` for none. A trace that saves one site holds about
       the memory of a plain forward.
     method: the module method to call.
+    keep_inputs: whether the Trace holds the call's variables and inputs, which
+      replay (``fork().do``) and a rerun without ``model=``/``inputs=`` need.
+      ``False`` gives a Trace of the output and saved values only: returned from
+      ``jax.jit`` it costs no copies of the variables (jit copies every input it
+      returns), and replay raises ``trace_without_inputs``.
     **apply_kwargs: ``rngs=``/``mutable=`` for ``Module.apply``; other keywords go
       to the model call.
 
@@ -418,5 +471,9 @@ def trace(model, *args, intervene=None, save=None, method=None, **apply_kwargs) 
     selector = as_selector(save)
   model_kwargs = {k: apply_kwargs.pop(k) for k in list(apply_kwargs)
                   if k not in ("rngs", "mutable")}
+  if not isinstance(keep_inputs, bool):
+    raise InvalidArgumentError(f"keep_inputs must be True or False, got {keep_inputs!r}",
+                               code="invalid_argument", fix="jl.trace(..., keep_inputs=False)")
   return _capture(module, variables, tuple(args), model_kwargs, as_spec(intervene), selector,
-                  save_given=save_given, method=method, apply_kwargs=apply_kwargs)
+                  save_given=save_given, method=method, apply_kwargs=apply_kwargs,
+                  keep_inputs=keep_inputs)

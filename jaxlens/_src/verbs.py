@@ -108,6 +108,10 @@ class FireContext:
   grad_disabled: bool = False
   checks: bool = True
   asked_keep_grad: bool = False
+  # Inside a scan body: the iteration index (a traced int) and, when the edit
+  # selects a single layer, that layer (a Python int).
+  layer: Any = None
+  static_layer: int | None = None
 
   @classmethod
   def standalone(cls) -> "FireContext":
@@ -225,7 +229,8 @@ def source_values(source, ctx, verb):
   """The array behind a source: an array, a Population or a donor Trace."""
   from jaxlens._src.tracing import Trace  # a Trace is a source; tracing imports verbs.
   if isinstance(source, Trace):
-    return source.value_for_donor(ctx.label, verb)
+    return source.value_for_donor(ctx.label, verb, layer=ctx.layer,
+                                  static_layer=ctx.static_layer)
   if isinstance(source, Population):
     return source.values
   if isinstance(source, (jax.Array, np.ndarray, float, int)):
