@@ -11,7 +11,10 @@ noise of a shared machine; the CPU backend keeps no allocator statistics
 Variants, jitted functions of ``(variables, tokens)``:
 
 * ``plain``: ``model.apply``;
-* ``trace_one_site``: ``jl.trace(model, v, x, save=jl.module(site))``, the Trace returned;
+* ``trace_one_site``: ``jl.trace(model, v, x, save=jl.module(site), keep_inputs=False)``,
+  the Trace returned (output and the saved site);
+* ``trace_one_site_with_inputs``: the same with the default ``keep_inputs=True``: the
+  Trace also holds the call's inputs for replay;
 * ``trace_one_site_values``: the same, returning only ``(t.output, t[site].out)``;
 * ``trace_all_sites_values``: every module site saved, returning ``(t.output, t.values)``;
 * ``flax_capture``: flax's ``capture_intermediates=True`` (every module), for reference.
@@ -68,7 +71,8 @@ def make_fns(model, site: str) -> dict:
 
   return {
       "plain": model.apply,
-      "trace_one_site": lambda v, x: jl.trace(model, v, x, save=one),
+      "trace_one_site": lambda v, x: jl.trace(model, v, x, save=one, keep_inputs=False),
+      "trace_one_site_with_inputs": lambda v, x: jl.trace(model, v, x, save=one),
       "trace_one_site_values": one_values,
       "trace_all_sites_values": all_values,
       "flax_capture": lambda v, x: model.apply(v, x, capture_intermediates=True,
@@ -98,9 +102,11 @@ def main(argv=None) -> dict:
 
   # What a result keeps alive beyond the arguments.
   plain_out = fns["plain"](variables, tokens)
-  jit_trace = fns["trace_one_site"](variables, tokens)
+  jit_trace = fns["trace_one_site_with_inputs"](variables, tokens)
   retained = {"plain": retained_bytes(plain_out, (variables, tokens)),
-              "trace_one_site_jit": retained_bytes(jit_trace, (variables, tokens))}
+              "trace_one_site_jit": retained_bytes(jit_trace, (variables, tokens)),
+              "trace_one_site_lean_jit": retained_bytes(fns["trace_one_site"](variables, tokens),
+                                                        (variables, tokens))}
   check = {"output_max_abs_diff": max_abs_diff(jit_trace.output, plain_out),
            "saved_labels": list(jit_trace.labels)}
   if args.eager:
@@ -115,8 +121,12 @@ def main(argv=None) -> dict:
                candidate=cand, baseline="plain", candidate_value=mem[cand][field],
                baseline_value=mem["plain"][field], unit="bytes")
   rows = [
-      mem_row("memory_trace_one_site", "temp + output: jl.trace saving one site (Trace returned) "
-              "/ plain forward", "trace_one_site", "temp_plus_output", ("<=", 1.2)),
+      mem_row("memory_trace_one_site", "temp + output: jl.trace saving one site, Trace returned "
+              "(keep_inputs=False) / plain forward", "trace_one_site", "temp_plus_output",
+              ("<=", 1.2)),
+      mem_row("memory_trace_one_site_with_inputs", "temp + output: the same Trace holding the "
+              "call's inputs for replay (the default) / plain", "trace_one_site_with_inputs",
+              "temp_plus_output"),
       mem_row("memory_trace_one_site_values", "temp + output: the same, returning output and "
               "the site / plain", "trace_one_site_values", "temp_plus_output", ("<=", 1.2)),
       mem_row("memory_trace_one_site_peak", "peak (arguments + temp + output): one site, Trace "
@@ -153,7 +163,8 @@ def main(argv=None) -> dict:
 
 
 def analysis(mem, retained) -> list[str]:
-  p, t, v = mem["plain"], mem["trace_one_site"], mem["trace_one_site_values"]
+  p, t, v = mem["plain"], mem["trace_one_site_with_inputs"], mem["trace_one_site_values"]
+  lean = mem["trace_one_site"]
   lines = [
       f"The one-site program needs {t['temp'] / MIB:.2f} MiB of temporaries against the plain "
       f"forward's {p['temp'] / MIB:.2f} MiB; returning the site adds "
@@ -162,7 +173,8 @@ def analysis(mem, retained) -> list[str]:
       f"A Trace returned from jit also carries the call's inputs, and jax.jit copies an input "
       f"it returns unchanged into a new buffer: {(t['output'] - v['output']) / MIB:.2f} MiB of "
       f"the Trace's {t['output'] / MIB:.2f} MiB of outputs are copies of the arguments "
-      f"({p['argument'] / MIB:.2f} MiB).",
+      f"({p['argument'] / MIB:.2f} MiB). With keep_inputs=False the Trace holds the output "
+      f"and the site only: {lean['output'] / MIB:.2f} MiB of outputs.",
   ]
   if "trace_one_site_eager" in retained:
     lines.append(

@@ -86,11 +86,10 @@ def _miss_trace(r):
       "site: each must be materialised as its own buffer, which splits the fused kernels of "
       "the plain forward into more passes over memory; flax's `capture_intermediates`, which "
       "returns the same sites, compiles to as many kernels and pays about the same, so this is "
-      "the price of the values leaving the program, not of jaxlens. Second, for a returned "
-      "Trace, copying the call's inputs, which a Trace carries for replay: `jax.jit` copies "
-      "an input it returns unchanged. To pay less: save fewer sites (`save=`), or return "
-      "`(t.output, t.values)`; a Trace that leaves jit without copying its inputs needs a "
-      "change in `jaxlens/_src/tracing.py` (see the report).")
+      "the price of the values leaving the program, not of jaxlens. Second, for a Trace that "
+      "keeps its inputs (the default, for replay), copying them: `jax.jit` copies an input it "
+      "returns unchanged; `keep_inputs=False` removes that. To pay less: save fewer sites "
+      "(`save=`).")
 
 
 def _miss_live_edit(r):
@@ -134,17 +133,16 @@ MISSES = {
     "trace_all_sites_values": _miss_trace,
     "live_edit_step": _miss_live_edit,
     "memory_trace_one_site": (
-        "The Trace's outputs include a copy of the call's inputs (the variables dominate): jit "
-        "copies an input it returns. The program itself needs no more temporaries than the "
-        "plain forward, and returning the output and the saved site meets the target (next "
-        "row); run eagerly, the Trace references its arguments instead of copying them."),
+        "The program needs no more temporaries than the plain forward; what is left is the "
+        "saved site's own output buffer next to the logits."),
     "sweep_vmapped": (
-        "Both variants run one full forward per cell. Where a forward is arithmetic-bound (a "
-        "loop cell then costs about one plain forward, see the per-cell figures above), vmapping "
-        "saves only the dispatch and what a larger batch gains in matmul efficiency. The 10x "
-        "holds where calls, not arithmetic, dominate (the tiny-GPT row), and on an accelerator "
-        "with room for the batched program. A sweep that replays only the cone of each block "
-        "from a saved corrupt trace cuts the arithmetic itself by about half (replay rows)."),
+        "A loop cell of an arithmetic-bound forward costs about one plain forward (per-cell "
+        "figures above). The sweep computes, per cell, only the blocks after the patched one "
+        "(the prefix once per block), so it saves the prefix, the dispatch and what a larger "
+        "batch gains in matmul efficiency; the rest is the later blocks, which every cell must "
+        "recompute in full, since patching one position changes the residual stream of every "
+        "later position. 10x holds where calls, not arithmetic, dominate (the tiny-GPT row); it "
+        "is not reachable on two CPU cores at these sizes without skipping work the cells need."),
     "torchlens_trace": _miss_torchlens_trace,
     "torchlens_backward": _miss_torchlens_backward,
 }

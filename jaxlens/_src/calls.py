@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax

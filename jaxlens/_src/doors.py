@@ -19,15 +19,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxlens._src import dependence
-from jaxlens._src.errors import GradientContractError, InvalidArgumentError, SiteError
-from jaxlens._src.sites import OUTPUT_LABEL, Site, SiteInfo, all_sites, as_selector, unmatched_error
+from jaxlens._src.errors import GradientContractError, InvalidArgumentError
+from jaxlens._src.sites import SiteInfo, as_selector, unmatched_error
 from jaxlens._src.verbs import Edit, FireContext, as_edit, check_keep_grad_preconditions, fire
 
 __all__ = ["Spec", "when", "no_grad"]

@@ -22,15 +22,13 @@ import shutil
 import uuid
 import zipfile
 from pathlib import Path
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxlens._src import backward, selections, sites, sweep, verbs
 from jaxlens._src.doors import Spec
-from jaxlens._src.errors import InvalidArgumentError, ShapeError, SiteError
+from jaxlens._src.errors import InvalidArgumentError, SiteError
 
 FORMAT = "jaxlens-spec"
 VERSION = 1

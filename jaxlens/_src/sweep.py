@@ -5,14 +5,16 @@ An activation-patching sweep asks, for every layer ``l`` and sequence position
 position ``p``, how much of the clean behaviour comes back? Written as a Python
 loop it is ``L * P`` model runs and as many dispatches.
 
-Here the grid is a batch of edits. The spec has one rule per layer,
-``jl.when(site(l), jl.at_positions(p, gate(l == l_star, jl.patch_from(clean))))``,
-where ``gate`` writes its inner edit's value when its flag is on and the site
-value itself when it is off. Every array in it (the flag, the position) is a
-pytree leaf, so ``jax.vmap`` over a ``(l_star, p)`` grid runs the whole sweep in
-one jitted call with one copy of the model in the program, whatever ``L``. For a
-flag that is off, ``where(False, patched, x)`` is ``x`` bit for bit, and for one
-that is on it is the donor, so each grid cell equals the single patch exactly.
+Here the whole grid is one jitted call. The corrupt run is traced once; for each
+site, the cells are a batch of replays of that site's downstream cone
+(``corrupt_trace.fork().do(site, jl.at_positions(p, jl.patch_from(clean)))``),
+``jax.vmap``ped over the position, which is an edit leaf. A cell at layer ``l``
+recomputes only what lies after ``l``, and equals the single live patch (replay
+evaluates the same operations on the same values).
+
+``gate(flag, edit)`` writes its inner edit's value when its flag is on and the site
+value itself when it is off: with the flag a leaf, ``jax.vmap`` over flags selects
+which rules of a spec are live (a grid over sites in one program).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxlens._src.doors import Spec, when
 from jaxlens._src.errors import InvalidArgumentError, ShapeError
 from jaxlens._src.sites import module
 from jaxlens._src.verbs import Edit, as_edit, at_positions, fire, patch_from
@@ -78,39 +79,35 @@ def _check(clean, corrupt, sites, positions):
         expected=f"[0, {seq})", received=str(bad))
 
 
-def _sweep_spec(sites, donor, site_index, position):
-  """The spec patching ``donor`` into ``sites[site_index]`` at ``position``, only there."""
-  spec = Spec(())
-  for i, path in enumerate(sites):
-    edit = at_positions(position[None], gate(site_index == i, patch_from(donor)))
-    spec = spec + when(module(path), edit)
-  return spec
-
-
 @functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "positions",
                                              "batch_size"))
 def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_size):
   from jaxlens._src.tracing import trace  # tracing imports doors; keep import order simple
   donor = trace(model, variables, clean, save=[module(s) for s in sites])
-  grid_l, grid_p = jnp.meshgrid(jnp.arange(len(sites)), jnp.asarray(positions, jnp.int32),
-                                indexing="ij")
+  # The corrupt run once, every module site saved: a cell at site i replays only the
+  # downstream cone of site i from these values, not the layers below it.
+  base = trace(model, variables, corrupt)
 
-  def one(cell):
-    site_index, position = cell
-    out = _sweep_spec(sites, donor, site_index, position).bind(model)(variables, corrupt)
-    value = jnp.asarray(metric(out))
+  def check(value):
+    value = jnp.asarray(value)
     if value.shape != ():
       raise ShapeError(f"patching_sweep: metric returned shape {value.shape}, expected a scalar",
                        code="metric_not_scalar", fix="reduce the metric over the batch: .mean()")
     return value
 
-  cells = (grid_l.reshape(-1), grid_p.reshape(-1))
-  if batch_size is None:
-    values = jax.vmap(one)(cells)
-  else:
-    # lax.map vectorises chunks of batch_size cells with vmap and loops over the chunks.
-    values = jax.lax.map(one, cells, batch_size=batch_size)
-  return values.reshape(grid_l.shape)
+  grid = []
+  for path in sites:
+    def one(position, path=path):
+      edit = at_positions(position[None], patch_from(donor))
+      return check(metric(base.fork().do(module(path), edit).output))
+
+    cells = jnp.asarray(positions, jnp.int32)
+    if batch_size is None:
+      grid.append(jax.vmap(one)(cells))
+    else:
+      # lax.map vectorises chunks of batch_size cells with vmap and loops over the chunks.
+      grid.append(jax.lax.map(one, cells, batch_size=batch_size))
+  return jnp.stack(grid)
 
 
 def patching_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any], *,
