@@ -92,10 +92,12 @@ def test_compile_and_memory_report_every_program(results):
   assert set(results["compile"]["total_s"]) == {"plain_forward", "live_forward",
                                                 "trace_forward", "plain_step", "live_step"}
   mem = results["memory"]["memory_bytes"]
-  assert set(mem) == {"plain", "trace_one_site", "trace_one_site_values",
-                      "trace_all_sites_values", "flax_capture"}
-  # The Trace returned from jit holds a copy of the variables; output + site does not.
-  assert mem["trace_one_site"]["output"] > mem["trace_one_site_values"]["output"]
+  assert set(mem) == {"plain", "trace_one_site", "trace_one_site_with_inputs",
+                      "trace_one_site_values", "trace_all_sites_values", "flax_capture"}
+  # The default Trace returned from jit holds a copy of the variables; the lean one
+  # (keep_inputs=False) holds what output + site hold.
+  assert mem["trace_one_site_with_inputs"]["output"] > mem["trace_one_site_values"]["output"]
+  assert mem["trace_one_site"]["output"] == mem["trace_one_site_values"]["output"]
   assert mem["trace_one_site_values"]["output"] > mem["plain"]["output"]
 
 
