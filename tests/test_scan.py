@@ -314,3 +314,17 @@ def test_nnx_scan_layer_edit_matches_the_unrolled_linen_model(door, verb):
                                g_ref["params"][f"blocks_{k}"]["up"]["kernel"], atol=1e-12)
   t = jl.trace(m, X)
   assert t["blocks/up"].out.shape == (L, 3, 4)
+
+
+def test_every_layer_on_the_interceptor_door(models):
+  # Without layer=, bind runs the Flax interceptor inside the scan body: every layer.
+  model, v, flat, fv = models
+  e = jl.steer(jnp.ones(4), 2.0)
+  got = jl.when(jl.module("blocks/up"), e).bind(model)(v, X)
+  want = jl.when(jl.module("blocks_*/up"), e).bind(flat)(fv, X)
+  np.testing.assert_allclose(got, want, atol=1e-12, rtol=0)
+  m = NnxScanned(nnx.Rngs(0))
+  np.testing.assert_allclose(
+      jl.when(jl.module("blocks/up"), jl.scale(0.0)).bind(m)(X),
+      jl.trace(m, X, intervene=jl.when(jl.module("blocks/up"), jl.scale(0.0))).output,
+      atol=1e-12, rtol=0)
