@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 from jaxlens import models
 
-__all__ = ["add_model_args", "add_run_args", "build_gpt", "model_config", "model_overrides"]
+__all__ = ["add_model_args", "add_run_args", "build_gpt", "model_config", "model_overrides",
+           "parser"]
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +29,14 @@ def add_run_args(p: argparse.ArgumentParser, *, repeats: int, out: str) -> None:
   p.add_argument("--repeats", type=int, default=repeats, help="timed calls of each function")
   p.add_argument("--warmup", type=int, default=1, help="untimed calls after the first")
   p.add_argument("--out", default=out, help="JSON result path ('' to skip)")
+
+
+def parser(doc: str, *, repeats: int, out: str) -> argparse.ArgumentParser:
+  """A benchmark's parser: its docstring's first paragraph, the model and the run options."""
+  p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+  add_model_args(p)
+  add_run_args(p, repeats=repeats, out=out)
+  return p
 
 
 def model_overrides(args) -> dict:

@@ -202,3 +202,12 @@ def write_json(result: dict, out: str) -> Path | None:
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(result, indent=2) + "\n")
   return path
+
+
+def report(result: dict, table: str, out: str) -> dict:
+  """Prints a benchmark's table, writes its JSON (unless ``out=''``) and returns ``result``."""
+  print(table)
+  path = write_json(result, out)
+  if path is not None:
+    print(f"\nwrote {path}")
+  return result

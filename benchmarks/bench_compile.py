@@ -19,7 +19,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxlens as jl  # noqa: E402
 from benchmarks import _setup  # noqa: E402
-from benchmarks._timing import aot_times, env_info, median, ratio, row, write_json  # noqa: E402
+from benchmarks._timing import aot_times, env_info, median, ratio, row, report  # noqa: E402
 from benchmarks.bench_live_edit import loss_from_logits  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "compile.json"
@@ -40,9 +39,7 @@ MAGNITUDE = 2.0
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  _setup.add_model_args(p)
-  _setup.add_run_args(p, repeats=3, out=str(DEFAULT_OUT))
+  p = _setup.parser(__doc__, repeats=3, out=str(DEFAULT_OUT))
   p.add_argument("--no-warm", dest="warm", action="store_false",
                  help="skip the untimed compile of each variant before the timed ones")
   return p.parse_args(argv)
@@ -124,11 +121,7 @@ def main(argv=None) -> dict:
           for cand, base in (("live_forward", "plain_forward"),
                              ("trace_forward", "plain_forward"), ("live_step", "plain_step"))},
   }
-  print(format_table(result))
-  out = write_json(result, args.out)
-  if out is not None:
-    print(f"\nwrote {out}")
-  return result
+  return report(result, format_table(result), args.out)
 
 
 def format_table(r: dict) -> str:

@@ -29,7 +29,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import hashlib
 import os
@@ -49,16 +48,14 @@ import numpy as np  # noqa: E402
 import jaxlens as jl  # noqa: E402
 from benchmarks import _setup  # noqa: E402
 from benchmarks._timing import (aot_times, canonical_hlo, env_info, interleaved,  # noqa: E402
-                                max_abs_diff, median, ratio, row, timed, write_json)
+                                max_abs_diff, median, ratio, row, timed, report)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "live_edit.json"
 MAGNITUDE = 2.0
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  _setup.add_model_args(p)
-  _setup.add_run_args(p, repeats=30, out=str(DEFAULT_OUT))
+  p = _setup.parser(__doc__, repeats=30, out=str(DEFAULT_OUT))
   p.set_defaults(warmup=3)
   p.add_argument("--compile-repeats", type=int, default=5,
                  help="fresh trace+compile measurements of each (after the first call)")
@@ -254,15 +251,12 @@ def main(argv=None) -> dict:
       },
   }
 
-  print(format_table(result))
+  table = format_table(result)
   for kind in ("stablehlo", "optimized_hlo"):
     if not result["programs"][f"{kind}_identical"]:
-      print(f"\n{kind} lines that differ (- hand, + jaxlens; first 20):")
-      print("\n".join("  " + ln for ln in result["programs"][f"{kind}_diff"]))
-  out = write_json(result, args.out)
-  if out is not None:
-    print(f"\nwrote {out}")
-  return result
+      table += f"\n\n{kind} lines that differ (- hand, + jaxlens; first 20):\n"
+      table += "\n".join("  " + ln for ln in result["programs"][f"{kind}_diff"])
+  return report(result, table, args.out)
 
 
 def format_table(r: dict) -> str:

@@ -30,7 +30,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -43,16 +42,14 @@ import jax  # noqa: E402
 import jaxlens as jl  # noqa: E402
 from benchmarks import _setup  # noqa: E402
 from benchmarks._timing import env_info, max_abs_diff, memory_bytes, ratio, row  # noqa: E402
-from benchmarks._timing import write_json  # noqa: E402
+from benchmarks._timing import report  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "memory.json"
 MIB = 2 ** 20
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  _setup.add_model_args(p)
-  _setup.add_run_args(p, repeats=0, out=str(DEFAULT_OUT))
+  p = _setup.parser(__doc__, repeats=0, out=str(DEFAULT_OUT))
   p.add_argument("--no-eager", dest="eager", action="store_false",
                  help="skip the eager jl.trace (slow: one dispatch per op)")
   return p.parse_args(argv)
@@ -155,11 +152,7 @@ def main(argv=None) -> dict:
       "check": check,
       "analysis": analysis(mem, retained),
   }
-  print(format_table(result))
-  out = write_json(result, args.out)
-  if out is not None:
-    print(f"\nwrote {out}")
-  return result
+  return report(result, format_table(result), args.out)
 
 
 def analysis(mem, retained) -> list[str]:

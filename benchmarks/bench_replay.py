@@ -20,7 +20,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -33,16 +32,14 @@ import jax  # noqa: E402
 import jaxlens as jl  # noqa: E402
 from benchmarks import _setup  # noqa: E402
 from benchmarks._timing import (env_info, interleaved, max_abs_diff, median,  # noqa: E402
-                                ratio, row, timed, write_json)
+                                ratio, row, timed, report)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "replay.json"
 FACTOR = 0.5
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  _setup.add_model_args(p)
-  _setup.add_run_args(p, repeats=20, out=str(DEFAULT_OUT))
+  p = _setup.parser(__doc__, repeats=20, out=str(DEFAULT_OUT))
   p.add_argument("--ks", default="", help="comma-separated block indices (default: every block)")
   return p.parse_args(argv)
 
@@ -119,11 +116,7 @@ def main(argv=None) -> dict:
       "first_call_s": first,
       "check": {"max_abs_diff_vs_live": max(diffs.values()), "allclose_atol": 1e-5},
   }
-  print(format_table(result))
-  out = write_json(result, args.out)
-  if out is not None:
-    print(f"\nwrote {out}")
-  return result
+  return report(result, format_table(result), args.out)
 
 
 def format_table(r: dict) -> str:

@@ -33,7 +33,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -48,7 +47,7 @@ import numpy as np  # noqa: E402
 import jaxlens as jl  # noqa: E402
 from benchmarks import _setup  # noqa: E402
 from benchmarks._timing import (env_info, interleaved, max_abs_diff, median,  # noqa: E402
-                                ratio, row, timed, write_json)
+                                ratio, row, timed, report)
 from jaxlens import models  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "sweep.json"
@@ -56,9 +55,7 @@ TINY = dict(n_layers=2, d_model=32, n_heads=4, max_len=8)
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  _setup.add_model_args(p)
-  _setup.add_run_args(p, repeats=3, out=str(DEFAULT_OUT))
+  p = _setup.parser(__doc__, repeats=3, out=str(DEFAULT_OUT))
   p.add_argument("--positions", type=int, default=8,
                  help="how many positions to sweep, evenly spaced over the sequence")
   p.add_argument("--tiny-reference", action="store_true",
@@ -202,11 +199,7 @@ def main(argv=None) -> dict:
       "check": m["check"],
       "analysis": analysis(m, tiny),
   }
-  print(format_table(result))
-  out = write_json(result, args.out)
-  if out is not None:
-    print(f"\nwrote {out}")
-  return result
+  return report(result, format_table(result), args.out)
 
 
 def analysis(m, tiny) -> list[str]:

@@ -27,7 +27,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -42,7 +41,7 @@ import numpy as np  # noqa: E402
 import jaxlens as jl  # noqa: E402
 from benchmarks import _setup  # noqa: E402
 from benchmarks._timing import (env_info, interleaved, max_abs_diff, median,  # noqa: E402
-                                ratio, row, timed, write_json)
+                                ratio, row, timed, report)
 from jaxlens import models  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "torchlens.json"
@@ -51,9 +50,7 @@ PIN = "2.36.1"
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  _setup.add_model_args(p)
-  _setup.add_run_args(p, repeats=5, out=str(DEFAULT_OUT))
+  p = _setup.parser(__doc__, repeats=5, out=str(DEFAULT_OUT))
   return p.parse_args(argv)
 
 
@@ -216,11 +213,7 @@ def main(argv=None) -> dict:
       "first_call_s": first,
       "check": check,
   }
-  print(format_table(result))
-  out = write_json(result, args.out)
-  if out is not None:
-    print(f"\nwrote {out}")
-  return result
+  return report(result, format_table(result), args.out)
 
 
 def format_table(r: dict) -> str:

@@ -26,7 +26,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
@@ -42,15 +41,13 @@ import numpy as np  # noqa: E402
 import jaxlens as jl  # noqa: E402
 from benchmarks import _setup  # noqa: E402
 from benchmarks._timing import (canonical_hlo, env_info, interleaved, max_abs_diff,  # noqa: E402
-                                median, memory_bytes, ratio, row, timed, write_json)
+                                median, memory_bytes, ratio, row, timed, report)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "trace.json"
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  _setup.add_model_args(p)
-  _setup.add_run_args(p, repeats=20, out=str(DEFAULT_OUT))
+  p = _setup.parser(__doc__, repeats=20, out=str(DEFAULT_OUT))
   return p.parse_args(argv)
 
 
@@ -186,11 +183,7 @@ def main(argv=None) -> dict:
       "programs": programs,
       "analysis": analysis(med, mem, programs, saved_bytes, input_bytes),
   }
-  print(format_table(result))
-  out = write_json(result, args.out)
-  if out is not None:
-    print(f"\nwrote {out}")
-  return result
+  return report(result, format_table(result), args.out)
 
 
 def analysis(med, mem, programs, saved_bytes, input_bytes) -> list[str]:

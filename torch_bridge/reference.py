@@ -47,12 +47,4 @@ from torch_bridge._reference import units as units
 from torch_bridge._reference import when as when
 from torch_bridge._reference import zero_ablate as zero_ablate
 
-__all__ = [
-    "Edit", "InterventionDecision", "InterventionOptions", "Population", "Selection", "SiteContext",
-    "Spec", "Trace", "add", "add_noise", "as_edit", "at_positions", "clamp", "compose", "fire",
-    "hook", "keep_grad", "mean_ablate", "patch_from", "permute_batch", "population",
-    "project_onto", "project_out", "replace_with", "reset_warnings", "resample_rows_from",
-    "scale", "scramble_elements", "set_affine_coordinates", "set_direction_mean",
-    "splice_module", "steer", "subspace", "subspace_patch", "subspace_scale", "subspace_set",
-    "subspace_zero", "swap_with", "trace", "units", "when", "zero_ablate",
-]
+from torch_bridge._reference import __all__ as __all__
