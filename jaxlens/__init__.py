@@ -5,6 +5,7 @@
 """
 
 from jaxlens import intervention as intervention
+from jaxlens import store as store
 from jaxlens.attribution import SiteGrads as SiteGrads
 from jaxlens.attribution import attribution_patching as attribution_patching
 from jaxlens.attribution import site_grads as site_grads
@@ -78,5 +79,5 @@ __all__ = [
     "project_onto", "project_out", "replace_with", "scale", "splice_module", "steer",
     "swap_with", "trace", "when", "zero_ablate",
     "backward_hook", "grad_clip", "grad_scale", "grad_zero", "sweep",
-    "SiteGrads", "attribution_patching", "site_grads",
+    "SiteGrads", "attribution_patching", "site_grads", "store",
 ]
