@@ -96,7 +96,7 @@ def test_missing_matplotlib_is_a_typed_error(monkeypatch):
 
 
 def test_import_jaxlens_and_jaxlens_plot_do_not_import_matplotlib():
-  code = ("import sys, jaxlens, jaxlens.plot, jaxlens.views, jaxlens.store, "
+  code = ("import sys, jaxlens, jaxlens.plot, jaxlens.store, "
           "jaxlens.attribution; "
           "print(sorted(m for m in ('matplotlib', 'treescope', 'tqdm', 'torch') "
           "if m in sys.modules))")
