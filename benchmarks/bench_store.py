@@ -24,12 +24,12 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
   sys.path.insert(0, str(_ROOT))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from benchmarks import _setup  # noqa: E402
-from benchmarks._timing import env_info, median, report, row  # noqa: E402
-from jaxlens import store  # noqa: E402
+from benchmarks import _setup
+from benchmarks._timing import env_info, median, report, row
+from jaxlens import store
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "store.json"
 

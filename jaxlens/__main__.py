@@ -80,8 +80,8 @@ def _fit(text: str, width: int) -> str:
 def _summary_lines(doors: dict, counts: dict, rows: int, torch: bool) -> list[str]:
   """Door spellings, then per door how many verbs agree; every line within WIDTH columns."""
   from jaxlens._src import matrix
-  lines = ["doors (the spellings of docs/gradient_contract.md; a selection door runs the same "
-           "edit", "under jl.units(site, ...) or jl.subspace(site, basis, ...)):"]
+  lines = [("doors (the spellings of docs/gradient_contract.md; a selection door runs the same "
+            "edit"), "under jl.units(site, ...) or jl.subspace(site, basis, ...)):"]
   name_w = max(len(d) for d in doors if ":" not in d) + 2
   for door in doors:
     if ":" not in door:

@@ -26,7 +26,8 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 import jax
 import jax.numpy as jnp

@@ -26,7 +26,7 @@ matplotlib is imported when a function here is first called: ``import jaxlens``
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

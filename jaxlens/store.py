@@ -59,8 +59,9 @@ import os
 import queue
 import shutil
 import threading
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -247,7 +248,7 @@ _RUNNERS: dict = {}
 
 def collect(model, variables, batches: Iterable, path, *, sites: Sequence[Any],
             num_batches: int | None = None, overwrite: bool = False, max_pending: int = 2,
-            progress: bool = True, method=None, **apply_kwargs) -> "ActivationStore":
+            progress: bool = True, method=None, **apply_kwargs) -> ActivationStore:
   """Runs the model over ``batches`` and streams the ``sites``' values to ``path``.
 
   Args:
@@ -492,7 +493,7 @@ class ActivationStore:
       yield emit({k: np.concatenate(carry[k]) for k in names})
 
 
-def open(path) -> ActivationStore:  # noqa: A001 (the module's reader, as in zarr.open)
+def open(path) -> ActivationStore:
   """Opens a store written by :func:`collect`."""
   return ActivationStore(path)
 

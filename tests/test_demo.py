@@ -28,7 +28,7 @@ def test_main_trains_sweeps_and_draws_the_heatmap(tmp_path, capsys, monkeypatch)
 
   m = re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", printed.out)
   assert m and float(m.group(1)) > 0
-  top = re.findall(r"^\s+\d+\. (\S+) @ position (\d+): (-?\d+\.\d+)$", printed.out, re.M)
+  top = re.findall(r"^\s+\d+\. (\S+) @ position (\d+): (-?\d+\.\d+)$", printed.out, re.MULTILINE)
   scores = {(site, int(pos)): float(score) for site, pos, score in top}
   # --top 100 prints every cell: 5 sites (embed, block_i/attn, block_i) x SEQ positions.
   assert len(scores) == 5 * SEQ

@@ -9,8 +9,8 @@ import pytest
 import jaxlens as jl
 
 pytest.importorskip("matplotlib")
-from jaxlens import plot  # noqa: E402
-from jaxlens._optional import MissingDependencyError  # noqa: E402
+from jaxlens import plot
+from jaxlens._optional import MissingDependencyError
 
 
 def _ticks(labels):

@@ -12,8 +12,8 @@ import jaxlens as jl
 from jaxlens import intervention as ji
 
 treescope = pytest.importorskip("treescope")
-from jaxlens import views  # noqa: E402
-from jaxlens.models import init_gpt  # noqa: E402
+from jaxlens import views
+from jaxlens.models import init_gpt
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +116,9 @@ def test_html_page_renders_in_headless_chromium(traces, tmp_path):
       [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
        "--no-first-run", "--disable-background-networking", "--disable-component-update",
        "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000",
-       "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120)
-  m = re.search(r'<pre id="rendered">(.*?)</pre>', out.stdout, re.S)
+       "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120,
+      check=False)
+  m = re.search(r'<pre id="rendered">(.*?)</pre>', out.stdout, re.DOTALL)
   assert m, out.stdout[-2000:] + out.stderr[-2000:]
   rendered = m.group(1)
   for name in ("block_0/attn: CausalSelfAttention", "block_1/mlp: MLP", "embed: Embed",
