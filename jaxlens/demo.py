@@ -204,7 +204,7 @@ def run_demo(*, steps: int = 300, batch: int = 128, seq_len: int = 10, vocab: in
   labels = [f"{p} {roles[p]}" if p in roles else str(p) for p in positions]
   figure = plot.patching_heatmap(
       scores, row_labels=sites, col_labels=labels, path=out, xlabel="position (role)",
-      colorbar_label="fraction of the clean logit difference restored",
+      colorbar_label="logit difference restored",
       title=f"Activation patching: where the answer lives ({n_layers}-layer GPT)")
   return DemoResult(tuple(losses), accuracy, sites, positions, scores, best, str(out),
                     train_seconds, sweep_seconds, figure)

@@ -51,7 +51,7 @@ def _figure(ax, figsize):
 
 def _finish(fig, path):
   if path is not None:
-    fig.savefig(path, dpi=150)
+    fig.savefig(path, dpi=150, bbox_inches="tight")
   return fig
 
 
@@ -136,7 +136,9 @@ def patching_heatmap(values, *, row_labels: Sequence[str] | None = None,
     ax.set_title(title)
   fig.colorbar(image, ax=ax, label=colorbar_label)
   if annotate or (annotate is None and grid.size <= _ANNOTATE_MAX_CELLS):
-    _annotate(ax, grid, [[f"{v:.2f}" for v in row] for row in grid], norm, image.cmap)
+    # "-0.00" (a tiny negative) reads as a sign that is not there.
+    cells = [[f"{v:.2f}".replace("-0.00", "0.00") for v in row] for row in grid]
+    _annotate(ax, grid, cells, norm, image.cmap)
   return _finish(fig, path)
 
 

@@ -30,18 +30,21 @@ def metric(out):
   return (out[:, -1, 0] - 0.5 * out[:, -1, 2]).mean()
 
 
+def normal(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape))
+
+
 @pytest.fixture(scope="module")
 def linear():
   model = Linear()
-  clean = jax.random.normal(jax.random.key(1), (2, 4, 5))
-  corrupt = jax.random.normal(jax.random.key(2), (2, 4, 5))
-  return model, model.init(jax.random.key(0), clean), clean, corrupt
+  clean, corrupt = normal(1, (2, 4, 5)), normal(2, (2, 4, 5))
+  return model, jax.jit(model.init)(jax.random.key(0), clean), clean, corrupt
 
 
 def test_site_grads_is_the_gradient_at_the_site_value():
   model = Tanh()
-  x = jax.random.normal(jax.random.key(3), (3, 4))
-  v = model.init(jax.random.key(0), x)
+  x = normal(3, (3, 4))
+  v = jax.jit(model.init)(jax.random.key(0), x)
   g = jl.site_grads(model, v, x, metric=lambda y: (y ** 2).sum(), sites=["layers_0"])
   h = jl.trace(model, v, x)["layers_0"].out
   # The rest of the model as a function of the site value, by hand.
@@ -80,9 +83,9 @@ def test_attribution_patching_is_exact_on_a_linear_model(linear):
 
 def test_attribution_patching_approximates_a_nonlinear_model():
   model = Tanh()
-  clean = jax.random.normal(jax.random.key(1), (2, 3, 4))
-  corrupt = clean + 1e-3 * jax.random.normal(jax.random.key(2), (2, 3, 4))
-  v = model.init(jax.random.key(0), clean)
+  clean = normal(1, (2, 3, 4))
+  corrupt = clean + 1e-3 * normal(2, (2, 3, 4))
+  v = jax.jit(model.init)(jax.random.key(0), clean)
   m = lambda out: out[:, -1, 0].mean()
   approx = jl.attribution_patching(model, v, clean, corrupt, m, sites=["layers_0"])
   exact = jl.sweep.patching_sweep(model, v, clean, corrupt, m, sites=["layers_0"]) - m(
