@@ -233,21 +233,30 @@ def _trace_view(trace) -> TraceView:
   return TraceView(output, root, spec, frontier, bool(getattr(trace, "stale", False)), counts)
 
 
-def view(obj) -> Any:
-  """The view object of a jaxlens object (a Trace, Spec, edit or selector); else ``obj``."""
+def view(obj, *, trace=None) -> Any:
+  """The view object of a jaxlens object (a Trace, Spec, edit or selector); else ``obj``.
+
+  Args:
+    obj: what to view.
+    trace: for a selector or a spec, a trace whose sites they are matched against:
+      the view then says which sites each selects (``# matches ...``, ``# fired at ...``).
+  """
   import jaxlens as jl
   register()
   from jaxlens._src.verbs import Edit
   if isinstance(obj, (TraceView, SpecView, EditView, SelectorView, ModuleView, SiteView)):
     return obj
+  infos = list(trace.sites) if trace is not None else None
   if isinstance(obj, jl.Trace):
     return _trace_view(obj)
   if isinstance(obj, jl.Spec):
-    return SpecView(tuple(RuleView(s, e, None) for s, e in obj.rules))
+    fired = _fired(obj.rules, infos) if infos is not None else [None] * len(obj.rules)
+    return SpecView(tuple(RuleView(s, e, None if f is None else tuple(f))
+                          for (s, e), f in zip(obj.rules, fired)))
   if isinstance(obj, Edit):
     return EditView(obj)
   if isinstance(obj, jl.Site):
-    return SelectorView(obj)
+    return SelectorView(obj, None if infos is None else tuple(_fired([(obj, None)], infos)[0]))
   return obj
 
 
@@ -451,10 +460,10 @@ def register() -> None:
   _registered = True
 
 
-def show(obj) -> None:
-  """Displays ``obj`` with treescope (in a notebook: a foldable tree)."""
+def show(obj, *, trace=None) -> None:
+  """Displays ``obj`` with treescope (in a notebook: a foldable tree); ``trace`` as for :func:`view`."""
   register()
-  _treescope().show(obj)
+  _treescope().show(view(obj, trace=trace))
 
 
 register()
@@ -479,13 +488,14 @@ body {{ font-family: system-ui, sans-serif; margin: 1.5em; }}
 """
 
 
-def to_html(obj, path=None, *, title: str | None = None) -> str:
+def to_html(obj, path=None, *, title: str | None = None, trace=None) -> str:
   """A standalone HTML page of ``obj``'s view (treescope's foldable tree and a legend).
 
   Args:
     obj: a Trace, Spec, edit, selector (or anything treescope renders).
     path: when given, the page is also written there.
     title: the page title (default: the object's type).
+    trace: for a selector or a spec, the trace to match them against (see :func:`view`).
 
   Returns:
     The page's HTML. It needs JavaScript (treescope's renderer) and no network.
@@ -493,7 +503,8 @@ def to_html(obj, path=None, *, title: str | None = None) -> str:
   register()
   treescope = _treescope()
   with treescope.active_autovisualizer.set_scoped(None):
-    body = treescope.render_to_html(view(obj), roundtrip_mode=False, compressed=False)
+    body = treescope.render_to_html(view(obj, trace=trace), roundtrip_mode=False,
+                                    compressed=False)
   title = title or f"jaxlens {type(obj).__name__}"
   legend = "".join(f'<span style="background:{c}">{html.escape(t)}</span>' for t, c in _LEGEND)
   page = _PAGE.format(title=html.escape(title), legend=legend, body=body)
