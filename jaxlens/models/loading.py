@@ -12,6 +12,7 @@ Every refusal is a :class:`LoadError` with a ``code`` (``missing_tensor``, ``ten
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import zipfile
@@ -229,7 +230,8 @@ def params_from_hf(config, tensors: Mapping[str, Any]):
     LoadError: ``missing_tensor`` or ``tensor_shape``, naming the tensor.
   """
   model = model_for(config)
-  shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 2), jnp.int32))["params"]
+  init = functools.partial(model.init, method="pool") if isinstance(model, Bert) else model.init
+  shapes = jax.eval_shape(init, jax.random.key(0), jnp.zeros((1, 2), jnp.int32))["params"]
   params: dict = {}
   for path, name, fn in _MAPS[type(config)](config):
     raw = _lookup(tensors, name)
