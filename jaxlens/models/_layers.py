@@ -24,15 +24,17 @@ def attention_mask(q_positions, k_positions, *, causal: bool, key_mask=None):
   """A boolean ``(batch or 1, 1, q, k)`` mask: True where a query may attend to a key.
 
   Args:
-    q_positions: int ``(q,)`` positions of the queries.
-    k_positions: int ``(k,)`` positions of the keys.
+    q_positions: int ``(q,)`` or ``(batch, q)`` positions of the queries.
+    k_positions: int ``(k,)`` or ``(batch, k)`` positions of the keys.
     causal: whether a query sees only keys at its own position or before.
     key_mask: optional ``(batch, k)`` padding mask, nonzero for real tokens.
   """
-  mask = jnp.ones((q_positions.shape[0], k_positions.shape[0]), bool)
+  q_positions, k_positions = jnp.atleast_2d(q_positions), jnp.atleast_2d(k_positions)
   if causal:
-    mask = k_positions[None, :] <= q_positions[:, None]
-  mask = mask[None, None]
+    mask = k_positions[:, None, :] <= q_positions[:, :, None]
+  else:
+    mask = jnp.ones((1, q_positions.shape[1], k_positions.shape[1]), bool)
+  mask = mask[:, None]
   if key_mask is not None:
     mask = mask & (jnp.asarray(key_mask) != 0)[:, None, None, :]
   return mask
@@ -65,7 +67,7 @@ def attend(q, k, v, mask, *, dtype):
 def cached_keys_values(module: nn.Module, k, v, index):
   """The decode path's KV cache: writes this step's keys and values at ``index``.
 
-  The ``cache`` collection holds ``k`` and ``v`` of shape ``(batch, cache_len, kv_heads,
+  The ``cache`` collection holds ``cached_key`` and ``cached_value`` of shape ``(batch, cache_len, kv_heads,
   head_dim)``, created at ``init`` (or the first ``apply`` with ``mutable=["cache"]``) with
   the shape of that call's keys, so ``cache_len`` is the sequence length of that call.
 
@@ -73,13 +75,15 @@ def cached_keys_values(module: nn.Module, k, v, index):
     ``(keys, values, initialised)``: the whole cache after the write, and whether the
     cache existed before this call (on the creating call the keys are this call's).
   """
-  initialised = module.has_variable("cache", "k")
-  ck = module.variable("cache", "k", jnp.zeros, k.shape, k.dtype)
-  cv = module.variable("cache", "v", jnp.zeros, v.shape, v.dtype)
+  initialised = module.has_variable("cache", "cached_key")
+  ck = module.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+  cv = module.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
   if not initialised:
     return k, v, False
-  ck.value = jax.lax.dynamic_update_slice(ck.value, k.astype(ck.value.dtype), (0, index, 0, 0))
-  cv.value = jax.lax.dynamic_update_slice(cv.value, v.astype(cv.value.dtype), (0, index, 0, 0))
+  zero = jnp.zeros((), jnp.int32)
+  start = (zero, jnp.asarray(index, jnp.int32), zero, zero)
+  ck.value = jax.lax.dynamic_update_slice(ck.value, k.astype(ck.value.dtype), start)
+  cv.value = jax.lax.dynamic_update_slice(cv.value, v.astype(cv.value.dtype), start)
   return ck.value, cv.value, True
 
 

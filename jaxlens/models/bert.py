@@ -4,8 +4,9 @@ plus the mean-pooled sentence embedding of sentence-transformers models (all-Min
 Sites (the convention of ``docs/models.md``; post-LN changes where the norms sit): ``embed``,
 ``pos_embed``, ``type_embed``, ``ln_embed``; per block ``blocks_{i}/``: ``resid_pre``,
 ``attn/q``, ``attn/k``, ``attn/v``, ``attn/scores``, ``attn/pattern``, ``attn/z``,
-``attn_out``, ``ln_1`` (= ``resid_mid``, the norm of ``resid_pre + attn_out``), ``mlp/pre``,
-``mlp/post``, ``mlp_out``, ``ln_2`` (= ``resid_post``); ``pooler`` (``Bert.pool`` only).
+``attn_out``, ``ln_1`` and ``resid_mid`` (both the norm of ``resid_pre + attn_out``),
+``mlp/pre``, ``mlp/post``, ``mlp_out``, ``ln_2`` and ``resid_post`` (both the norm of
+``resid_mid + mlp_out``); ``pooler`` (``Bert.pool`` only).
 """
 
 from __future__ import annotations
@@ -100,9 +101,9 @@ class BertBlock(nn.Module):
     cfg = self.config
     x = named(x, "resid_pre")
     a = named(BertAttention(cfg, name="attn")(x, key_mask), "attn_out")
-    h = _norm(cfg, "ln_1")(x + a)
+    h = named(_norm(cfg, "ln_1")(x + a), "resid_mid")
     m = named(BertMLP(cfg, name="mlp")(h), "mlp_out")
-    return _norm(cfg, "ln_2")(h + m)
+    return named(_norm(cfg, "ln_2")(h + m), "resid_post")
 
 
 class Bert(nn.Module):

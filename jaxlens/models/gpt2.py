@@ -140,7 +140,7 @@ class GPT2(nn.Module):
                      embedding_init=_INIT, name="embed")
     x = embed(tokens) + nn.Embed(cfg.max_len, cfg.d_model, dtype=cfg.dtype,
                                  param_dtype=cfg.dtype, embedding_init=_INIT,
-                                 name="pos_embed")(positions)[None]
+                                 name="pos_embed")(jnp.atleast_2d(positions))
     for i in range(cfg.n_layers):
       x = GPT2Block(cfg, name=f"blocks_{i}")(x, positions, attention_mask, decode, cache_index)
     x = _norm(cfg, "ln_final")(x)

@@ -75,15 +75,15 @@ class LlamaConfig:
 
 
 def rotary(x, positions, base: float):
-  """Rotates ``x`` (``(batch, seq, heads, head_dim)``) by its positions, "rotate half" style.
-
-  The angles are computed in at least float32 (float64 for a float64 model).
+  """Rotates ``x`` (``(batch, seq, heads, head_dim)``) by its positions (``(seq,)`` or
+  ``(batch, seq)``), "rotate half" style. The angles are computed in at least float32
+  (float64 for a float64 model).
   """
   dim = x.shape[-1]
   adt = jnp.promote_types(x.dtype, jnp.float32)
   inv_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=adt) / dim))
-  angles = positions.astype(adt)[:, None] * inv_freq[None, :]            # (seq, dim/2)
-  angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]  # (1, seq, 1, dim)
+  angles = jnp.atleast_2d(positions).astype(adt)[..., None] * inv_freq   # (b, seq, dim/2)
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]     # (b, seq, 1, dim)
   cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
   x1, x2 = x[..., :dim // 2], x[..., dim // 2:]
   return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
@@ -164,8 +164,8 @@ class Llama(nn.Module):
     tokens: int ``(batch, seq)``.
     attention_mask: optional ``(batch, seq)`` padding mask (nonzero for real tokens; with
       ``decode=True``, ``(batch, cache_len)`` over the cache).
-    positions: optional int ``(seq,)`` positions (default ``0 .. seq-1``, or the cache index
-      onwards when decoding).
+    positions: optional int ``(seq,)`` or ``(batch, seq)`` positions (default ``0 .. seq-1``,
+      or the cache index onwards when decoding); per-row positions serve left padding.
     decode: use and update the KV cache in the ``cache`` collection (``mutable=["cache"]``);
       see ``docs/models.md``.
   """
