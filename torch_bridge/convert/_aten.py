@@ -342,8 +342,9 @@ def _max_pool(n):
     s = expand(_listify(stride)) if _listify(stride) else k
     p, d = expand(_listify(padding)), expand(_listify(dilation))
     pads = [_pool_pads(x.shape[2 + i], k[i], s[i], p[i], d[i], ceil_mode) for i in range(n)]
-    init = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
-    y = lax.reduce_window(x, jnp.asarray(init, x.dtype), lax.max, (1, 1) + k, (1, 1) + s,
+    # A Python scalar init: JAX differentiates reduce_window only for its known monoids.
+    init = -float("inf") if jnp.issubdtype(x.dtype, jnp.floating) else int(jnp.iinfo(x.dtype).min)
+    y = lax.reduce_window(x, init, lax.max, (1, 1) + k, (1, 1) + s,
                           [(0, 0), (0, 0)] + pads, window_dilation=(1, 1) + d)
     return y[0] if unbatched else y
   return pool
@@ -361,7 +362,7 @@ def _avg_pool(n):
     p = expand(_listify(padding))
     pads = [(0, 0), (0, 0)] + [_pool_pads(x.shape[2 + i], k[i], s[i], p[i], 1, ceil_mode)
                                for i in range(n)]
-    total = lax.reduce_window(x, jnp.asarray(0, x.dtype), lax.add, (1, 1) + k, (1, 1) + s, pads)
+    total = lax.reduce_window(x, 0.0, lax.add, (1, 1) + k, (1, 1) + s, pads)
     if divisor_override:
       y = total / divisor_override
     elif count_include_pad:  # padding counts, the ceil-mode overhang does not

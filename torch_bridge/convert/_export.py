@@ -150,7 +150,20 @@ def export_model(model: torch.nn.Module, args: tuple, kwargs: dict, options: Exp
   finally:
     for m, training in flags:
       m.training = training
-  return ep.run_decompositions({})
+  # Functionalising costs as much as exporting; it is needed only for in-place ops (and
+  # for higher-order ops such as set_grad_enabled regions, which it inlines).
+  if any(_needs_functionalization(n) for n in ep.graph.nodes):
+    ep = ep.run_decompositions({})
+  return ep
+
+
+def _needs_functionalization(node) -> bool:
+  if node.op != "call_function":
+    return False
+  target = node.target
+  if isinstance(target, torch._ops.OpOverload):
+    return target._schema.is_mutable
+  return str(target) not in ATEN
 
 
 # -- the static program ------------------------------------------------------------
@@ -504,7 +517,7 @@ class _Node(nn.Module):
         out = jnp.matmul(self.probs(logits, -1), v, precision=HI)
       else:
         out = ATEN[target](*args, **kwargs)
-      env[item] = _as_recorded(out, item)
+      env[item] = _as_recorded(out, item, prog.dtype_override)
 
 
 class _Probs(nn.Module):
@@ -534,11 +547,13 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
   return t.numpy()
 
 
-def _as_recorded(out, node):
-  """Casts a tensor result to the dtype torch recorded for the node."""
+def _as_recorded(out, node, override=None):
+  """Casts a tensor result to the dtype torch recorded for the node (floating: ``override``)."""
   val = node.meta.get("val")
   if isinstance(val, torch.Tensor) and isinstance(out, jax.Array):
     want = _torch_to_jax_dtype(val.dtype)
+    if override is not None and val.dtype.is_floating_point:
+      want = override
     if out.dtype != want:
       out = out.astype(want)
   return out

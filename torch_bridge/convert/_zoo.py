@@ -114,20 +114,21 @@ class RNNHead(nn.Module):
   def __init__(self, kind: str):
     super().__init__()
     cls = {"lstm": nn.LSTM, "gru": nn.GRU}[kind]
+    self.embed = nn.Linear(6, 6)
     self.rnn = cls(6, 8, num_layers=2, batch_first=True)
     self.head = nn.Linear(8, 3)
 
   def forward(self, x):
-    out, _ = self.rnn(x)
+    out, _ = self.rnn(self.embed(x))
     return self.head(out)
 
 
 def lstm():
-  return RNNHead("lstm"), (torch.randn(2, 5, 6),), "head"
+  return RNNHead("lstm"), (torch.randn(2, 5, 6),), "embed"
 
 
 def gru():
-  return RNNHead("gru"), (torch.randn(2, 5, 6),), "head"
+  return RNNHead("gru"), (torch.randn(2, 5, 6),), "embed"
 
 
 class EncoderStack(nn.Module):
