@@ -225,7 +225,6 @@ class Program:
     self.sites: dict[str, str] = {}
     for path in self.templates:
       self.sites[path] = path.replace(".", "/")
-    self.check_ops()
 
   # grouping nodes into calls
   def _group(self) -> _Call:
@@ -598,6 +597,7 @@ def convert_exported(ep, options: ExportOptions, dtype=None):
   program.dtype_override = dtype
   program.dtype_of = lambda node: _state_dtype(program, node)
   _check_dtypes(program)
+  program.check_ops()
   module = _Node(program, "")
   variables: dict = {}
   for node, (collection, fqn) in program.state.items():
@@ -642,8 +642,8 @@ def _check_dtypes(program) -> None:
       elif node in program.state:
         module = _owner(program.state[node][1])
       if v.dtype in _JAX_LACKS or v.is_complex() or v.is_quantized:
-        raise _error("unsupported_dtype", module,
-                     f"node {node.name} has dtype {v.dtype}, which JAX lacks",
+        lacks = "which JAX lacks" if v.dtype in _JAX_LACKS else "which the converter lacks"
+        raise _error("unsupported_dtype", module, f"node {node.name} has dtype {v.dtype}, {lacks}",
                      "convert the model to a real floating dtype (e.g. model.float())")
       if v.dtype == torch.float64 and not x64 and program.dtype_override is None:
         raise _error("unsupported_dtype", module,
