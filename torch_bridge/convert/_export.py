@@ -222,6 +222,9 @@ class Program:
     self._index(self.root)
     for node, (_, fqn) in self.state.items():
       self._add_path(_owner(fqn))
+    self.owned: dict[str, list] = {}  # torch module -> its (placeholder, collection, fqn)
+    for node, (collection, fqn) in self.state.items():
+      self.owned.setdefault(_owner(fqn), []).append((node, collection, fqn))
     self.sites: dict[str, str] = {}
     for path in self.templates:
       self.sites[path] = path.replace(".", "/")
@@ -433,8 +436,8 @@ class _Node(nn.Module):
     prefix = len(self.tpath) + 1 if self.tpath else 0
     self.kids = {c[prefix:]: _Node(prog, c, name=c[prefix:]) for c in prog.children[self.tpath]}
     own = {}
-    for node, (collection, fqn) in prog.state.items():
-      if _owner(fqn) == self.tpath and node.users and node in prog.values:
+    for node, collection, fqn in prog.owned.get(self.tpath, ()):
+      if node.users and node in prog.values:
         value = prog.values[node]
         init = _constant_init(value, prog.dtype_of(node))
         if collection == "params":
