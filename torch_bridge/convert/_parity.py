@@ -142,12 +142,12 @@ def check(name: str, dtype: torch.dtype = torch.float64, edits: tuple = EDITS,
         continue
       f = jspec(flax_site).bind(fmodel)
 
-      def loss(v, f=f):
-        y = first_leaf(f(v, *jin))
+      def loss(params, f=f):  # only the parameters: buffers may be integers
+        y = first_leaf(f({**v, "params": params}, *jin))
         return jnp.sum(y * jproj), y
 
-      (_, y), grad = jax.value_and_grad(loss, has_aux=True)(v)
-      out[ename] = (y, _get(grad["params"], jweight))
+      (_, y), grad = jax.value_and_grad(loss, has_aux=True)(v["params"])
+      out[ename] = (y, _get(grad, jweight))
     return out
 
   jax_out = jax_side(variables)
