@@ -176,7 +176,7 @@ def load_spec(path):
 
 def patching_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any], *, mesh,
                    sites: Sequence[str], positions: Sequence[int] | None = None,
-                   cell_axes: Sequence[str] | None = None):
+                   cell_axes: Sequence[str] | None = None, batch_size: int | None = None):
   """:func:`jaxlens.sweep.patching_sweep` with its cells spread over the devices of ``mesh``.
 
   The positions are split over the mesh axes ``cell_axes`` (default: all of them, so
@@ -187,11 +187,14 @@ def patching_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any
   ``corrupt`` are replicated over the cell axes: this layout is for a model that fits
   on one device (a bigger one shards over a model axis left out of ``cell_axes``, see
   ``docs/scaling.md``). Positions are padded to a multiple of the number of cell
-  shards with position 0 and the padding is dropped.
+  shards with position 0 and the padding is dropped. ``batch_size`` bounds how many
+  of a device's cells run at once (``jax.lax.map`` over chunks), as in
+  :func:`jaxlens.sweep.patching_sweep`.
 
   Returns:
-    A global float array ``(len(sites), len(positions))`` whose position axis is
-    sharded over ``cell_axes``; :func:`host_values` gives it on the host.
+    A global float array ``(len(sites), len(positions))``, its position axis sharded
+    over ``cell_axes`` (when padding was needed, as XLA places the sliced result);
+    :func:`host_values` gives it on the host.
   """
   cell_axes = tuple(mesh.axis_names if cell_axes is None else cell_axes)
   unknown = [a for a in cell_axes if a not in mesh.axis_names]
@@ -213,11 +216,12 @@ def patching_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any
       (len(padded),), NamedSharding(mesh, P(cell_axes)),
       lambda index: np.asarray(padded, np.int32)[index])
   grid = _sharded_sweep(model, variables, clean, corrupt, cells, metric=metric,
-                        sites=tuple(sites), mesh=mesh, cell_axes=cell_axes)
-  return grid[:, :len(positions)]
+                        sites=tuple(sites), mesh=mesh, cell_axes=cell_axes,
+                        batch_size=batch_size)
+  return grid if len(padded) == len(positions) else grid[:, :len(positions)]
 
 
-def _local_sweep(model, variables, clean, corrupt, cells, *, metric, sites):
+def _local_sweep(model, variables, clean, corrupt, cells, *, metric, sites, batch_size):
   donor = trace(model, variables, clean, save=[module(s) for s in sites])
   base = trace(model, variables, corrupt)
   rows = []
@@ -225,15 +229,20 @@ def _local_sweep(model, variables, clean, corrupt, cells, *, metric, sites):
     def one(position, path=path):
       edit = at_positions(position[None], patch_from(donor))
       return metric(base.fork().do(module(path), edit).output)
-    rows.append(jax.vmap(one)(cells))
+    rows.append(jax.vmap(one)(cells) if batch_size is None
+                else jax.lax.map(one, cells, batch_size=batch_size))
   return jnp.stack(rows)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "mesh", "cell_axes"))
-def _sharded_sweep(model, variables, clean, corrupt, cells, *, metric, sites, mesh,
-                       cell_axes):
+@functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "mesh", "cell_axes",
+                                             "batch_size"))
+def _sharded_sweep(model, variables, clean, corrupt, cells, *, metric, sites, mesh, cell_axes,
+                   batch_size=None):
+  # Manual over the cell axes only: any other mesh axis (a model axis the variables are
+  # split over) stays with XLA's partitioner inside each cell shard.
   body = jax.shard_map(
-      lambda v, a, b, c: _local_sweep(model, v, a, b, c, metric=metric, sites=sites),
+      lambda v, a, b, c: _local_sweep(model, v, a, b, c, metric=metric, sites=sites,
+                                      batch_size=batch_size),
       mesh=mesh, in_specs=(P(), P(), P(), P(cell_axes)), out_specs=P(None, cell_axes),
       axis_names=set(cell_axes), check_vma=False)
   return body(variables, clean, corrupt, cells)
