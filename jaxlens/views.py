@@ -346,12 +346,23 @@ def _render_site(sv: SiteView, path, subtree_renderer, *, name: str | None = Non
 def _render_module(mv: ModuleView, path, subtree_renderer, prefix: str = ""):
   label = f"{prefix}/{mv.name}" if prefix else mv.name
   items = []
-  if mv.out is not None:
+  if mv.out is not None and (mv.out.value is not None or mv.out.state in ("keep", "cut")):
     items.append((None, _render_site(mv.out, None, subtree_renderer, name="out")))
+  hidden = []  # submodules with nothing saved or edited anywhere below: one line for all
   for child in mv.children.values():
-    items.append((None, _render_module(child, None, subtree_renderer, label)))
+    if _shows(child):
+      items.append((None, _render_module(child, None, subtree_renderer, label)))
+    else:
+      hidden.append(child.name)
   for op in mv.ops:
-    items.append((None, _render_site(op, None, subtree_renderer)))
+    if op.value is not None or op.state in ("keep", "cut"):
+      items.append((None, _render_site(op, None, subtree_renderer)))
+    else:
+      hidden.append(op.label)
+  if hidden:
+    names = ", ".join(hidden[:6]) + (", ..." if len(hidden) > 6 else "")
+    items.append((None, _one_line(f"({len(hidden)} not saved: {names})", None,
+                                  color=NOT_SAVED)))
   color = _STATE_COLOR.get(mv.out.state) if mv.out is not None and mv.out.state in (
       "keep", "cut") else None
   title = _styled(_treescope().rendering_parts.text(
@@ -359,6 +370,13 @@ def _render_module(mv: ModuleView, path, subtree_renderer, prefix: str = ""):
   # Open the model and every module that holds an edited site, so the edits show.
   return _node(title, items, path, subtree_renderer, suffix="}",
                expand=not prefix or _holds_edit(mv))
+
+
+def _shows(mv: ModuleView) -> bool:
+  """Whether a module has a saved or edited site anywhere below it."""
+  sites = ([mv.out] if mv.out is not None else []) + list(mv.ops)
+  return any(s.value is not None or s.state in ("keep", "cut") for s in sites) or any(
+      _shows(c) for c in mv.children.values())
 
 
 def _holds_edit(mv: ModuleView) -> bool:
@@ -413,8 +431,8 @@ def _render_trace(tv: TraceView, path, subtree_renderer):
              f"{c['downstream']} recomputed downstream" +
              (f", {c['frontier']} frontier values" if c["frontier"] else "") +
              ("; stale: staged edits not run" if tv.stale else ""))
-  items = [("output", tv.output),
-           ("sites", _render_module(tv.sites, None, subtree_renderer)),
+  # The output is the model's own site (``out`` at the top of the site tree).
+  items = [("sites", _render_module(tv.sites, None, subtree_renderer)),
            ("spec", _render_spec(tv.spec, None, subtree_renderer))]
   if tv.frontier:
     items.append(("frontier", tv.frontier))
