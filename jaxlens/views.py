@@ -116,6 +116,7 @@ class SiteView:
   value: Any
   edits: tuple = ()
   state: str = ""  # "keep", "cut", "downstream", "frontier", "not saved" or ""
+  input: Any = None  # the call's (args, kwargs), when the trace saved inputs
 
 
 @dataclasses.dataclass
@@ -186,13 +187,14 @@ def _trace_view(trace) -> TraceView:
   downstream = _downstream(trace, set(edited))
   frontier = dict(getattr(trace, "frontier", {}) or {})
   values = dict(trace.values)
+  inputs = dict(getattr(trace, "inputs", None) or {})
   saved_infos = {k: i for k, i in trace.infos.items() if i is not None}
 
   def site(info, value, saved=True):
     lbl = info.label
     return SiteView(lbl, info.kind, info.module_type if info.kind == "module" else info.func,
                     value, tuple(edited.get(lbl, ())),
-                    _site_state(lbl, edited, downstream, frontier, saved))
+                    _site_state(lbl, edited, downstream, frontier, saved), inputs.get(lbl))
 
   root = ModuleView("", "", None, {}, [])
 
@@ -335,6 +337,10 @@ def _render_site(sv: SiteView, path, subtree_renderer, *, name: str | None = Non
   head = _styled(rp.text(f"{name or sv.label}: "), color)
   if sv.value is None:
     body = rp.RenderableAndLineAnnotations(rp.text("(not saved)"), rp.empty_part())
+  elif sv.input is not None:
+    args, kwargs = sv.input
+    body = _node("(", [("input", args if not kwargs else sv.input), ("out", sv.value)], path,
+                 subtree_renderer)
   else:
     body = subtree_renderer(sv.value, path=path)
   return rp.RenderableAndLineAnnotations(
