@@ -41,6 +41,7 @@ from jaxlens._src.sites import SiteInfo, hits, matched_layers
 from jaxlens._src.verbs import FireContext, fire
 
 MARK = "jaxlens:"
+INPUT_MARK = "jlin:"  # a module call's input leaf (save_inputs); not a site of its own
 SCOPE = "jl@"
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
 _REMAT = ("remat2", "checkpoint")
@@ -84,6 +85,9 @@ class Program:
     self.producer: dict[int, int] = {}
     self.data_ids: set[int] = set()  # values that depend on the model inputs
     self.id_label: dict[int, str] = {}
+    # save_inputs: module label -> (treedef of (args, kwargs), [value id or ("static", leaf)])
+    self.input_sites: dict[str, tuple] = {}
+    self.input_marks: dict[str, dict[int, int]] = {}
 
   def fresh(self) -> int:
     self.n_ids += 1
@@ -228,6 +232,13 @@ def _label_nodes(prog: Program, counts=None, calls=None, seen=None, layers=None)
       _label_nodes(node.sub, counts, calls, seen, node.params["length"])
     pname = node.prim.name
     marker = node.params.get("name") if pname == "name" else None
+    if isinstance(marker, str) and marker.startswith(INPUT_MARK):
+      # "jlin:<call label>#<leaf>": an identity on a module call's input leaf.
+      call_label, _, leaf = marker[len(INPUT_MARK):].rpartition("#")
+      prog.id_label[node.outs[0]] = f"{call_label}.input[{leaf}]"
+      if layers is None:
+        prog.input_marks.setdefault(call_label, {})[int(leaf)] = node.outs[0]
+      continue
     if isinstance(marker, str) and marker.startswith(MARK):
       first = prog.module_infos[marker[len(MARK):]]
       key = (first.path, first.method)
@@ -244,6 +255,14 @@ def _label_nodes(prog: Program, counts=None, calls=None, seen=None, layers=None)
       node.infos[j] = info
       prog.id_label[out] = info.label
   if top:
+    # Inputs by the final labels of their calls.
+    for call_label, (tree, leaves) in list(prog.input_sites.items()):
+      marks = prog.input_marks.get(call_label, {})
+      final = seen.get(call_label)
+      del prog.input_sites[call_label]
+      if final is not None and final.layers is None:
+        prog.input_sites[final.label] = (tree, [marks.get(k, leaf) for k, leaf in
+                                                enumerate(leaves)])
     # Module infos by their final labels; modules hidden in control flow keep theirs.
     kept = {old: info for old, info in prog.module_infos.items()
             if old in prog.hidden and old not in seen}
@@ -252,9 +271,13 @@ def _label_nodes(prog: Program, counts=None, calls=None, seen=None, layers=None)
     prog.module_infos.update(kept)
 
 
-def build_program(module, variables, inputs, kwargs, method, apply_kwargs):
+def build_program(module, variables, inputs, kwargs, method, apply_kwargs, *,
+                  save_inputs: bool = False):
   """Captures ``module.run(variables, inputs, ...)`` (a model call from ``calls``) as a
-  :class:`Program` with its consts and flat input leaves."""
+  :class:`Program` with its consts and flat input leaves.
+
+  With ``save_inputs`` every array leaf of each module call's ``(args, kwargs)`` is
+  marked too, so that the evaluation can return the inputs of the saved sites."""
   prog = Program()
   calls: dict[tuple, int] = {}
 
@@ -263,6 +286,14 @@ def build_program(module, variables, inputs, kwargs, method, apply_kwargs):
     key = (path, context.method_name)
     calls[key] = calls.get(key, 0) + 1
     info = SiteInfo(path, context.method_name, calls[key], context.module_type)
+    if save_inputs and path:
+      leaves, tree = jax.tree.flatten((args, kw))
+      marked = [checkpoint_name(x, f"{INPUT_MARK}{info.label}#{k}")
+                if isinstance(x, jax.Array) or hasattr(x, "aval") else x
+                for k, x in enumerate(leaves)]
+      prog.input_sites[info.label] = (tree, [("static", x) if m is x else None
+                                             for x, m in zip(leaves, marked)])
+      args, kw = jax.tree.unflatten(tree, marked)
     if path:
       with jax.named_scope(SCOPE + path):
         out = next_fun(*args, **kw)
@@ -321,6 +352,7 @@ class Evaluation:
     self.recorded: list = []
     self.hook_asked = False
     self.saved_layers: dict[str, list[int]] = {}  # scan-body sites: the layers saved
+    self.saved_inputs: dict[str, Any] = {}  # label -> (args, kwargs) of a saved module call
 
 
 def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
@@ -433,6 +465,13 @@ def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
           val = jax.lax.stop_gradient(val)
         ev.frontier[lbl] = val
       env[i] = val
+  for lbl in ev.saved:
+    # The inputs of a saved module call, where this evaluation computed them.
+    tree, leaves = prog.input_sites.get(lbl, (None, None))
+    if tree is not None and all(isinstance(a, tuple) or (a is not None and a in env)
+                                for a in leaves):
+      ev.saved_inputs[lbl] = jax.tree.unflatten(
+          tree, [a[1] if isinstance(a, tuple) else env[a] for a in leaves])
   return ev
 
 

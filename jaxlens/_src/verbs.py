@@ -88,6 +88,10 @@ class Edit:
     text = f"jl.{self.name}({opts})"
     return f"keep_grad({text})" if self.keep_grad else text
 
+  def __treescope_repr__(self, path, subtree_renderer):
+    from jaxlens import views  # treescope's notebook view
+    return views.render(self, path, subtree_renderer)
+
 
 @dataclasses.dataclass
 class FireContext:
