@@ -81,10 +81,13 @@ def host_values(tree):
   remote = [i for i, leaf in enumerate(leaves)
             if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable]
   named = [i for i in remote if isinstance(leaves[i].sharding, NamedSharding)]
-  if named:
-    shardings = tuple(NamedSharding(leaves[i].sharding.mesh, P()) for i in named)
-    gathered = jax.jit(lambda *xs: xs, out_shardings=shardings)(*(leaves[i] for i in named))
-    for i, value in zip(named, gathered):
+  by_mesh: dict[Any, list[int]] = {}
+  for i in named:
+    by_mesh.setdefault(leaves[i].sharding.mesh, []).append(i)
+  for mesh, group in by_mesh.items():  # one program per mesh (a program has one device set)
+    replicated = (NamedSharding(mesh, P()),) * len(group)
+    gathered = jax.jit(lambda *xs: xs, out_shardings=replicated)(*(leaves[i] for i in group))
+    for i, value in zip(group, gathered):
       leaves[i] = value
   for i in remote:
     if i not in named:

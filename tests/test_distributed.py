@@ -172,10 +172,10 @@ def test_the_mesh_spans_both_processes(parity_run):
 
 GROUPS = ["trace", "host", "eager", "live_keep", "live_cut", "replay", "patch_from",
           "select_units", "select_subspace", "select_subspace_zero", "sweep", "train_keep",
-          "train_cut", "spec"]
+          "spec"]
 # run in float64 only (tests/_dist_worker.py), to keep the suite lean
 FLOAT64_ONLY = {"eager", "live_cut", "replay", "patch_from", "select_units", "select_subspace",
-                "select_subspace_zero", "train_cut", "spec"}
+                "select_subspace_zero", "train_keep", "spec"}
 
 
 def _error(a, b) -> float:
@@ -243,22 +243,17 @@ def test_the_sweep_cells_are_spread_over_every_device(parity_run, reference, dty
     assert _error(got[f"{dtype}:sweep_cells/grid"], ref) <= TOLERANCE[dtype] * scale
 
 
-def test_training_through_a_cut_leaves_upstream_parameters_unchanged(parity_run):
+def test_a_cut_gives_exact_zero_gradients_upstream_and_training_learns(parity_run):
+  """In every process, bit for bit: the cut's gradient upstream is zero, not merely small."""
   values, _, _ = parity_run
-  dtype = "float64"
-  model = worker._model(np.dtype(dtype))
-  x = np.zeros((worker.BATCH, worker.SEQ, worker.WIDTH), dtype)
-  initial = {}
-  worker._flat("train_cut/params", worker._host_variables(model, x, seed=2), initial)
-  upstream = [k for k in initial if "block_0" in k]
-  assert upstream
+  upstream = [k for k in values[0] if k.startswith("float64:live_cut/grad") and "block_0" in k]
+  downstream = [k for k in values[0] if k.startswith("float64:live_cut/grad") and "head" in k]
+  assert upstream and downstream
   for got in values:
-    for k in upstream:
-      np.testing.assert_array_equal(got[f"{dtype}:{k}"], initial[k])
-    downstream = [k for k in initial if "head" in k]
-    assert any(not np.array_equal(got[f"{dtype}:{k}"], initial[k]) for k in downstream)
-    losses = [float(got[f"{dtype}:train_keep/loss_{i}"]) for i in range(3)]
-    assert losses[2] < losses[0]
+    assert all(not got[k].any() for k in upstream)
+    assert all(got[k].any() for k in downstream)
+    losses = [float(got[f"float64:train_keep/loss_{i}"]) for i in range(3)]
+    assert losses[2] < losses[1] < losses[0]
 
 
 def test_a_spec_is_written_once_and_loaded_by_every_process(parity_run):
