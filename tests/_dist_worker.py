@@ -107,6 +107,24 @@ def _flat(prefix, tree, out):
     out[prefix + jax.tree_util.keystr(path)] = leaf
 
 
+def _probe(fn):
+  """``None`` when ``fn()`` runs, else what it raised: class, code (if any), first line."""
+  try:
+    fn()
+    return None
+  except Exception as error:  # noqa: BLE001 (recorded, compared by the test)
+    import traceback
+
+    import jaxlens as jl
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if f"jaxlens{os.sep}" in f.filename]
+    where = f"{frames[-1].filename.split(os.sep + 'jaxlens' + os.sep)[-1]}:{frames[-1].lineno} " \
+            f"({frames[-1].name})" if frames else None
+    return {"type": type(error).__name__, "jaxlens": isinstance(error, jl.JaxlensError),
+            "code": getattr(error, "fields", {}).get("code"), "where": where,
+            "message": str(error).splitlines()[0][:300]}
+
+
 def run_scenarios(mesh, dtype, facts, spec_dir=None):
   """Every scenario on ``mesh`` (or one device); returns name -> array (device or host).
 
@@ -279,6 +297,16 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
     loaded = jd.load_spec(path)
     out["spec/output"] = jax.jit(loaded.bind(model))(v, x)
     facts["spec_sha256"] = json.loads((path / "spec.json").read_text())["sha256"]
+    # The host boundary without the helpers: what a user who does not gather gets.
+    facts["probes"] = {
+        "spec.save": _probe(lambda: spec.save(Path(spec_dir) / f"plain_{jax.process_index()}")),
+        "repr(trace)": _probe(lambda: repr(t)),
+        "repr(spec)": _probe(lambda: repr(spec)),
+        "spec.check": _probe(lambda: spec.check(model, v, x).ok),
+        # An eager door with a units mask split over processes (jitted, it works above).
+        "eager units mask": _probe(lambda: jl.when(jl.units(site, mask), jl.scale(3.0)).bind(
+            model)(v, x)),
+    }
   else:
     spec = jl.when(site, jl.replace_with(jnp.asarray(donor_h)))  # one process: no saving
     out["spec/output"] = spec.bind(model)(v, x)
