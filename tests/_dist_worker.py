@@ -311,6 +311,30 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
     spec = jl.when(site, jl.replace_with(jnp.asarray(donor_h)))  # one process: no saving
     out["spec/output"] = spec.bind(model)(v, x)
   mark("spec")
+
+  # -- the activation store: each process collects the rows of its own devices, in
+  # parallel, into a store of its own; read back, they form the global array ----------
+  if full and mesh is not None and spec_dir is not None:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxlens import store
+    rows = x.addressable_shards[0].index[0]  # this process's slice of the batch
+    local = x_h[rows]
+    half = len(local) // 2
+    root = Path(spec_dir) / f"store_{dtype}" / f"process_{jax.process_index()}"
+    store.collect(model, variables_h, [local[:half], local[half:]], root, sites=["block_1"],
+                  progress=False)
+    back = store.open(root).array("block_1")
+    out["store/block_1"] = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("data")), back, (BATCH, SEQ, WIDTH))
+    facts["store_local_rows"] = [rows.start or 0, rows.stop]
+    facts["probes"]["store.collect of a global batch"] = _probe(lambda: store.collect(
+        model, v, [x], Path(spec_dir) / f"store_global_{jax.process_index()}",
+        sites=["block_1"], progress=False))
+  elif full:
+    out["store/block_1"] = t["block_1"].out
+  mark("store")
   return out
 
 

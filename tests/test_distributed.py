@@ -172,10 +172,10 @@ def test_the_mesh_spans_both_processes(parity_run):
 
 GROUPS = ["trace", "host", "eager", "live_keep", "live_cut", "replay", "patch_from",
           "select_units", "select_subspace", "select_subspace_zero", "sweep", "train_keep",
-          "spec"]
+          "spec", "store"]
 # run in float64 only (tests/_dist_worker.py), to keep the suite lean
 FLOAT64_ONLY = {"eager", "live_cut", "replay", "patch_from", "select_units", "select_subspace",
-                "select_subspace_zero", "train_keep", "spec"}
+                "select_subspace_zero", "train_keep", "spec", "store"}
 
 
 def _error(a, b) -> float:
@@ -340,6 +340,17 @@ def test_the_cell_sweep_on_one_process_matches_jl_sweep(reference):
   assert error.value.code == "index_out_of_range"
 
 
+def test_each_process_stores_its_rows_and_they_read_back_as_the_global_array(parity_run):
+  """jaxlens.store per process, in parallel; the value itself is compared in the parity test."""
+  from jaxlens import store
+  _, facts, out = parity_run
+  assert [f["float64"]["store_local_rows"] for f in facts] == [[0, 4], [4, 8]]
+  for i in range(PROCESSES):
+    local = store.open(out / "store_float64" / f"process_{i}")
+    assert local.num_rows == worker.BATCH // PROCESSES
+    assert (out / "store_float64" / f"process_{i}" / "COMPLETE").exists()
+
+
 def test_reading_a_trace_or_spec_needs_no_gather(parity_run):
   """repr and spec.check on values split over processes work without jaxlens.distributed."""
   _, facts, _ = parity_run
@@ -349,7 +360,7 @@ def test_reading_a_trace_or_spec_needs_no_gather(parity_run):
       assert probes[name] is None, (name, probes[name])
 
 
-# Two places where jaxlens reads an array's values on the host (np.asarray) fail, on a
+# Three places where jaxlens reads an array's values on the host (np.asarray) fail, on a
 # value whose shards live on other processes, with jax's RuntimeError ("Fetching value
 # for `jax.Array` that spans non-addressable ... devices is not possible") instead of a
 # typed jaxlens error; the probes in tests/_dist_worker.py record where.
@@ -357,6 +368,9 @@ HOST_READ_BUGS = {
     "spec.save": "jaxlens/_src/portable.py _Writer.array: np.asarray(a) of a spec array "
                  "split over processes; expected a typed refusal (e.g. spec_not_portable, "
                  "fix: jaxlens.distributed.save_spec)",
+    "store.collect of a global batch": "jaxlens/store.py _Writer.run: np.asarray of site "
+                                       "values split over processes in the writer thread; "
+                                       "expected a typed StoreError (or one store per process)",
     "eager units mask": "jaxlens/_src/selections.py _host (from _mask/_units): np.asarray of "
                         "a concrete units mask split over processes in an eager door; "
                         "expected the value checks skipped as for a tracer (jitted, it works)",
