@@ -137,7 +137,8 @@ def barrier(name: str, *, timeout_s: float) -> None:
   Uses the coordination service of ``jax.distributed`` (no device collective), so it
   also works between programs. Raises :class:`DistributedError` ``barrier_timeout``
   naming the barrier when a process does not arrive in time. Without
-  ``jax.distributed`` (one process) it returns at once. Each name is used once.
+  ``jax.distributed`` (one process) it returns at once. Every process must pass the
+  barriers of one name the same number of times (the coordination service counts them).
   """
   client = _client()
   if client is None or jax.process_count() == 1:
@@ -166,9 +167,13 @@ def save_spec(spec, path, *, timeout_s: float = 300.0):
   must be on a file system that every process sees. Returns ``path``.
   """
   host = host_values(spec)
-  if jax.process_index() == 0:
-    _save_spec(host, path)
-  barrier(f"jaxlens.save_spec:{path}", timeout_s=timeout_s)
+  try:
+    if jax.process_index() == 0:
+      _save_spec(host, path)
+  finally:
+    # Also when process 0's save raised (e.g. spec_target_exists): the others then pass
+    # the barrier at once and get spec_not_found from load_spec, not a barrier timeout.
+    barrier(f"jaxlens.save_spec:{path}", timeout_s=timeout_s)
   return path
 
 
