@@ -90,18 +90,23 @@ def test_a_named_site_on_every_door(llama, tmp_path):
   base = jl.trace(model, variables, TOKENS)
   replayed = base.fork().do(site, jl.zero_ablate()).output
   rerun = base.do(site, jl.zero_ablate(), model=model, inputs=(TOKENS,)).output
+  set_only = base.do(site, jl.zero_ablate(),
+                     intervention=jl.InterventionOptions(engine="set_only")).run().output
   spec.save(tmp_path / "spec")
   saved = jl.load_spec(tmp_path / "spec").bind(model)(variables, TOKENS)
   assert not np.allclose(live, base.output)
-  for other in (captured, replayed, rerun, saved):
+  for other in (captured, replayed, rerun, set_only, saved):
     np.testing.assert_allclose(other, live, atol=1e-12)
   # Zeroing the MLP output cuts every gradient to that MLP's weights, and only those.
   grads = jax.grad(lambda v: spec.bind(model)(v, TOKENS).sum())(variables)["params"]
   assert not np.asarray(grads["blocks_1"]["mlp"]["up_proj"]["kernel"]).any()
   assert np.asarray(grads["blocks_0"]["mlp"]["up_proj"]["kernel"]).any()
-  # The pattern is an editable site too: a uniform-free edit of head patterns.
-  heads = jl.when(jl.module("blocks_0/attn/pattern"), jl.scale(0.0))
-  assert not np.allclose(heads.bind(model)(variables, TOKENS), base.output)
+  # Selections work on named sites: zero two features of one layer's residual stream.
+  some = jl.when(jl.units(jl.module("blocks_0/resid_post"), jnp.asarray([0, 2])),
+                 jl.zero_ablate())
+  t = jl.trace(model, variables, TOKENS, intervene=some, save=jl.module("blocks_0/resid_post"))
+  resid = np.asarray(t["blocks_0/resid_post"].out)
+  assert not resid[..., [0, 2]].any() and resid[..., 1].all()
 
 
 @pytest.fixture(scope="module")
