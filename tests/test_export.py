@@ -50,12 +50,13 @@ def gpt2():
 def test_output_parity_float64(name):
   r = _parity.check(name, torch.float64, edits=())
   assert r.output <= F64_TOL.get(name, 1e-10), r
+  assert r.edits[""][1] <= F64_TOL.get(name, 1e-10), r  # the gradient of an upstream weight
 
 
 @pytest.mark.parametrize("name", ["resnet18", "gru", "functional"])
 def test_output_parity_float32(name):
   r = _parity.check(name, torch.float32, edits=())
-  assert r.output <= 1e-5, r
+  assert r.output <= 1e-5 and r.edits[""][1] <= 1e-5, r
 
 
 @pytest.mark.parametrize("name", ["lstm", "multihead_attention", "conv_bn_relu"])
@@ -173,6 +174,20 @@ def test_bfloat16_and_dtype_override():
                                                  dtype=jnp.float64)
   out = module.apply(variables, to_jax(idx))
   assert out.dtype == jnp.float64
+
+
+def test_embedding_gradient_follows_padding_idx_and_scale_grad_by_freq():
+  for kwargs in ({"padding_idx": 0}, {"padding_idx": 1, "scale_grad_by_freq": True}):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 3, **kwargs), nn.Tanh()).double()
+    idx = torch.tensor([[0, 1, 1, 3], [3, 3, 0, 2]])
+    module, variables, _ = torch_bridge.from_torch(model, idx, method="export")
+    grad = jax.grad(lambda p: jnp.sum(module.apply({"params": p}, to_jax(idx)) ** 2))(
+      variables["params"])
+    (model(idx) ** 2).sum().backward()
+    want = model[0].weight.grad.numpy()
+    assert np.max(np.abs(np.asarray(grad["0"]["weight"]) - want)) <= 1e-12, kwargs
+    assert not want[kwargs["padding_idx"]].any()
 
 
 # -- bad input: one typed error, with the module path ------------------------------------------

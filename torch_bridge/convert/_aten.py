@@ -456,7 +456,20 @@ def _group_norm(x, groups, w=None, b=None, eps=1e-5):
 
 
 def _embedding(w, idx, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-  return jnp.take(w, idx, axis=0)
+  rows = jnp.take(w, idx, axis=0)
+  if padding_idx < 0 and not scale_grad_by_freq:
+    return rows
+  # torch's backward gives the padding row no gradient and, with scale_grad_by_freq, divides
+  # each row's gradient by its count in the batch. (rows - stop_gradient(rows)) is exactly zero,
+  # so the forward value is unchanged and only the gradient is scaled.
+  factor = jnp.ones(idx.shape, w.dtype)
+  if padding_idx >= 0:
+    factor = jnp.where(idx == padding_idx, 0, factor).astype(w.dtype)
+  if scale_grad_by_freq:
+    counts = jnp.zeros((w.shape[0],), w.dtype).at[idx.reshape(-1)].add(1)
+    factor = factor / jnp.take(counts, idx)
+  fixed = lax.stop_gradient(rows)
+  return fixed + (rows - fixed) * factor[..., None]
 
 
 def _softmax(x, dim, half_to_float=False):
