@@ -107,7 +107,7 @@ class ResNet18(nn.Module):
 
 
 def resnet18():
-  return ResNet18(), (torch.randn(2, 3, 32, 32),), "layer2.0"
+  return ResNet18(), (torch.randn(2, 3, 16, 16),), "layer2.0"
 
 
 class RNNHead(nn.Module):
