@@ -27,16 +27,16 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
   sys.path.insert(0, str(_ROOT))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import jax
+import numpy as np
+import torch
 
-from benchmarks._timing import env_info, interleaved, median, ratio, report, row  # noqa: E402
-from jaxlens import models  # noqa: E402
-from torch_bridge.convert import _zoo, convert, to_jax  # noqa: E402
+from benchmarks._timing import env_info, interleaved, median, ratio, report, row
+from jaxlens import models
+from torch_bridge.convert import _zoo, convert, to_jax
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "convert.json"
-GPT = dict(n_layer=4, n_embd=128, n_head=4, vocab_size=256, seq=64, batch=4)
+GPT = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 256, "seq": 64, "batch": 4}
 
 
 def parse_args(argv=None):
@@ -113,8 +113,9 @@ def main(argv=None) -> dict:
       hand_fwd = jax.jit(hand.apply)
       conv_fwd = jax.jit(m["fmodel"].apply)
       variables, jin = m["variables"], m["jin"]
-      t = interleaved({"converted": lambda: conv_fwd(variables, *jin),
-                       "hand": lambda: hand_fwd(hvars, tokens)}, args.repeats, args.warmup)
+      t = interleaved({"converted": lambda: conv_fwd(variables, *jin),  # noqa: B023
+                       "hand": lambda: hand_fwd(hvars, tokens)},  # noqa: B023
+                      args.repeats, args.warmup)
       figures["gpt2"]["hand_written"] = median(t["hand"])
       rows.append(row("forward_gpt2_vs_hand_written",
                       "gpt2: converted jitted forward / hand-written Flax GPT (jaxlens.models)",

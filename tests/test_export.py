@@ -17,17 +17,17 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_enable_x64", True)
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from torch import nn  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+from torch import nn
 
-import jaxlens as jl  # noqa: E402
-import torch_bridge  # noqa: E402
-from torch_bridge.convert import ConversionError, _parity, _zoo, convert, to_jax  # noqa: E402
+import jaxlens as jl
+import torch_bridge
+from torch_bridge.convert import ConversionError, _parity, _zoo, convert, to_jax
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
                                         "ignore::DeprecationWarning")
@@ -40,7 +40,7 @@ F64_TOL = {"llama": 1e-6}
 
 @pytest.fixture(scope="module")
 def gpt2():
-  model, inputs, site = _zoo.build("gpt2", torch.float64)
+  model, inputs, _ = _zoo.build("gpt2", torch.float64)
   fmodel, variables, site_map, program = convert(model, *inputs)
   return model, inputs, fmodel, variables, site_map, program
 
@@ -158,7 +158,7 @@ def test_dynamic_batch_and_sequence():
 
 def test_attention_probabilities_are_a_site():
   model, (x,), _ = _zoo.build("multihead_attention", torch.float64)
-  module, variables, site_map = torch_bridge.from_torch(model, x, attention_probs=True)
+  module, variables, _ = torch_bridge.from_torch(model, x, attention_probs=True)
   probs = np.asarray(jax.jit(lambda v: jl.trace(module, v, to_jax(x), save=jl.module(
     "attn/attn_probs"))["attn/attn_probs"].out)(variables))
   assert probs.shape == (2, 2, 5, 5)  # (batch, heads, query, key)
@@ -191,8 +191,9 @@ def test_embedding_gradient_follows_padding_idx_and_scale_grad_by_freq():
     model = nn.Sequential(nn.Embedding(5, 3, **kwargs), nn.Tanh()).double()
     idx = torch.tensor([[0, 1, 1, 3], [3, 3, 0, 2]])
     module, variables, _ = torch_bridge.from_torch(model, idx, method="export")
-    grad = jax.grad(lambda p: jnp.sum(module.apply({"params": p}, to_jax(idx)) ** 2))(
-      variables["params"])
+    jidx = to_jax(idx)
+    loss = lambda p, m=module, i=jidx: jnp.sum(m.apply({"params": p}, i) ** 2)
+    grad = jax.grad(loss)(variables["params"])
     (model(idx) ** 2).sum().backward()
     want = model[0].weight.grad.numpy()
     assert np.max(np.abs(np.asarray(grad["0"]["weight"]) - want)) <= 1e-12, kwargs

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -270,7 +271,7 @@ def _conv(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
   unbatched = x.ndim == n + 1
   if unbatched:
     x = x[None]
-  expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)  # noqa: E731
+  expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)
   stride, dilation = expand(_listify(stride)), expand(_listify(dilation))
   if isinstance(padding, str):
     if padding == "valid":
@@ -304,7 +305,7 @@ def _conv_transpose(x, w, b=None, stride=1, padding=0, output_padding=0, groups=
   unbatched = x.ndim == n + 1
   if unbatched:
     x = x[None]
-  expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)  # noqa: E731
+  expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)
   stride, padding = expand(_listify(stride)), expand(_listify(padding))
   output_padding, dilation = expand(_listify(output_padding)), expand(_listify(dilation))
   # torch weight (in, out/groups, *k) -> (out, in/groups, *k), spatially flipped.
@@ -337,7 +338,7 @@ def _max_pool(n):
     unbatched = x.ndim == n + 1
     if unbatched:
       x = x[None]
-    expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)  # noqa: E731
+    expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)
     k = expand(_listify(kernel_size))
     s = expand(_listify(stride)) if _listify(stride) else k
     p, d = expand(_listify(padding)), expand(_listify(dilation))
@@ -356,7 +357,7 @@ def _avg_pool(n):
     unbatched = x.ndim == n + 1
     if unbatched:
       x = x[None]
-    expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)  # noqa: E731
+    expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)
     k = expand(_listify(kernel_size))
     s = expand(_listify(stride)) if _listify(stride) else k
     p = expand(_listify(padding))

@@ -72,7 +72,7 @@ def first_leaf(out):
     return first_leaf(next(iter(out.values())))
   if isinstance(out, (tuple, list)):
     return first_leaf(out[0])
-  if isinstance(out, torch.Tensor) or isinstance(out, jax.Array):
+  if isinstance(out, (torch.Tensor, jax.Array)):
     return out
   leaves = [t for t in tree.tree_leaves(out) if isinstance(t, torch.Tensor)]
   return leaves[0]
