@@ -5,6 +5,10 @@
 """
 
 from jaxlens import intervention as intervention
+from jaxlens import store as store
+from jaxlens.attribution import SiteGrads as SiteGrads
+from jaxlens.attribution import attribution_patching as attribution_patching
+from jaxlens.attribution import site_grads as site_grads
 from jaxlens import sweep as sweep
 from jaxlens._src.backward import backward_hook as backward_hook
 from jaxlens._src.backward import grad_clip as grad_clip
@@ -14,6 +18,9 @@ from jaxlens._src.dependence import depends_on as depends_on
 from jaxlens._src.doors import Spec as Spec
 from jaxlens._src.doors import no_grad as no_grad
 from jaxlens._src.doors import when as when
+from jaxlens._src.named import Named as Named
+from jaxlens._src.named import NamedNNX as NamedNNX
+from jaxlens._src.named import named as named
 from jaxlens._src.tracing import SiteValue as SiteValue
 from jaxlens._src.tracing import Trace as Trace
 from jaxlens._src.tracing import trace as trace
@@ -75,4 +82,6 @@ __all__ = [
     "project_onto", "project_out", "replace_with", "scale", "splice_module", "steer",
     "swap_with", "trace", "when", "zero_ablate",
     "backward_hook", "grad_clip", "grad_scale", "grad_zero", "sweep",
+    "Named", "NamedNNX", "named",
+    "SiteGrads", "attribution_patching", "site_grads", "store",
 ]
