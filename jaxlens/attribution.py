@@ -96,14 +96,15 @@ def _selectors(sites) -> list:
   return out
 
 
-def _resolve(model, variables, inputs, selectors, method, apply_kwargs):
+def _resolve(model, variables, inputs, selectors, method, apply_kwargs, edits=()):
   """``{label: ShapeDtypeStruct}`` of the sites ``selectors`` pick (abstract evaluation)."""
   import jaxlens as jl
 
   # Abstract evaluation: shapes, dtypes and the site infos, no computation.
   t_abstract = jax.eval_shape(
-      lambda v, *x: jl.trace(model, v, *x, save=selectors, keep_inputs=False, method=method,
-                             **apply_kwargs), variables, *inputs)
+      lambda v, *x: jl.trace(model, v, *x, intervene=list(edits), save=selectors,
+                             keep_inputs=False, method=method, **apply_kwargs),
+      variables, *inputs)
   values = t_abstract.values
   layered = []
   for label_, info in t_abstract.infos.items():
@@ -123,7 +124,8 @@ def _resolve(model, variables, inputs, selectors, method, apply_kwargs):
 
 
 def site_grads(model, variables, *inputs, metric: Callable[[Any], Any],
-               sites: Sequence[Any] | Any, method=None, **apply_kwargs) -> SiteGrads:
+               sites: Sequence[Any] | Any, intervene=None, method=None,
+               **apply_kwargs) -> SiteGrads:
   """The gradient of ``metric(model output)`` at each site, from one backward pass.
 
   Args:
@@ -133,6 +135,8 @@ def site_grads(model, variables, *inputs, metric: Callable[[Any], Any],
     metric: a function of the model output returning a scalar.
     sites: module paths (``"block_0"``, globs allowed) or selectors
       (``jl.label("tanh_1")`` for an op site); every site they select gets a gradient.
+    intervene: edits live during the forward (a spec from ``jl.when``, or a list):
+      the gradients are those of the edited model.
     method: the module method to call.
     **apply_kwargs: passed on to :func:`jaxlens.trace`.
 
@@ -148,10 +152,12 @@ def site_grads(model, variables, *inputs, metric: Callable[[Any], Any],
   """
   import jaxlens as jl
   selectors = _selectors(sites)
-  shapes = _resolve(model, variables, inputs, selectors, method, apply_kwargs)
+  edits = [] if intervene is None else (list(intervene) if isinstance(intervene, (list, tuple))
+                                        else [intervene])
+  shapes = _resolve(model, variables, inputs, selectors, method, apply_kwargs, edits)
 
   def run(deltas):
-    spec = [jl.when(jl.label(k), jl.add(d)) for k, d in deltas.items()]
+    spec = edits + [jl.when(jl.label(k), jl.add(d)) for k, d in deltas.items()]
     t = jl.trace(model, variables, *inputs, intervene=spec,
                  save=[jl.label(k) for k in deltas], keep_inputs=False, method=method,
                  **apply_kwargs)

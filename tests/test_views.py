@@ -64,6 +64,10 @@ def test_treescope_renders_traces_specs_edits_and_selectors(traces):
   assert "jl.compose(" in text and "# cuts the gradient" in text and "# 1 rules" in text
   assert treescope.render_to_text(jl.module("block_*") | jl.func("tanh")) == \
       "(jl.module('block_*') | jl.func('tanh'))"
+  matched = treescope.render_to_text(views.view(jl.module("block_*/mlp"), trace=replayed))
+  assert matched == "jl.module('block_*/mlp')  # matches block_0/mlp, block_1/mlp"
+  fired = treescope.render_to_text(views.view(jl.when("ln_f", jl.scale(2.0)), trace=replayed))
+  assert "# fired at ln_f" in fired
   steer = treescope.render_to_text(ji.keep_grad(jl.steer(jnp.ones(3), 2.0)))
   assert steer.startswith("keep_grad(jl.steer(") and "keep_grad: checked when it fires" in steer
   differentiable = replayed.do(jl.module("block_1"), jl.scale(1.0),
