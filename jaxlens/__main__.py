@@ -46,7 +46,7 @@ def main(argv=None) -> int:
 
 def _matrix_main() -> int:
   jax.config.update("jax_enable_x64", True)
-  from jaxlens._src import matrix
+  from jaxlens import contract as matrix
 
   _, _, _, _, source = matrix.spec_model()
   if not _torch_available():
@@ -62,7 +62,7 @@ def _matrix_main() -> int:
               for (d, n), (a, b) in table.items())
     return 1 if bad else 0
 
-  from torch_bridge import _matrix
+  from torch_bridge import matrix as _matrix
 
   print("gradient contract matrix: jaxlens and the torch reference (torch_bridge), side by side")
   print(f"model: Sequential([Dense(4), Dense(2)]) / nn.Sequential(nn.Linear(4, 4), "
