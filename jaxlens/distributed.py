@@ -33,8 +33,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlens._src.errors import InvalidArgumentError, JaxlensError
-from jaxlens._src.portable import load_spec as _load_spec
-from jaxlens._src.portable import save_spec as _save_spec
+from jaxlens._src.doors import load_spec as _load_spec
+from jaxlens._src.doors import save_spec as _save_spec
 from jaxlens._src.sites import module
 from jaxlens._src.tracing import trace
 from jaxlens._src.verbs import at_positions, patch_from

@@ -1,4 +1,4 @@
-"""``jl.trace`` and the capture doors: replay (``fork().do``), rerun, set_only + run.
+"""Floor 9: ``jl.trace`` and the trace doors: replay (``fork().do``), rerun, set_only + run.
 
 A :class:`Trace` holds the captured program (static), the call's flat inputs and
 constants, the spec that ran live, the saved site values and the output. It is a
@@ -14,16 +14,40 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxlens._src import capture, dependence
-from jaxlens._src.doors import (Spec, _asks_keep_grad, _grad_disabled, _split, _stop, as_spec,
-                                raise_no_graph, rule)
+from jaxlens._src import interpret, model_calls, program, runtime
+from jaxlens._src.doors import Spec, as_spec, rule
+from jaxlens._src.edit import Donor
 from jaxlens._src.errors import InvalidArgumentError, SiteError, warn_once
-from jaxlens._src.sites import (OUTPUT_LABEL, SiteInfo, as_selector, matched_layers, module_sites,
-                                unmatched_error)
+from jaxlens._src.sites import (
+  OUTPUT_LABEL,
+  SiteInfo,
+  as_selector,
+  matched_layers,
+  module_sites,
+  unmatched_error,
+)
 from jaxlens._src.sites import hits as site_hits
-from jaxlens._src.verbs import InterventionOptions
 
-__all__ = ["Trace", "SiteValue", "trace"]
+__all__ = ["Trace", "SiteValue", "trace", "InterventionOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class InterventionOptions:
+  """How ``Trace.do`` runs an edit.
+
+  Attributes:
+    engine: ``"auto"`` (replay without ``model=``, rerun with it), ``"replay"``,
+      ``"rerun"`` or ``"set_only"`` (stage; ``Trace.run`` executes).
+    differentiable: replay with the frontier re-leafed (gradients stop there).
+  """
+
+  engine: str = "auto"
+  differentiable: bool = False
+
+  def __post_init__(self):
+    if self.engine not in ("auto", "replay", "rerun", "set_only"):
+      raise InvalidArgumentError(f"unknown engine {self.engine!r}", code="invalid_argument",
+                                 fix='InterventionOptions(engine="set_only")')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +81,7 @@ def _id_eq(a, b):
 
 
 @jax.tree_util.register_pytree_node_class
-class Trace:
+class Trace(Donor):
   """The result of ``jl.trace``: the model output and the saved site values.
 
   Index it by label (``trace["layers_0"]``, ``trace["tanh_1"]``) or by a selector
@@ -179,6 +203,15 @@ class Trace:
         code="donor_site_missing", site=label,
         fix=f"capture the donor with save=jl.label({label!r}) or the default save=None")
 
+  def donor_values(self) -> dict:
+    return dict(self.values)
+
+  def donor_infos(self) -> dict:
+    return dict(self.infos)
+
+  def site_value(self, site):
+    return self[site].out
+
   def __repr__(self) -> str:
     shapes = {k: tuple(jnp.shape(v)) for k, v in self.values.items()}
     stale = ", stale" if self.stale else ""
@@ -238,11 +271,11 @@ class Trace:
           "replay(frontier) needs a trace from a differentiable replay", code="not_a_replay",
           fix="trace.do(site, edit, intervention=InterventionOptions(differentiable=True))")
     prog = self._need_program("replay")
-    ev = capture.evaluate(prog, self._args, self._consts, self._spec.rules, None,
-                          known=self.values, start_labels=self._replay_starts,
-                          frontier_values=frontier,
-                          releaf_layers=dict(self._replay_layers) or None)
-    return _output(prog, ev, self.output)
+    ev = interpret.evaluate(prog, self._args, self._consts, self._spec.rules, None,
+                            known=self.values, start_labels=self._replay_starts,
+                            frontier_values=frontier,
+                            releaf_layers=dict(self._replay_layers) or None)
+    return interpret.program_output(prog, ev, self.output)
 
   # -- implementation -----------------------------------------------------
 
@@ -276,7 +309,7 @@ class Trace:
     starts = []
     first_layers: dict[str, int] = {}
     for selector, edit in new.rules:
-      capture.check_selectable(prog, selector, "do()")
+      program.check_selectable(prog, selector, "do()")
       hits = [i.label for i in prog.infos if site_hits(selector, i)]
       if not hits:
         raise unmatched_error(selector, prog.infos, "do()")
@@ -287,7 +320,7 @@ class Trace:
           first_layers[info.label] = min(layers + [first_layers.get(info.label, layers[0])])
     rules = self._spec.rules + new.rules
     spec = Spec(rules)
-    asks = any(_asks_keep_grad(e) for _, e in new.rules)
+    asks = runtime.asks_keep_grad(new.rules)
     if asks:
       if differentiable:
         warn_once(
@@ -295,14 +328,20 @@ class Trace:
             "replayed computation, but parameters upstream of the replay frontier get no "
             "gradient; the live door jl.when(site, keep_grad(edit)).bind(model)(x) reaches them",
             code="keep_grad_replay_frontier")
-      _probe_replay(prog, self, spec, starts, differentiable)
-    ev = capture.evaluate(prog, self._args, self._consts, rules, self._save,
-                          known=self.values, start_labels=tuple(starts), releaf=differentiable,
-                          grad_disabled=_grad_disabled(),
-                          releaf_layers=first_layers if differentiable else None)
+      found = interpret.probe_sites(prog, self._args, self._consts, rules, known=self.values,
+                                    start_labels=tuple(starts), releaf=differentiable)
+      if not differentiable:
+        # (Re-leafed frontier values are fresh inputs of a differentiable replay: a
+        # site computed from them has a graph inside the replayed computation.)
+        runtime.raise_no_graph(*found)
+    ev = interpret.evaluate(prog, self._args, self._consts, rules, self._save,
+                            known=self.values, start_labels=tuple(starts), releaf=differentiable,
+                            grad_disabled=runtime.grad_disabled(),
+                            releaf_layers=first_layers if differentiable else None)
     values = dict(self.values)
     values.update(ev.saved)
-    return self._with(output=_output(prog, ev, self.output), values=values, spec=spec,
+    return self._with(output=interpret.program_output(prog, ev, self.output), values=values,
+                      spec=spec,
                       staged=Spec(()), stale=False,
                       frontier=ev.frontier if differentiable else {},
                       replay_starts=tuple(starts) if differentiable else None,
@@ -317,7 +356,7 @@ class Trace:
     if model is None:
       module = self._module
     else:
-      module, bound = _split(model)
+      module, bound = model_calls.split(model)
       variables = variables if bound is None else bound
     if inputs is None:
       inputs = old_inputs
@@ -344,82 +383,17 @@ class _Ident:
     return id(self.obj)
 
 
-def _output(prog, ev, original):
-  orig_leaves = jax.tree.leaves(original)
-  leaves = []
-  for k, i in enumerate(prog.out_ids):
-    if isinstance(i, tuple):
-      leaves.append(i[1])
-    elif i in ev.env:
-      leaves.append(ev.env[i])
-    else:
-      leaves.append(orig_leaves[k])
-  return jax.tree.unflatten(prog.out_tree, leaves)
-
-
-def _probe(prog, args, consts, spec, **kw):
-  labels, dtypes = [], []
-
-  def probe_fn(args, known):
-    ev = capture.evaluate(prog, args, consts, spec.rules, None, probe=True,
-                          known=known or None, **kw)
-    labels[:] = [lbl for lbl, _ in ev.recorded]
-    dtypes[:] = [jnp.result_type(v) for _, v in ev.recorded]
-    return [v for _, v in ev.recorded]
-
-  return probe_fn, labels, dtypes
-
-
-def _probe_capture(prog, args, consts, spec):
-  probe_fn, labels, dtypes = _probe(prog, args, consts, spec)
-  table, _ = dependence.outputs_depend_on_inputs(probe_fn, list(args), {})
-  raise_no_graph(labels, table, dtypes)
-
-
-def _probe_replay(prog, t: Trace, spec, starts, differentiable):
-  probe_fn, labels, dtypes = _probe(prog, t._args, t._consts, spec, start_labels=tuple(starts),
-                                    releaf=differentiable)
-  table, _ = dependence.outputs_depend_on_inputs(probe_fn, list(t._args), dict(t.values))
-  if differentiable:
-    # Re-leafed frontier values are fresh inputs of the replay: a site computed from
-    # them has a graph inside the replayed computation.
-    return
-  raise_no_graph(labels, table, dtypes)
-
-
-def _capture(module, variables, inputs, kwargs, spec: Spec, save, *, save_given, method,
+def _capture(call, variables, inputs, kwargs, spec: Spec, save, *, save_given, method,
              apply_kwargs, keep_inputs=True) -> Trace:
-  disabled = _grad_disabled()
-  if disabled:
-    variables, inputs = _stop(variables), _stop(inputs)
-  prog, consts, args = capture.build_program(module, variables, inputs, kwargs, method,
-                                             apply_kwargs)
-  for selector, _ in spec.rules:
-    capture.check_selectable(prog, selector, "intervene=")
-  if save_given:
-    capture.check_selectable(prog, save, "save=", editing=False)
-  probed = False
-  if not disabled and any(_asks_keep_grad(e) for _, e in spec.rules):
-    _probe_capture(prog, args, consts, spec)
-    probed = True
-  ev = capture.evaluate(prog, args, consts, spec.rules, save, grad_disabled=disabled)
-  seen = prog.infos
-  for (selector, _), count in zip(spec.rules, ev.fired):
-    if count == 0:
-      raise unmatched_error(selector, seen, "intervene=")
-  if save_given and not ev.saved:
-    raise unmatched_error(save, seen, "save=")
-  if not probed and ev.hook_asked:
-    # A hook may ask for keep_grad at fire time (InterventionDecision): check its site.
-    probe_fn, labels, dtypes = _probe(prog, args, consts, spec)
-    table, _ = dependence.outputs_depend_on_inputs(probe_fn, list(args), {})
-    raise_no_graph(labels, table, dtypes)
-  output = _output(prog, ev, None)
-  call = (method, tuple(sorted(apply_kwargs.items())), tuple(sorted(kwargs.items())))
+  run = interpret.capture(call, variables, inputs, kwargs, spec.rules, save,
+                          save_given=save_given, method=method, apply_kwargs=apply_kwargs)
+  ev, args, consts = run.evaluation, run.args, run.consts
+  kw = (method, tuple(sorted(apply_kwargs.items())), tuple(sorted(kwargs.items())))
   if not keep_inputs:
     args, consts = (), ()
-  return Trace(output, ev.saved, ev.saved_infos, program=prog, args=args, consts=consts,
-               spec=spec, save=save, module=module, call=call, keep_inputs=keep_inputs)
+  return Trace(run.output, ev.saved, ev.saved_infos, program=run.program, args=args,
+               consts=consts, spec=spec, save=save, module=call, call=kw,
+               keep_inputs=keep_inputs)
 
 
 def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: bool = True,
@@ -452,7 +426,7 @@ def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: boo
     through it with ``jax.grad``, return it from ``jax.jit``, replay edits on it
     with ``trace.fork().do(site, edit)``.
   """
-  module, variables = _split(model)
+  module, variables = model_calls.split(model)
   if variables is None:
     if not args:
       raise InvalidArgumentError("an unbound module needs its variables as the first argument",
