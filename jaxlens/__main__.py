@@ -104,10 +104,10 @@ def _matrix_main(*, full: bool = False, table_out: str | None = None,
   jax.config.update("jax_enable_x64", True)
   # The contract matrix (rows, doors, the specification's outcomes) and, with torch, its
   # torch side: the only two imports of the matrix code in this module.
-  from jaxlens._src import matrix
+  from jaxlens import contract as matrix
   torch = _torch_available()
   if torch:
-    from torch_bridge import _matrix as torch_matrix
+    from torch_bridge import matrix as torch_matrix
 
   _, _, _, _, source = matrix.spec_model()
   doors = dict(matrix.DOORS)

@@ -245,7 +245,7 @@ def view(obj, *, trace=None) -> Any:
   """
   import jaxlens as jl
   register()
-  from jaxlens._src.verbs import Edit
+  from jaxlens._src.edit import Edit
   if isinstance(obj, (TraceView, SpecView, EditView, SelectorView, ModuleView, SiteView)):
     return obj
   infos = list(trace.sites) if trace is not None else None
@@ -448,7 +448,7 @@ def _render_trace(tv: TraceView, path, subtree_renderer):
 def _handler(node, path, subtree_renderer):
   """treescope's handler for jaxlens objects and their views."""
   import jaxlens as jl
-  from jaxlens._src.verbs import Edit
+  from jaxlens._src.edit import Edit
   if isinstance(node, (jl.Trace, jl.Spec, Edit, jl.Site)):
     node = view(node)
   if isinstance(node, TraceView):
@@ -482,7 +482,7 @@ def register() -> None:
   if _registered:
     return
   import jaxlens as jl
-  from jaxlens._src.verbs import Edit
+  from jaxlens._src.edit import Edit
   registry = _treescope().type_registries.TREESCOPE_HANDLER_REGISTRY
   for cls in (jl.Trace, jl.Spec, Edit, jl.Site, TraceView, SpecView, EditView, SelectorView,
               ModuleView, SiteView):

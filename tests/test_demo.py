@@ -55,7 +55,7 @@ def test_main_trains_sweeps_and_draws_the_heatmap(tmp_path, capsys, monkeypatch)
 def test_python_m_jaxlens_summary_fits_100_columns(tmp_path, capsys, monkeypatch):
   """The command's own layout, on stand-in cells (the matrix itself is tested elsewhere)."""
   from jaxlens import __main__ as entry
-  from jaxlens._src import matrix
+  from jaxlens import contract as matrix
   doors = {k: matrix.DOORS[k] for k in ("live_bind", "replay", "units:differentiable_replay")}
   cells = {(d, r.name): tuple(matrix.Cell(o) for o in matrix.expected(d, r))
            for d in doors for r in matrix.ROWS}

@@ -9,7 +9,7 @@ from flax import nnx
 
 import jaxlens as jl
 from jaxlens import intervention as ji
-from jaxlens._src import matrix
+from jaxlens import contract as matrix
 
 SITE = jl.module("layers/0")
 

@@ -16,9 +16,9 @@ import jax
 
 jax.config.update("jax_enable_x64", True)
 
-import torch  # noqa: E402
+import torch
 
-from torch_bridge.convert import _parity, _zoo  # noqa: E402
+from torch_bridge.convert import _parity, _zoo
 
 HEADER = """# Conversion parity (generated)
 

@@ -18,7 +18,7 @@ import torch
 
 import jaxlens as jl
 import torch_bridge
-from jaxlens._src import matrix
+from jaxlens import contract as matrix
 from jaxlens._src import selections
 from torch_bridge import _matrix
 from torch_bridge import reference as ref

@@ -26,7 +26,7 @@ import torchlens as tl
 from torchlens import intervention as ti
 from torchlens.options import CaptureOptions, InterventionOptions, ReplayOptions
 
-from jaxlens._src import matrix
+from jaxlens import contract as matrix
 from torch_bridge import _matrix
 
 SITE = tl.module("0")
