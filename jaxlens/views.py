@@ -407,7 +407,7 @@ def _render_edit(edit, path, subtree_renderer):
   for k, v in getattr(edit, "static", ()):
     if v is not None:
       items.append((k, v))
-  mark = "keep_grad(" if getattr(edit, "keep_grad", False) else ""
+  mark = "jl.keep_grad(" if getattr(edit, "keep_grad", False) else ""
   comment = ("keeps the gradient" if keeps else "cuts the gradient") + (
       "; keep_grad: checked when it fires" if mark else "")
   prefix = f"{mark}jl.{getattr(edit, 'name', type(edit).__name__)}("

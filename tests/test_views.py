@@ -69,7 +69,7 @@ def test_treescope_renders_traces_specs_edits_and_selectors(traces):
   fired = treescope.render_to_text(views.view(jl.when("ln_f", jl.scale(2.0)), trace=replayed))
   assert "# fired at ln_f" in fired
   steer = treescope.render_to_text(ji.keep_grad(jl.steer(jnp.ones(3), 2.0)))
-  assert steer.startswith("keep_grad(jl.steer(") and "keep_grad: checked when it fires" in steer
+  assert steer.startswith("jl.keep_grad(jl.steer(") and "keep_grad: checked when it fires" in steer
   differentiable = replayed.do(jl.module("block_1"), jl.scale(1.0),
                                intervention=jl.InterventionOptions(differentiable=True))
   assert "frontier={" in treescope.render_to_text(differentiable)
