@@ -192,12 +192,12 @@ CONCRETE_EDIT = {"spec_bind"}
 
 # door name -> (spelling shown in the table, runner(model, variables, x, edit) -> output)
 DOORS: dict[str, tuple[str, Callable]] = {
-    "live_bind": ("jl.when(site, edit).bind(model)(x)", _door_bind),
-    "live_trace": ("jl.trace(model, x, intervene=...)", _door_trace),
+    "live_bind": ("jl.when(site, edit).bind(model)(variables, x)", _door_bind),
+    "live_trace": ("jl.trace(model, variables, x, intervene=...)", _door_trace),
     "replay": ("trace.fork().do(site, edit)", _door_replay),
     "rerun": ("trace.fork().do(site, edit, model=, inputs=)", _door_rerun),
     "set_only_run": ('do(..., InterventionOptions(engine="set_only")) + run()', _door_set_only),
-    "spec_bind": ("jl.load_spec(spec.save(dir)).bind(model)(x)", _door_spec_bind),
+    "spec_bind": ("jl.load_spec(spec.save(dir)).bind(model)(variables, x)", _door_spec_bind),
     "differentiable_replay": ("do(..., InterventionOptions(differentiable=True))",
                               _door_differentiable),
 }
