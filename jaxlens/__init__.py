@@ -28,6 +28,9 @@ from jaxlens._src.errors import JaxlensWarning as JaxlensWarning
 from jaxlens._src.errors import ShapeError as ShapeError
 from jaxlens._src.errors import SiteError as SiteError
 from jaxlens._src.errors import SpecFormatError as SpecFormatError
+from jaxlens._src.named import Named as Named
+from jaxlens._src.named import NamedNNX as NamedNNX
+from jaxlens._src.named import named as named
 from jaxlens._src.runtime import no_grad as no_grad
 from jaxlens._src.sites import Site as Site
 from jaxlens._src.sites import all_sites as all_sites
@@ -41,6 +44,11 @@ from jaxlens._src.tracing import Trace as Trace
 from jaxlens._src.tracing import trace as trace
 from jaxlens.intervention import *  # noqa: F403 (every edit builder; tests/test_api.py checks)
 from jaxlens.intervention import __all__ as _intervention_all
+# Built on the names above: gradients at sites and the activation store.
+from jaxlens import store as store
+from jaxlens.attribution import SiteGrads as SiteGrads
+from jaxlens.attribution import attribution_patching as attribution_patching
+from jaxlens.attribution import site_grads as site_grads
 
 __version__ = "0.1.0"
 
@@ -50,6 +58,8 @@ __all__ = sorted({
     "ShapeError", "Site", "SiteError", "SiteValue", "Spec", "SpecFormatError", "SpecReport",
     "Trace", "all_sites", "check_spec", "depends_on", "func", "in_module", "intervention", "label",
     "load_spec", "module", "module_sites", "no_grad", "save_spec", "sweep", "trace", "when",
+    "Named", "NamedNNX", "named",
+    "SiteGrads", "attribution_patching", "site_grads", "store",
 })
 
 

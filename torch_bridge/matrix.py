@@ -20,12 +20,14 @@ import sys
 import jax
 
 from torch_bridge._matrix import SITE as SITE
+from torch_bridge._matrix import TOL as TOL
+from torch_bridge._matrix import door_table as door_table
 from torch_bridge._matrix import format_both as format_both
 from torch_bridge._matrix import full_table as full_table
 from torch_bridge._matrix import spec_model as spec_model
 from torch_bridge._matrix import summary as summary
 
-__all__ = ["SITE", "format_both", "full_table", "main", "spec_model", "summary"]
+__all__ = ["SITE", "TOL", "door_table", "format_both", "full_table", "main", "spec_model", "summary"]
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m torch_bridge.matrix", description=__doc__,

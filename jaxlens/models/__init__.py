@@ -1,0 +1,61 @@
+"""jaxlens's model zoo: readable Flax implementations of GPT-2, the Llama family and BERT with
+named sites (``docs/models.md``), their offline loaders, and the small demo GPT.
+
+One family per module: :mod:`jaxlens.models.gpt2`, :mod:`jaxlens.models.llama`,
+:mod:`jaxlens.models.bert`; loaders in :mod:`jaxlens.models.loading`; the two pretrained models
+published as Python wheels in :mod:`jaxlens.models.hub`.
+"""
+
+from jaxlens.models import demo as demo
+from jaxlens.models import hub as hub
+from jaxlens.models._demo_gpt import GPT as GPT
+from jaxlens.models._demo_gpt import MLP as MLP
+from jaxlens.models._demo_gpt import Block as Block
+from jaxlens.models._demo_gpt import CausalSelfAttention as CausalSelfAttention
+from jaxlens.models._demo_gpt import gpt_config as gpt_config
+from jaxlens.models._demo_gpt import init_gpt as init_gpt
+from jaxlens.models.bert import Bert as Bert
+from jaxlens.models.bert import BertConfig as BertConfig
+from jaxlens.models.bert import mean_pool as mean_pool
+from jaxlens.models.gpt2 import GPT2 as GPT2
+from jaxlens.models.gpt2 import GPT2Config as GPT2Config
+from jaxlens.models.hub import minilm as minilm
+from jaxlens.models.hub import smollm2 as smollm2
+from jaxlens.models.llama import Llama as Llama
+from jaxlens.models.llama import LlamaConfig as LlamaConfig
+from jaxlens.models.loading import LoadError as LoadError
+from jaxlens.models.loading import Pretrained as Pretrained
+from jaxlens.models.loading import config_from_hf as config_from_hf
+from jaxlens.models.loading import from_state_dict as from_state_dict
+from jaxlens.models.loading import load_gguf as load_gguf
+from jaxlens.models.loading import load_hf as load_hf
+from jaxlens.models.loading import params_from_hf as params_from_hf
+from jaxlens.models.loading import tokenizer_from_gguf as tokenizer_from_gguf
+
+__all__ = [
+    "GPT",
+    "GPT2",
+    "MLP",
+    "Bert",
+    "BertConfig",
+    "Block",
+    "CausalSelfAttention",
+    "GPT2Config",
+    "Llama",
+    "LlamaConfig",
+    "LoadError",
+    "Pretrained",
+    "config_from_hf",
+    "demo",
+    "from_state_dict",
+    "gpt_config",
+    "hub",
+    "init_gpt",
+    "load_gguf",
+    "load_hf",
+    "mean_pool",
+    "minilm",
+    "params_from_hf",
+    "smollm2",
+    "tokenizer_from_gguf",
+]

