@@ -8,6 +8,9 @@ import pytest
 
 from jaxlens import contract as matrix
 
+# The matrix cells are cached per process: the files reading them share one xdist worker.
+pytestmark = pytest.mark.xdist_group("matrix")
+
 SITE = matrix.SITE
 _sg = jax.lax.stop_gradient
 DIRECTION = jnp.asarray([1.0, -2.0, 0.5, 3.0])

@@ -220,6 +220,9 @@ def show_value(v) -> str:
   """A readable, where possible re-typable, form of an argument value."""
   if isinstance(v, jax.core.Tracer):
     return f"<traced {v.aval.str_short()}>"
+  if isinstance(v, jax.Array) and not v.is_fully_addressable:
+    # Its shards live on other processes too: only its type can be shown here.
+    return f"<{v.dtype}{list(v.shape)} array over processes>"
   if isinstance(v, (jax.Array, np.ndarray, np.generic)):
     a = np.asarray(v)
     if a.ndim == 0:

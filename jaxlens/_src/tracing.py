@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxlens._src import interpret, model_calls, program, runtime
 from jaxlens._src.doors import Spec, as_spec, rule
 from jaxlens._src.edit import Donor
-from jaxlens._src.errors import InvalidArgumentError, SiteError, warn_once
+from jaxlens._src.errors import InvalidArgumentError, ShapeError, SiteError, warn_once
 from jaxlens._src.sites import (
   OUTPUT_LABEL,
   SiteInfo,
@@ -316,6 +316,23 @@ class Trace(Donor):
           "replay(frontier) needs a trace from a differentiable replay", code="not_a_replay",
           fix="trace.do(site, edit, intervention=InterventionOptions(differentiable=True))")
     prog = self._need_program("replay")
+    if not isinstance(frontier, dict):
+      raise InvalidArgumentError(f"replay(frontier) takes a dict of label -> value, got "
+                                 f"{type(frontier).__name__}", code="invalid_argument",
+                                 fix="r.replay(r.frontier)")
+    for label, value in frontier.items():
+      if label not in self.frontier:
+        raise SiteError(f"replay(frontier): {label!r} is not a frontier value of this replay",
+                        code="unknown_site", site=label, candidates=list(self.frontier),
+                        fix=f"one of: {', '.join(self.frontier)}")
+      want = self.frontier[label]
+      if jnp.shape(value) != jnp.shape(want) or jnp.result_type(value) != jnp.result_type(want):
+        raise ShapeError(
+            f"replay(frontier): {label!r} has shape {jnp.shape(value)} and dtype "
+            f"{jnp.result_type(value)}, the frontier value {jnp.shape(want)} and "
+            f"{jnp.result_type(want)}", code="shape_mismatch", site=label,
+            fix=f"pass a value like r.frontier[{label!r}]", expected=str(jnp.shape(want)),
+            received=str(jnp.shape(value)))
     ev = interpret.evaluate(prog, self._args, self._consts, self._spec.rules, None,
                             known=self.values, start_labels=self._replay_starts,
                             frontier_values=frontier,
@@ -479,6 +496,9 @@ def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: boo
     with ``trace.fork().do(site, edit)``.
   """
   module, variables = model_calls.split(model)
+  if isinstance(method, str) and not callable(getattr(model, method, None)):
+    raise InvalidArgumentError(f"{type(model).__name__} has no method {method!r}",
+                               code="invalid_argument", fix="method=None (the module's __call__)")
   if variables is None:
     if not args:
       raise InvalidArgumentError("an unbound module needs its variables as the first argument",
@@ -490,6 +510,9 @@ def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: boo
   elif save is False:
     selector = None
   elif isinstance(save, (list, tuple)):
+    if not save:
+      raise InvalidArgumentError("save=[] selects no site", code="invalid_argument",
+                                 fix="save=False (keep no site) or save=None (every module)")
     selector = None
     for s in save:
       selector = as_selector(s) if selector is None else selector | as_selector(s)

@@ -2,6 +2,11 @@
 
 from pathlib import Path
 
+import pytest
+
+# The matrix cells are cached per process: the files reading them share one xdist worker.
+pytestmark = pytest.mark.xdist_group("matrix")
+
 CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "gradient_contract.md"
 
 
