@@ -6,6 +6,9 @@
 
 from jaxlens import intervention as intervention
 from jaxlens import sweep as sweep
+from jaxlens import generation as generation
+from jaxlens.generation import at_steps as at_steps
+from jaxlens.generation import generate as generate
 from jaxlens._src.backward import backward_hook as backward_hook
 from jaxlens._src.backward import grad_clip as grad_clip
 from jaxlens._src.backward import grad_scale as grad_scale
@@ -79,4 +82,5 @@ __all__ = [
     "swap_with", "trace", "when", "zero_ablate",
     "backward_hook", "grad_clip", "grad_scale", "grad_zero", "sweep",
     "Named", "NamedNNX", "named",
+    "generation", "generate", "at_steps",
 ]
