@@ -8,6 +8,7 @@ A block preceded by the line ``<!-- no-run -->`` is not run. A block containing
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
@@ -17,6 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 CONTRACT = ROOT / "docs" / "gradient_contract.md"
 _EXPECTED = re.compile(r"^# docs-test: expected=(.*)$", re.M)
+# A page that needs optional packages (the model wheels) says so and is skipped without them.
+_REQUIRES = re.compile(r"^<!-- docs-test: requires=(\S+) -->$", re.M)
 
 
 def python_blocks(path: Path) -> list[tuple[int, str]]:
@@ -44,6 +47,10 @@ def test_the_contract_page_has_examples():
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
 def test_docs_examples_run(path):
+  requires = _REQUIRES.search(path.read_text())
+  for name in requires.group(1).split(",") if requires else ():
+    if importlib.util.find_spec(name) is None:
+      pytest.skip(f"{path.name} needs {name}")
   namespace = {"__name__": f"docs_{path.stem}"}
   for line, code in python_blocks(path):
     # Padding puts the block at its own line numbers, so a traceback points into the page.

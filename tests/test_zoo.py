@@ -312,3 +312,13 @@ def test_gguf_undoes_the_rotary_permutation_and_refuses_bad_files(llama, tmp_pat
     load_gguf(tmp_path / "other.gguf")
   with pytest.raises(LoadError, match=r"\[file_not_found\]"):
     load_gguf(tmp_path / "none.gguf")
+
+
+def test_docstring_examples():
+  import doctest
+
+  from jaxlens._src import named
+  from jaxlens.models import llama
+  for module in (named, llama):
+    failures, tried = doctest.testmod(module, verbose=False)
+    assert tried > 0 and failures == 0

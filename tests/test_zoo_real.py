@@ -112,3 +112,16 @@ def test_minilm_ranks_a_paraphrase_above_an_unrelated_sentence(minilm):
   k = int(mask[0].sum())
   np.testing.assert_allclose(embed(minilm.variables, ids[:1, :k], mask[:1, :k])[0], e[0],
                              atol=1e-5)
+
+
+@needs_smollm2
+def test_the_demo_command(lm, monkeypatch, capsys, tmp_path):
+  from jaxlens.models import __main__ as entry
+  grid = np.asarray([[0.5, 7.0], [-6.0, 7.2]])
+  monkeypatch.setattr(demo, "factual_recall",
+                      lambda lm: (grid, ["L0", "L1"], ["The", " is"], (7.3, -6.0)))
+  assert entry.main(["--out", str(tmp_path / "h.png")]) == 0
+  out = capsys.readouterr().out
+  assert "30 layers" in out and "clean 7.30, corrupt -6.00" in out
+  assert "largest recovery: L1 at ' is'" in out
+  assert ((tmp_path / "h.png").exists() or "table above is the heatmap" in out)

@@ -12,6 +12,8 @@ from jaxlens.models._demo_gpt import Block as Block
 from jaxlens.models._demo_gpt import CausalSelfAttention as CausalSelfAttention
 from jaxlens.models._demo_gpt import gpt_config as gpt_config
 from jaxlens.models._demo_gpt import init_gpt as init_gpt
+from jaxlens.models import demo as demo
+from jaxlens.models import hub as hub
 from jaxlens.models.bert import Bert as Bert
 from jaxlens.models.bert import BertConfig as BertConfig
 from jaxlens.models.bert import mean_pool as mean_pool
@@ -34,5 +36,5 @@ __all__ = [
     "GPT", "MLP", "Block", "CausalSelfAttention", "gpt_config", "init_gpt",
     "Bert", "BertConfig", "mean_pool", "GPT2", "GPT2Config", "Llama", "LlamaConfig",
     "LoadError", "Pretrained", "config_from_hf", "from_state_dict", "load_gguf", "load_hf",
-    "params_from_hf", "tokenizer_from_gguf", "minilm", "smollm2",
+    "params_from_hf", "tokenizer_from_gguf", "minilm", "smollm2", "demo", "hub",
 ]
