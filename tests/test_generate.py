@@ -102,8 +102,10 @@ def test_greedy_equals_the_uncached_forward_for_every_decoder(family):
   assert out.sequences.shape == (len(ROWS), S + N)
 
 
-def test_steering_on_every_token_equals_the_uncached_steered_forward(family):
-  name, model, variables = family
+def test_steering_on_every_token_equals_the_uncached_steered_forward(llama):
+  # (GPT-2's steered generation is compared with transformers in test_generate_torch.py.)
+  model, variables = llama
+  name = "llama"
   spec = jl.when(jl.module(SITE), jl.steer(_direction(1), 6.0))
   out = generate(model, variables, TOKENS, N, attention_mask=MASK, intervene=spec)
   ref_tokens, ref_logits, _ = _uncached(model, variables, N, spec)

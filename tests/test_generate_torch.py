@@ -71,5 +71,3 @@ def test_steered_greedy_generation_matches_transformers(family):
   assert err <= 1e-4, err
   plain_tokens, _ = _hf_generate(hf, layer, None)
   assert (plain_tokens != ref_tokens).any()      # the steering changed the generation
-  np.testing.assert_array_equal(
-      jl.generate(lm.model, lm.variables, jnp.asarray(PROMPT), N).tokens, plain_tokens)
