@@ -272,6 +272,21 @@ def _check_prompt(prompt, mask, module, max_new_tokens):
         fix=f"max_new_tokens <= {max_len - jnp.shape(prompt)[1]}")
 
 
+@functools.lru_cache(maxsize=64)
+def _check_decoder(model: nn.Module) -> None:
+  """Raises ``no_kv_cache`` unless ``model`` keeps a KV cache (checked once per model)."""
+  try:
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
+                                               decode=True))
+  except TypeError as err:
+    raise InvalidArgumentError(f"generate: {type(model).__name__} has no decode mode ({err})",
+                               code="no_kv_cache",
+                               fix="a decoder of jaxlens.models (Llama, GPT2)") from None
+  if "cache" not in shapes:
+    raise InvalidArgumentError(f"generate: {type(model).__name__} keeps no KV cache",
+                               code="no_kv_cache", fix="a decoder of jaxlens.models (Llama, GPT2)")
+
+
 def generate(model: nn.Module, variables, prompt, max_new_tokens: int = 16, *,
              attention_mask=None, intervene=None, prefill=None, decode=None, save=None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -321,15 +336,7 @@ def generate(model: nn.Module, variables, prompt, max_new_tokens: int = 16, *,
     raise InvalidArgumentError(
         f"generate takes an unbound linen decoder and its variables, got {type(model).__name__}",
         code="invalid_argument", fix="jl.generate(lm.model, lm.variables, prompt)")
-  try:
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), prompt[:, :1], decode=True))
-  except TypeError as err:
-    raise InvalidArgumentError(f"generate: {type(model).__name__} has no decode mode ({err})",
-                               code="no_kv_cache",
-                               fix="a decoder of jaxlens.models (Llama, GPT2)") from None
-  if "cache" not in shapes:
-    raise InvalidArgumentError(f"generate: {type(model).__name__} keeps no KV cache",
-                               code="no_kv_cache", fix="a decoder of jaxlens.models (Llama, GPT2)")
+  _check_decoder(model)
   greedy = temperature == 0
   if not greedy and not temperature > 0:
     raise InvalidArgumentError(f"temperature must be >= 0, got {temperature!r}",
