@@ -114,9 +114,13 @@ def measure_torch(lm, prompt, n, ours) -> dict:
   hf = _hf_llama(lm, torch, transformers)
   ids = torch.tensor(np.asarray(prompt))
 
+  # No end-of-sequence token: both generate exactly n greedy tokens (min_new_tokens would
+  # instead forbid the EOS token and change the greedy choice).
+  hf.generation_config.eos_token_id = None
+
   def run():
     with torch.no_grad():
-      return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+      return hf.generate(ids, max_new_tokens=n, do_sample=False,
                          pad_token_id=0)[:, ids.shape[1]:]
   first, tokens = timed(run)
   times = interleaved({"torch": run}, 3, 1)["torch"]
