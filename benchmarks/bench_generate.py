@@ -27,12 +27,12 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
   sys.path.insert(0, str(_ROOT))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jaxlens as jl  # noqa: E402
-from benchmarks._timing import env_info, interleaved, median, ratio, report, row, timed  # noqa: E402
+import jaxlens as jl
+from benchmarks._timing import env_info, interleaved, median, ratio, report, row, timed
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "generate.json"
 PROMPT = "The capital of France is"

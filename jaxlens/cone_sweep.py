@@ -26,7 +26,8 @@ Results equal :func:`jaxlens.sweep.patching_sweep` on the sites ``blocks_{k}/res
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -134,7 +135,7 @@ def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, 
     cells = state.shape[0]
     k, v = base[f"blocks_{j}/attn/k"].out, base[f"blocks_{j}/attn/v"].out
 
-    def cache_of(c):
+    def cache_of(c, cells=cells):
       full = jnp.concatenate([c, jnp.zeros((batch, n_tok) + c.shape[2:], c.dtype)], axis=1)
       return jnp.broadcast_to(full, (cells,) + full.shape).reshape((cells * batch,) + full.shape[1:])
 

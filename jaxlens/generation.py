@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import flax.struct

@@ -68,8 +68,8 @@ def test_cone_sweep_equals_the_plain_sweep(family):
 def test_bad_input_gets_typed_errors():
   model = MODELS["llama"]()
   x = jnp.zeros((1, SEQ), jnp.int32)
-  cases = [(dict(positions=(SEQ,)), "index_out_of_range"), (dict(layers=(3,)), "index_out_of_range"),
-           (dict(site="mlp_out"), "invalid_argument")]
+  cases = [({"positions": (SEQ,)}, "index_out_of_range"), ({"layers": (3,)}, "index_out_of_range"),
+           ({"site": "mlp_out"}, "invalid_argument")]
   for kw, code in cases:
     with pytest.raises(jl.InvalidArgumentError) as e:
       cone_sweep(model, {}, x, x, logit_diff, **kw)

@@ -241,7 +241,7 @@ def test_training_a_steering_vector_through_a_generation(llama):
   state = opt.init(v)
   first = float(loss(v)[0])
   for _ in range(30):
-    value, g = loss(v)
+    _, g = loss(v)
     updates, state = opt.update(g, state)
     v = optax.apply_updates(v, updates)
   assert float(loss(v)[0]) < 0.5 * first

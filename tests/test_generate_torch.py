@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import jaxlens as jl  # noqa: E402
-from jaxlens.models import config_from_hf, from_state_dict  # noqa: E402
+import jaxlens as jl
+from jaxlens.models import config_from_hf, from_state_dict
 
 PROMPT = np.asarray([[3, 9, 4, 17, 5, 9], [1, 2, 3, 4, 5, 6]])
 N, MAGNITUDE = 8, 4.0
