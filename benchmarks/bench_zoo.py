@@ -30,13 +30,21 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
   sys.path.insert(0, str(_ROOT))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-import jaxlens as jl  # noqa: E402
-from benchmarks._setup import add_run_args  # noqa: E402
-from benchmarks._timing import (env_info, interleaved, max_abs_diff, median,  # noqa: E402
-                                memory_bytes, ratio, report, row)
+import jaxlens as jl
+from benchmarks._setup import add_run_args
+from benchmarks._timing import (
+  env_info,
+  interleaved,
+  max_abs_diff,
+  median,
+  memory_bytes,
+  ratio,
+  report,
+  row,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "zoo.json"
 MIB = 2 ** 20

@@ -5,6 +5,10 @@
 """
 
 from jaxlens import intervention as intervention
+from jaxlens import store as store
+from jaxlens.attribution import SiteGrads as SiteGrads
+from jaxlens.attribution import attribution_patching as attribution_patching
+from jaxlens.attribution import site_grads as site_grads
 from jaxlens import sweep as sweep
 from jaxlens import generation as generation
 from jaxlens.generation import at_steps as at_steps
@@ -82,5 +86,6 @@ __all__ = [
     "swap_with", "trace", "when", "zero_ablate",
     "backward_hook", "grad_clip", "grad_scale", "grad_zero", "sweep",
     "Named", "NamedNNX", "named",
+    "SiteGrads", "attribution_patching", "site_grads", "store",
     "generation", "generate", "at_steps",
 ]

@@ -13,7 +13,8 @@ value there (``jl.at_positions([p], jl.patch_from(clean))``), and the score is t
 fraction of the clean logit difference (clean answer minus corrupt answer, at the
 last position) that comes back: 1 restores the clean answer, 0 changes nothing.
 The whole sites x positions grid is one jitted call
-(:func:`jaxlens.sweep.patching_sweep`). The demo writes the grid as a heatmap PNG
+(:func:`jaxlens.sweep.patching_sweep`). The demo draws the grid as a heatmap with
+matplotlib (:func:`jaxlens.plot.patching_heatmap`; ``pip install 'jaxlens[plot]'``)
 and prints the sites that restore the most.
 
 Run ``python -m jaxlens.demo --help`` for the options.
@@ -23,17 +24,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import struct
 import sys
 import time
-import zlib
-from typing import Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["DemoResult", "main", "run_demo", "write_heatmap_png"]
+__all__ = ["DemoResult", "main", "run_demo"]
 
 MARKER = 0
 
@@ -85,135 +85,6 @@ def clean_corrupt_pair(key, batch: int, seq_len: int, vocab: int, marker_at: int
 
 
 # --------------------------------------------------------------------------
-# A progress bar, written by hand to avoid a dependency.
-
-
-class ProgressBar:
-  """A one-line text progress bar: ``[#####-----]  50/100  loss 0.1234  3.2s``.
-
-  On a terminal it redraws in place with ``\\r``; elsewhere (a log, a test's
-  captured output) it writes a line at most ``lines`` times, so the output stays
-  short.
-  """
-
-  def __init__(self, total: int, stream: TextIO, width: int = 30, lines: int = 10):
-    self.total, self.stream, self.width = total, stream, width
-    self.tty = bool(getattr(stream, "isatty", lambda: False)())
-    self.every = max(1, total // lines)
-    self.start = time.perf_counter()
-
-  def update(self, done: int, loss: float) -> None:
-    if not self.tty and done % self.every and done != self.total:
-      return
-    filled = int(self.width * done / max(self.total, 1))
-    bar = "#" * filled + "-" * (self.width - filled)
-    text = (f"[{bar}] {done:>{len(str(self.total))}}/{self.total}  loss {loss:.4f}  "
-            f"{time.perf_counter() - self.start:.1f}s")
-    self.stream.write(("\r" + text) if self.tty else (text + "\n"))
-    self.stream.flush()
-
-  def close(self) -> None:
-    if self.tty:
-      self.stream.write("\n")
-      self.stream.flush()
-
-
-# --------------------------------------------------------------------------
-# A heatmap PNG written with numpy and zlib.
-
-# A 3x5 pixel font for labels: each glyph is five rows of three bits.
-_FONT = {
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111",
-    "3": "111001111001111", "4": "101101111001001", "5": "111100111001111",
-    "6": "111100111101111", "7": "111001001001001", "8": "111101111101111",
-    "9": "111101111001111", "a": "000111101111101", "b": "100111101101111",
-    "c": "000111100100111", "d": "001111101101111", "e": "000111111100111",
-    "f": "011100110100100", "g": "000111101111001", "h": "100111101101101",
-    "i": "010000010010010", "j": "001000001101111", "k": "100101110101101",
-    "l": "110010010010011", "m": "000111111101101", "n": "000110101101101",
-    "o": "000111101101111", "p": "000111101111100", "q": "000111101111001",
-    "r": "000111100100100", "s": "000011010001110", "t": "010111010010011",
-    "u": "000101101101111", "v": "000101101101010", "w": "000101101111111",
-    "x": "000101010010101", "y": "000101111001111", "z": "000111001010111",
-    "_": "000000000000111", "/": "001001010100100", ".": "000000000000010",
-    "-": "000000111000000", " ": "000000000000000",
-}
-
-
-def _draw_text(img, text: str, top: int, left: int, scale: int, color) -> None:
-  """Draws ``text`` into the ``(H, W, 3)`` uint8 image, clipped at its edges."""
-  for n, ch in enumerate(text.lower()):
-    glyph = _FONT.get(ch, "111111111111111")  # a filled box for a character it lacks
-    bits = np.array([int(b) for b in glyph], bool).reshape(5, 3)
-    block = np.kron(bits, np.ones((scale, scale), bool))
-    y0, x0 = top, left + n * 4 * scale
-    h = max(0, min(block.shape[0], img.shape[0] - y0))
-    w = max(0, min(block.shape[1], img.shape[1] - x0))
-    if h and w:
-      img[y0:y0 + h, x0:x0 + w][block[:h, :w]] = color
-
-
-def _colour(values: np.ndarray) -> np.ndarray:
-  """Maps values in [-1, 1] to RGB: blue below zero, white at zero, red above."""
-  v = np.clip(np.nan_to_num(values), -1.0, 1.0)[..., None]
-  white = np.array([255.0, 255.0, 255.0])
-  red = np.array([178.0, 24.0, 43.0])
-  blue = np.array([33.0, 102.0, 172.0])
-  rgb = np.where(v >= 0, white + v * (red - white), white + (-v) * (blue - white))
-  return rgb.astype(np.uint8)
-
-
-def _png_bytes(img: np.ndarray) -> bytes:
-  """Encodes an ``(H, W, 3)`` uint8 image as an 8-bit RGB PNG."""
-  height, width, _ = img.shape
-
-  def chunk(kind: bytes, data: bytes) -> bytes:
-    body = kind + data
-    return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body) & 0xFFFFFFFF)
-
-  # Each scanline starts with filter type 0 (none).
-  raw = b"".join(b"\x00" + img[row].tobytes() for row in range(height))
-  header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-  return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9))
-          + chunk(b"IEND", b""))
-
-
-def write_heatmap_png(path, grid, row_labels: Sequence[str], col_labels: Sequence[str], *,
-                      cell: int = 36) -> None:
-  """Writes ``grid`` (values in [-1, 1]) as a labelled heatmap PNG.
-
-  Args:
-    path: the file to write.
-    grid: a 2-D array, one row per site and one column per position.
-    row_labels: a label per row, drawn at the left.
-    col_labels: a label per column, drawn above.
-    cell: the side of one cell in pixels.
-  """
-  grid = np.asarray(grid, np.float64)
-  rows, cols = grid.shape
-  scale = 2
-  char_w = 4 * scale
-  left = 8 + char_w * max(len(s) for s in row_labels)
-  top = 8 + 7 * scale
-  img = np.full((top + rows * cell + 8, left + cols * cell + 8, 3), 255, np.uint8)
-  cells = np.kron(_colour(grid), np.ones((cell, cell, 1), np.uint8))
-  img[top:top + rows * cell, left:left + cols * cell] = cells
-  # Thin grey lines between cells.
-  for r in range(rows + 1):
-    img[min(top + r * cell, img.shape[0] - 1), left:left + cols * cell] = 200
-  for c in range(cols + 1):
-    img[top:top + rows * cell, min(left + c * cell, img.shape[1] - 1)] = 200
-  black = np.array([0, 0, 0], np.uint8)
-  for r, label in enumerate(row_labels):
-    _draw_text(img, label, top + r * cell + (cell - 5 * scale) // 2, 4, scale, black)
-  for c, label in enumerate(col_labels):
-    width = len(label) * char_w - scale
-    _draw_text(img, label, 4, left + c * cell + (cell - width) // 2, scale, black)
-  with open(path, "wb") as f:
-    f.write(_png_bytes(img))
-
-
-# --------------------------------------------------------------------------
 # The demo.
 
 
@@ -229,6 +100,7 @@ class DemoResult:
     scores: the ``(sites, positions)`` grid of restored fractions.
     top: the ``(site, position, score)`` triples with the highest scores.
     png: the heatmap's path.
+    figure: the heatmap's matplotlib figure.
     train_seconds: the training time, compilation included.
     sweep_seconds: the sweep's time, compilation included.
   """
@@ -242,17 +114,27 @@ class DemoResult:
   png: str
   train_seconds: float
   sweep_seconds: float
+  figure: object = None
 
 
 def run_demo(*, steps: int = 300, batch: int = 128, seq_len: int = 10, vocab: int = 24,
              d_model: int = 64, n_layers: int = 2, n_heads: int = 4, lr: float = 3e-3,
              seed: int = 0, marker_at: int = 3, top: int = 5, out="patching_heatmap.png",
-             progress: TextIO | None = None) -> DemoResult:
-  """Trains the model, runs the sweep, writes the heatmap; see the module docstring."""
+             progress: TextIO | bool | None = None) -> DemoResult:
+  """Trains the model, runs the sweep, writes the heatmap; see the module docstring.
+
+  ``progress`` is the stream of the training progress bar (default stderr), or
+  ``False`` for none. The heatmap is drawn with :func:`jaxlens.plot.patching_heatmap`.
+  """
   import optax  # a test dependency; imported here so that `import jaxlens.demo` never needs it
 
   import jaxlens as jl
+  from jaxlens import plot
+  from jaxlens._optional import require
   from jaxlens.models import GPT
+
+  # Fail before training, not after, when matplotlib is missing.
+  require("matplotlib.figure", feature="the demo's heatmap", extra="plot", package="matplotlib")
 
   if not 0 <= marker_at <= seq_len - 3:
     raise jl.InvalidArgumentError(
@@ -294,13 +176,16 @@ def run_demo(*, steps: int = 300, batch: int = 128, seq_len: int = 10, vocab: in
   params, state, train_keys, (tokens, answers), pair = setup(jax.random.key(seed))
   clean, corrupt, ans_clean, ans_corrupt = pair
   metric = _LogitDiff(np.asarray(ans_clean), np.asarray(ans_corrupt))
-  bar = ProgressBar(steps, progress if progress is not None else sys.stderr)
+  from tqdm import tqdm
   losses = []
-  for i in range(steps):
-    params, state, value = step(params, state, train_keys, i)
-    losses.append(float(value))
-    bar.update(i + 1, losses[-1])
-  bar.close()
+  with tqdm(total=steps, desc="training", unit="step", file=progress or sys.stderr,
+            disable=progress is False, dynamic_ncols=True, mininterval=0.5) as bar:
+    for i in range(steps):
+      params, state, value = step(params, state, train_keys, i)
+      losses.append(float(value))
+      bar.update(1)
+      if i % 10 == 0 or i == steps - 1:
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
   train_seconds = time.perf_counter() - start
 
   sites = ("embed",) + tuple(s for i in range(n_layers) for s in (f"block_{i}/attn",
@@ -315,9 +200,14 @@ def run_demo(*, steps: int = 300, batch: int = 128, seq_len: int = 10, vocab: in
   positions = tuple(range(seq_len))
   order = np.argsort(-scores, axis=None, kind="stable")[:top]
   best = tuple((sites[i // seq_len], int(i % seq_len), float(scores.flat[i])) for i in order)
-  write_heatmap_png(out, scores, sites, [str(p) for p in positions])
+  roles = {marker_at: "marker", marker_at + 1: "answer", seq_len - 1: "query"}
+  labels = [f"{p} {roles[p]}" if p in roles else str(p) for p in positions]
+  figure = plot.patching_heatmap(
+      scores, row_labels=sites, col_labels=labels, path=out, xlabel="position (role)",
+      colorbar_label="logit difference restored",
+      title=f"Activation patching: where the answer lives ({n_layers}-layer GPT)")
   return DemoResult(tuple(losses), accuracy, sites, positions, scores, best, str(out),
-                    train_seconds, sweep_seconds)
+                    train_seconds, sweep_seconds, figure)
 
 
 class _LogitDiff:
@@ -358,7 +248,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="the marker's position in the patched sequences (default 3)")
   p.add_argument("--top", type=int, default=5, help="how many top sites to print (default 5)")
   p.add_argument("--out", default="patching_heatmap.png",
-                 help="the heatmap PNG to write (default patching_heatmap.png)")
+                 help="the heatmap to write; .png, .svg or .pdf (default patching_heatmap.png)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
   return p
 
 
@@ -370,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   start = time.perf_counter()
   result = run_demo(steps=args.steps, batch=args.batch, seq_len=args.seq_len, vocab=args.vocab,
                     d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, lr=args.lr,
-                    seed=args.seed, marker_at=args.marker_at, top=args.top, out=args.out)
+                    seed=args.seed, marker_at=args.marker_at, top=args.top, out=args.out,
+                    progress=False if args.no_progress else None)
   print(f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.4f}, accuracy "
         f"{100 * result.accuracy:.1f}% (training {result.train_seconds:.1f}s)")
   print(f"patching sweep: {len(result.sites)} sites x {len(result.positions)} positions in one "

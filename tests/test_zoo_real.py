@@ -79,7 +79,7 @@ def test_induction_and_an_induction_head(lm):
 @needs_smollm2
 def test_patching_localises_the_fact(lm):
   layers = (0, 6, 12, 18, 24, 29)
-  grid, rows, cols, (clean, corrupt) = demo.factual_recall(lm, layers=layers)
+  grid, _, cols, (clean, corrupt) = demo.factual_recall(lm, layers=layers)
   assert cols == ["The", " capital", " of", " France/ Italy", " is"]
   assert clean > 5 and corrupt < -5
   recovery = (grid - corrupt) / (clean - corrupt)

@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import jaxlens as jl  # noqa: E402
-from jaxlens.models import config_from_hf, from_state_dict, load_hf  # noqa: E402
+import jaxlens as jl
+from jaxlens.models import config_from_hf, from_state_dict, load_hf
 
 TOKENS = np.asarray([[3, 9, 4, 17, 5, 9, 26, 2], [1, 2, 3, 4, 5, 6, 7, 8]])
 MASK = np.asarray([[1] * 8, [1] * 6 + [0] * 2])
@@ -144,6 +144,7 @@ def test_the_same_edit_through_a_door_and_a_torch_hook(family):
        jl.when(jl.module("blocks_1/resid_post"), jl.steer(jnp.asarray(direction), 2.5))),
   ]
   run = _jl_fn(family, lm)
+  x = jnp.asarray(TOKENS)
   for module, fn, spec in cases:
     handle = module.register_forward_hook(_replace_output(fn))
     try:
@@ -154,11 +155,11 @@ def test_the_same_edit_through_a_door_and_a_torch_hook(family):
       handle.remove()
     ref_grad = weight.grad.detach().numpy()
     ref_grad = ref_grad.T if transpose else ref_grad
-    x = jnp.asarray(TOKENS)
     ours = run(lm.variables, x, spec)
     assert _rel(ours, out.detach().numpy()) <= 1e-10
     assert not np.allclose(ours, run(lm.variables, x))   # the edit changed something
-    grads = jax.grad(lambda v: (run(v, x, spec) * probe).sum())(lm.variables)["params"]
+    grads = jax.grad(lambda v, spec=spec: (run(v, x, spec) * probe).sum())(lm.variables)[
+        "params"]
     for p in path:
       grads = grads[p]
     assert _rel(grads, ref_grad) <= 1e-10

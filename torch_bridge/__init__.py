@@ -10,10 +10,10 @@ Importing it imports torch; ``import jaxlens`` never does.
 """
 
 from torch_bridge import reference as reference
-from torch_bridge._convert import ConversionError as ConversionError
-from torch_bridge._convert import from_torch as from_torch
-from torch_bridge._convert import to_jax as to_jax
-from torch_bridge._convert import to_torch as to_torch
+from torch_bridge.convert import ConversionError as ConversionError
+from torch_bridge.convert import from_torch as from_torch
+from torch_bridge.convert import to_jax as to_jax
+from torch_bridge.convert import to_torch as to_torch
 from torch_bridge._portable import TorchSpecError as TorchSpecError
 from torch_bridge._portable import load_spec as load_spec
 

@@ -6,14 +6,14 @@ One family per module: :mod:`jaxlens.models.gpt2`, :mod:`jaxlens.models.llama`,
 published as Python wheels in :mod:`jaxlens.models.hub`.
 """
 
+from jaxlens.models import demo as demo
+from jaxlens.models import hub as hub
 from jaxlens.models._demo_gpt import GPT as GPT
 from jaxlens.models._demo_gpt import MLP as MLP
 from jaxlens.models._demo_gpt import Block as Block
 from jaxlens.models._demo_gpt import CausalSelfAttention as CausalSelfAttention
 from jaxlens.models._demo_gpt import gpt_config as gpt_config
 from jaxlens.models._demo_gpt import init_gpt as init_gpt
-from jaxlens.models import demo as demo
-from jaxlens.models import hub as hub
 from jaxlens.models.bert import Bert as Bert
 from jaxlens.models.bert import BertConfig as BertConfig
 from jaxlens.models.bert import mean_pool as mean_pool
@@ -33,8 +33,29 @@ from jaxlens.models.loading import params_from_hf as params_from_hf
 from jaxlens.models.loading import tokenizer_from_gguf as tokenizer_from_gguf
 
 __all__ = [
-    "GPT", "MLP", "Block", "CausalSelfAttention", "gpt_config", "init_gpt",
-    "Bert", "BertConfig", "mean_pool", "GPT2", "GPT2Config", "Llama", "LlamaConfig",
-    "LoadError", "Pretrained", "config_from_hf", "from_state_dict", "load_gguf", "load_hf",
-    "params_from_hf", "tokenizer_from_gguf", "minilm", "smollm2", "demo", "hub",
+    "GPT",
+    "GPT2",
+    "MLP",
+    "Bert",
+    "BertConfig",
+    "Block",
+    "CausalSelfAttention",
+    "GPT2Config",
+    "Llama",
+    "LlamaConfig",
+    "LoadError",
+    "Pretrained",
+    "config_from_hf",
+    "demo",
+    "from_state_dict",
+    "gpt_config",
+    "hub",
+    "init_gpt",
+    "load_gguf",
+    "load_hf",
+    "mean_pool",
+    "minilm",
+    "params_from_hf",
+    "smollm2",
+    "tokenizer_from_gguf",
 ]

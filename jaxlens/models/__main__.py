@@ -44,7 +44,10 @@ def main(argv=None) -> int:
     print("(jaxlens.plot is not available: the table above is the heatmap)")
     return 0
   fig = plot.patching_heatmap(grid, row_labels=rows, col_labels=cols,
-                              title="SmolLM2-135M: clean resid_pre patched into the corrupt run")
+                              title="SmolLM2-135M: France run's resid_pre patched into the "
+                                    "Italy run", xlabel="token (clean/corrupt)",
+                              ylabel="blocks_{l}/resid_pre",
+                              colorbar_label="logit(' Paris') - logit(' Rome')")
   fig.savefig(args.out, dpi=120, bbox_inches="tight")
   print(f"wrote {args.out}")
   return 0

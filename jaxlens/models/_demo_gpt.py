@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["GPT", "Block", "CausalSelfAttention", "MLP", "gpt_config", "init_gpt"]
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "gpt_config", "init_gpt"]
 
 _CONFIGS = {
     "small": dict(vocab_size=128, d_model=256, n_heads=4, n_layers=4, max_len=64, mlp_ratio=4),

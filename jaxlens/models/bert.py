@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxlens._src.named import named
 from jaxlens.models._layers import attend, attention_mask
 
-__all__ = ["BertConfig", "Bert", "BertBlock", "BertAttention", "BertMLP", "mean_pool"]
+__all__ = ["Bert", "BertAttention", "BertBlock", "BertConfig", "BertMLP", "mean_pool"]
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -121,7 +121,7 @@ class Bert(nn.Module):
 
   def setup(self):
     cfg = self.config
-    emb = dict(dtype=cfg.dtype, param_dtype=cfg.dtype, embedding_init=_INIT)
+    emb = {"dtype": cfg.dtype, "param_dtype": cfg.dtype, "embedding_init": _INIT}
     self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, **emb)
     self.pos_embed = nn.Embed(cfg.max_len, cfg.d_model, **emb)
     self.type_embed = nn.Embed(cfg.type_vocab_size, cfg.d_model, **emb)

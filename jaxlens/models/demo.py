@@ -12,7 +12,8 @@ layers (the pattern reported for factual recall, Meng et al. 2022).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ import numpy as np
 
 import jaxlens as jl
 
-__all__ = ["patching_grid", "factual_recall"]
+__all__ = ["factual_recall", "patching_grid"]
 
 
 def patching_grid(model, variables, clean, corrupt, metric: Callable[[Any], Any], *,
@@ -52,7 +53,7 @@ def _grid(model, variables, clean, corrupt, *, metric, sites, batch_size):
   return jax.lax.map(cell, cells, batch_size=batch_size).reshape(len(sites), n_pos)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _logit_diff(good: int, bad: int):
   def metric(logits):
     return logits[0, -1, good] - logits[0, -1, bad]

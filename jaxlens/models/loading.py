@@ -16,8 +16,9 @@ import functools
 import io
 import json
 import zipfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -29,8 +30,16 @@ from jaxlens.models.bert import Bert, BertConfig
 from jaxlens.models.gpt2 import GPT2, GPT2Config
 from jaxlens.models.llama import Llama, LlamaConfig
 
-__all__ = ["LoadError", "Pretrained", "config_from_hf", "params_from_hf", "from_state_dict",
-           "load_hf", "load_gguf", "tokenizer_from_gguf"]
+__all__ = [
+  "LoadError",
+  "Pretrained",
+  "config_from_hf",
+  "from_state_dict",
+  "load_gguf",
+  "load_hf",
+  "params_from_hf",
+  "tokenizer_from_gguf",
+]
 
 
 class LoadError(InvalidArgumentError):

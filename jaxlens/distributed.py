@@ -1,0 +1,248 @@
+"""jaxlens across processes: helpers for a mesh that spans several hosts (``jaxlens.distributed``).
+
+Under ``jax.distributed`` every process runs the same program on a global mesh, and what
+jaxlens returns (a Trace's saved values, a door's output, a sweep's grid) is a global
+``jax.Array`` of which each process holds only its own shards. Doors, traces, replay and
+sweeps need nothing new for that: they are JAX programs and ``jit`` partitions them. What
+does need care is the boundary with the host, and faults:
+
+- :func:`host_values`: the full value of global arrays on every process (a collective:
+  every process calls it with the same tree).
+- :func:`save_spec`: a spec whose arrays are sharded over processes, gathered, written once
+  by process 0, then a barrier, so that every process can :func:`jaxlens.load_spec` it.
+- :func:`wait` and :func:`barrier`: bounded waits that raise :class:`DistributedError`
+  when another process has died or hangs, instead of blocking forever.
+- :func:`patching_sweep`: a patching sweep whose cells are spread over every device of
+  every process.
+
+``docs/scaling.md`` has the launch recipe for a GPU cluster and a TPU pod;
+``tests/test_distributed.py`` runs all of this with two processes on localhost.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxlens._src.errors import InvalidArgumentError, JaxlensError
+from jaxlens._src.portable import load_spec as _load_spec
+from jaxlens._src.portable import save_spec as _save_spec
+from jaxlens._src.sites import module
+from jaxlens._src.tracing import trace
+from jaxlens._src.verbs import at_positions, patch_from
+
+__all__ = ["DistributedError", "barrier", "host_values", "load_spec", "patching_sweep",
+           "save_spec", "wait"]
+
+
+class DistributedError(JaxlensError, RuntimeError):
+  """Another process died or hangs: a bounded wait ran out.
+
+  Attributes:
+    fields: ``"code"`` (``process_timeout`` or ``barrier_timeout``), ``"process"``
+      (this process's index), ``"waited_s"``, ``"fix"``.
+  """
+
+  def __init__(self, message: str, *, code: str, fix: str, **fields: Any):
+    self.fields = {"code": code, "fix": fix, **fields}
+    super().__init__(f"[{code}] {message}\n  Fix: {fix}")
+
+  @property
+  def code(self) -> str:
+    return self.fields["code"]
+
+
+def _leaves(tree) -> list:
+  return [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
+
+
+def host_values(tree):
+  """``tree`` with every ``jax.Array`` replaced by its full value as a numpy array.
+
+  Arrays whose shards live on other processes are gathered: those placed with a
+  ``NamedSharding`` all at once, by one jitted identity that replicates them (one
+  compilation and one exchange for the whole tree), any other with
+  ``jax.experimental.multihost_utils.process_allgather``. That is a collective: every
+  process must call this with a tree of the same structure and shardings, or the call
+  waits for the missing ones. A ``Trace`` or a ``Spec`` is a pytree, so
+  ``host_values(trace)[label].out`` is a numpy array.
+  """
+  from jax.experimental import multihost_utils
+
+  leaves, treedef = jax.tree.flatten(tree)
+  remote = [i for i, leaf in enumerate(leaves)
+            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable]
+  named = [i for i in remote if isinstance(leaves[i].sharding, NamedSharding)]
+  if named:
+    shardings = tuple(NamedSharding(leaves[i].sharding.mesh, P()) for i in named)
+    gathered = jax.jit(lambda *xs: xs, out_shardings=shardings)(*(leaves[i] for i in named))
+    for i, value in zip(named, gathered):
+      leaves[i] = value
+  for i in remote:
+    if i not in named:
+      leaves[i] = multihost_utils.process_allgather(leaves[i], tiled=True)
+  # A replicated array holds its whole value on this process's devices.
+  leaves = [np.asarray(leaf.addressable_data(0)) if isinstance(leaf, jax.Array)
+            and not leaf.is_fully_addressable else np.asarray(leaf)
+            if isinstance(leaf, jax.Array) else leaf for leaf in leaves]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def wait(tree, *, timeout_s: float, what: str = "computation", poll_s: float = 0.01):
+  """Blocks until every array of ``tree`` is computed, for at most ``timeout_s`` seconds.
+
+  A collective waits for every process taking part. When one of them has died or hangs,
+  ``jax.block_until_ready`` would wait forever (or until JAX's heartbeat timeout kills
+  this process with a fatal log, for a process that died); this raises a
+  :class:`DistributedError` ``process_timeout`` instead. Dispatch is asynchronous, so
+  the wait covers the computation, not its compilation. An error of the computation
+  itself propagates as JAX raises it. Returns ``tree``.
+  """
+  leaves = _leaves(tree)
+  start = time.monotonic()
+  while not all(leaf.is_ready() for leaf in leaves):
+    waited = time.monotonic() - start
+    if waited > timeout_s:
+      raise DistributedError(
+          f"{what} not finished after {waited:.1f} s on process {jax.process_index()} of "
+          f"{jax.process_count()}: a process it waits for has died or hangs",
+          code="process_timeout", process=jax.process_index(), waited_s=round(waited, 3),
+          fix="read the other processes' logs; if the step is only slow, raise timeout_s "
+              "(and jax.distributed.initialize(heartbeat_timeout_seconds=...))")
+    time.sleep(poll_s)
+  return jax.block_until_ready(tree)
+
+
+def _client():
+  # jax keeps the coordination-service client of jax.distributed.initialize here; there
+  # is no public accessor (orbax reads it the same way).
+  from jax._src import distributed
+  return distributed.global_state.client
+
+
+def barrier(name: str, *, timeout_s: float) -> None:
+  """Waits until every process reaches the barrier ``name``, for at most ``timeout_s``.
+
+  Uses the coordination service of ``jax.distributed`` (no device collective), so it
+  also works between programs. Raises :class:`DistributedError` ``barrier_timeout``
+  naming the barrier when a process does not arrive in time. Without
+  ``jax.distributed`` (one process) it returns at once. Each name is used once.
+  """
+  client = _client()
+  if client is None or jax.process_count() == 1:
+    return
+  start = time.monotonic()
+  try:
+    client.wait_at_barrier(name, int(timeout_s * 1000))
+  except Exception as error:  # jax raises its own XlaRuntimeError subclasses here
+    waited = time.monotonic() - start
+    raise DistributedError(
+        f"barrier {name!r}: not every process arrived within {timeout_s} s "
+        f"(process {jax.process_index()} of {jax.process_count()} waited {waited:.1f} s): "
+        f"{str(error).splitlines()[0]}",
+        code="barrier_timeout", process=jax.process_index(), waited_s=round(waited, 3),
+        barrier=name,
+        fix="read the other processes' logs; every process must call barrier() with the "
+            "same name") from error
+
+
+def save_spec(spec, path, *, timeout_s: float = 300.0):
+  """Saves ``spec`` once for all processes; every process may load ``path`` on return.
+
+  Its arrays are gathered to the host (:func:`host_values`, a collective, so every
+  process calls this), process 0 writes the directory with :func:`jaxlens.save_spec`
+  (atomically), and a :func:`barrier` holds the others until it is complete. ``path``
+  must be on a file system that every process sees. Returns ``path``.
+  """
+  host = host_values(spec)
+  if jax.process_index() == 0:
+    _save_spec(host, path)
+  barrier(f"jaxlens.save_spec:{path}", timeout_s=timeout_s)
+  return path
+
+
+def load_spec(path):
+  """:func:`jaxlens.load_spec`: every process reads the directory (no collective)."""
+  return _load_spec(path)
+
+
+def patching_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any], *, mesh,
+                   sites: Sequence[str], positions: Sequence[int] | None = None,
+                   cell_axes: Sequence[str] | None = None, batch_size: int | None = None):
+  """:func:`jaxlens.sweep.patching_sweep` with its cells spread over the devices of ``mesh``.
+
+  The positions are split over the mesh axes ``cell_axes`` (default: all of them, so
+  every device of every process gets ``len(positions) / n_devices`` cells of each
+  site); each device runs the clean and the corrupt trace once and replays its own
+  cells (``corrupt_trace.fork().do(site, jl.at_positions([p], jl.patch_from(clean)))``,
+  vmapped), so no activation crosses devices. ``variables``, ``clean`` and
+  ``corrupt`` are replicated over the cell axes: this layout is for a model that fits
+  on one device (a bigger one shards over a model axis left out of ``cell_axes``, see
+  ``docs/scaling.md``). Positions are padded to a multiple of the number of cell
+  shards with position 0 and the padding is dropped. ``batch_size`` bounds how many
+  of a device's cells run at once (``jax.lax.map`` over chunks), as in
+  :func:`jaxlens.sweep.patching_sweep`.
+
+  Returns:
+    A global float array ``(len(sites), len(positions))``, its position axis sharded
+    over ``cell_axes`` (when padding was needed, as XLA places the sliced result);
+    :func:`host_values` gives it on the host.
+  """
+  cell_axes = tuple(mesh.axis_names if cell_axes is None else cell_axes)
+  unknown = [a for a in cell_axes if a not in mesh.axis_names]
+  if unknown or not sites:
+    raise InvalidArgumentError(
+        f"patching_sweep: cell_axes {unknown} are not axes of the mesh {mesh.axis_names}"
+        if unknown else "patching_sweep needs at least one site to patch",
+        code="invalid_argument", fix=f"cell_axes={tuple(mesh.axis_names)!r}, sites=('block_0',)")
+  seq = jnp.shape(clean)[1]
+  positions = tuple(range(seq)) if positions is None else tuple(int(p) for p in positions)
+  bad = [p for p in positions if not 0 <= p < seq]
+  if bad:
+    raise InvalidArgumentError(
+        f"patching_sweep: positions {bad} are out of range for sequence length {seq}",
+        code="index_out_of_range", fix=f"positions in [0, {seq})")
+  shards = int(np.prod([mesh.shape[a] for a in cell_axes]))
+  padded = positions + (0,) * (-len(positions) % shards)
+  cells = jax.make_array_from_callback(
+      (len(padded),), NamedSharding(mesh, P(cell_axes)),
+      lambda index: np.asarray(padded, np.int32)[index])
+  grid = _sharded_sweep(model, variables, clean, corrupt, cells, metric=metric,
+                        sites=tuple(sites), mesh=mesh, cell_axes=cell_axes,
+                        batch_size=batch_size)
+  return grid if len(padded) == len(positions) else grid[:, :len(positions)]
+
+
+def _local_sweep(model, variables, clean, corrupt, cells, *, metric, sites, batch_size):
+  donor = trace(model, variables, clean, save=[module(s) for s in sites])
+  base = trace(model, variables, corrupt)
+  rows = []
+  for path in sites:
+    def one(position, path=path):
+      edit = at_positions(position[None], patch_from(donor))
+      return metric(base.fork().do(module(path), edit).output)
+    rows.append(jax.vmap(one)(cells) if batch_size is None
+                else jax.lax.map(one, cells, batch_size=batch_size))
+  return jnp.stack(rows)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "mesh", "cell_axes",
+                                             "batch_size"))
+def _sharded_sweep(model, variables, clean, corrupt, cells, *, metric, sites, mesh, cell_axes,
+                   batch_size=None):
+  # Manual over the cell axes only: any other mesh axis (a model axis the variables are
+  # split over) stays with XLA's partitioner inside each cell shard.
+  body = jax.shard_map(
+      lambda v, a, b, c: _local_sweep(model, v, a, b, c, metric=metric, sites=sites,
+                                      batch_size=batch_size),
+      mesh=mesh, in_specs=(P(), P(), P(), P(cell_axes)), out_specs=P(None, cell_axes),
+      axis_names=set(cell_axes), check_vma=False)
+  return body(variables, clean, corrupt, cells)

@@ -1,0 +1,499 @@
+"""Activations to disk at dataset scale: collect sites over a dataset, read them back.
+
+:func:`collect` runs one jitted :func:`jaxlens.trace` per batch of a dataset
+iterator and streams the chosen sites' values to a directory, one
+`safetensors <https://huggingface.co/docs/safetensors>`_ shard per batch;
+:func:`open` reads them back as numpy or JAX arrays, or as an iterator of
+batches for probe or sparse-autoencoder training.
+
+The layout (a directory)::
+
+  store.json                 the sites, their per-row shapes and dtypes, the batch count
+  shard_000000.safetensors   batch 0: {label: array of (rows, *shape)}
+  shard_000001.safetensors   ...
+  COMPLETE                   written once the iterator is exhausted
+
+Guarantees:
+
+* **No partial batch is ever read back.** A shard is written to a temporary file
+  and renamed into place (``os.replace``, atomic on POSIX), so a crash leaves
+  either the whole shard or no shard (and maybe a ``*.tmp`` that is ignored and
+  deleted on resume).
+* **Resumable.** ``collect`` on an existing store checks that its sites, shapes
+  and dtypes are the same, skips the batches already on disk (the iterator must
+  yield the same batches in the same order) and appends the rest.
+* **Bounded memory.** A background thread writes the shards; at most
+  ``max_pending`` batches of site values wait for it, so host memory holds about
+  ``max_pending + 1`` batches of activations however long the dataset.
+* **Typed errors.** A path that is a file or cannot be created, a non-empty
+  directory that is not a store, a store of other sites, and a full disk
+  (checked before starting when the batch count is known, and on every write)
+  raise :class:`StoreError` with a ``code`` and a ``fix``.
+
+Why safetensors shards: one file per batch makes a crash-safe append trivial
+(an atomic rename per batch, no shared metadata rewritten per batch), the files
+are read with zero-copy memory maps, and they open unchanged in torch, numpy, JAX
+and the Hugging Face tools that SAE trainers use. A chunked zarr array through
+tensorstore (as orbax uses) gives one array per site, but a resumable append
+would need its own record of which chunks are complete, and a batch that does not
+fill a chunk is a partial write.
+
+Example:
+  >>> import jax, tempfile, jaxlens as jl
+  >>> from jaxlens import store
+  >>> from jaxlens.models import init_gpt
+  >>> model, variables, tokens = init_gpt(0, n_layers=1, d_model=16, n_heads=2, max_len=4,
+  ...                                     vocab_size=8, batch=2)
+  >>> path = tempfile.mkdtemp() + "/acts"
+  >>> s = store.collect(model, variables, [tokens, tokens], path, sites=["block_0"],
+  ...                   progress=False)
+  >>> s.num_rows, s.shape("block_0")
+  (4, (4, 16))
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import queue
+import shutil
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxlens._src.errors import JaxlensError
+
+__all__ = ["ActivationStore", "StoreError", "collect", "open"]
+
+_META = "store.json"
+_DONE = "COMPLETE"
+_VERSION = 1
+
+
+class StoreError(JaxlensError, OSError):
+  """The activation store cannot be written or read as asked.
+
+  Attributes:
+    fields: ``{"code": ..., "path": ..., "fix": ...}``; codes: ``store_path_invalid``,
+      ``store_not_empty``, ``store_mismatch``, ``disk_full``, ``store_missing``,
+      ``store_corrupt``, ``unknown_site``.
+  """
+
+  def __init__(self, message: str, *, code: str, path: Any = None, fix: str | None = None,
+               **fields: Any):
+    self.fields = {"code": code, **fields}
+    if path is not None:
+      self.fields["path"] = str(path)
+    if fix is not None:
+      self.fields["fix"] = fix
+    text = f"[{code}] {message}"
+    if fix is not None:
+      text += f"\n  Fix: {fix}"
+    super().__init__(text)
+
+  @property
+  def code(self) -> str:
+    return self.fields["code"]
+
+
+def _shard(root: Path, i: int) -> Path:
+  return root / f"shard_{i:06d}.safetensors"
+
+
+def _committed(root: Path) -> int:
+  """The number of consecutive shards from 0 on disk (later ones are ignored)."""
+  n = 0
+  while _shard(root, n).exists():
+    n += 1
+  return n
+
+
+def _disk_full(path, error=None) -> StoreError:
+  return StoreError(f"no space left on the device of {path}" + (f": {error}" if error else ""),
+                    code="disk_full", path=path,
+                    fix="free space or collect to another path; collect() again resumes "
+                        "after the last complete batch")
+
+
+def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
+  """Creates or checks the store directory; returns the number of batches already there."""
+  if root.exists() and not root.is_dir():
+    raise StoreError(f"{root} is a file, not a store directory", code="store_path_invalid",
+                     path=root, fix="collect(..., path=<a new or existing directory>)")
+  if overwrite and (root / _META).exists():
+    shutil.rmtree(root)
+  try:
+    root.mkdir(parents=True, exist_ok=True)
+  except OSError as error:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+      raise _disk_full(root, error) from error
+    raise StoreError(f"cannot create the store directory {root}: {error}",
+                     code="store_path_invalid", path=root,
+                     fix="a path in a writable directory") from error
+  if not os.access(root, os.W_OK):
+    raise StoreError(f"the store directory {root} is not writable", code="store_path_invalid",
+                     path=root, fix="a path in a writable directory")
+  if not (root / _META).exists():
+    if any(root.iterdir()):
+      raise StoreError(f"{root} is a non-empty directory that is not an activation store",
+                       code="store_not_empty", path=root,
+                       fix="an empty or new directory, or collect(..., overwrite=True) on a "
+                           "store")
+    _write_json(root / _META, meta)
+    return 0
+  old = json.loads((root / _META).read_text())
+  if {k: old.get(k) for k in ("version", "sites")} != {k: meta[k] for k in ("version", "sites")}:
+    raise StoreError(f"{root} holds other sites, shapes or dtypes ({old.get('sites')}) than this "
+                     f"collection ({meta['sites']})", code="store_mismatch", path=root,
+                     fix="another path, or collect(..., overwrite=True) to replace it")
+  for tmp in root.glob("*.tmp"):
+    tmp.unlink()
+  return _committed(root)
+
+
+def _write_json(path: Path, obj) -> None:
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(json.dumps(obj, indent=1))
+  os.replace(tmp, path)
+
+
+def _save_shard(arrays: dict, path: Path) -> None:
+  """Writes one shard atomically: a temporary file, then a rename."""
+  from safetensors.numpy import save_file
+  tmp = path.with_name(path.name + ".tmp")
+  try:
+    save_file(arrays, str(tmp))
+    os.replace(tmp, path)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+
+
+class _Writer(threading.Thread):
+  """Writes queued ``(index, {label: array})`` batches; remembers the first error."""
+
+  def __init__(self, root: Path, max_pending: int, on_written):
+    super().__init__(daemon=True, name="jaxlens-store-writer")
+    self.root, self.on_written = root, on_written
+    self.queue: queue.Queue = queue.Queue(maxsize=max_pending)
+    self.error: BaseException | None = None
+
+  def run(self):
+    while True:
+      item = self.queue.get()
+      if item is None:
+        return
+      if self.error is not None:
+        continue  # drain without writing after a failure
+      index, values = item
+      try:
+        arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in values.items()}
+        del values, item
+        _save_shard(arrays, _shard(self.root, index))
+        self.on_written(arrays)
+      except OSError as error:
+        self.error = (_disk_full(self.root, error) if error.errno in (errno.ENOSPC, errno.EDQUOT)
+                      else error)
+      except BaseException as error:  # noqa: BLE001 (re-raised in the main thread)
+        self.error = error
+
+  def put(self, item):
+    # A bounded put that notices a dead writer instead of blocking forever.
+    while True:
+      if self.error is not None:
+        raise self.error
+      try:
+        self.queue.put(item, timeout=0.1)
+        return
+      except queue.Full:
+        continue
+
+
+def _selectors(sites):
+  import jaxlens as jl
+  if isinstance(sites, (str, jl.Site)):
+    sites = [sites]
+  sites = list(sites or ())
+  if not sites:
+    from jaxlens._src.errors import InvalidArgumentError
+    raise InvalidArgumentError("collect needs the sites to store", code="invalid_argument",
+                               fix='collect(..., sites=["block_0", "block_1"])')
+  return [jl.module(s) if isinstance(s, str) else s for s in sites]
+
+
+def _runner(model, selectors: tuple, method, apply_kwargs: dict):
+  """The jitted forward that returns the sites' values; one per model and sites."""
+  import jaxlens as jl
+
+  def make():
+    return jax.jit(lambda v, *x: jl.trace(model, v, *x, save=list(selectors), keep_inputs=False,
+                                          method=method, **apply_kwargs).values)
+  try:
+    key = (model, selectors, method, tuple(sorted(apply_kwargs.items())))
+    hash(key)
+  except TypeError:  # an unhashable model or keyword: compile for this call only
+    return make()
+  if key not in _RUNNERS:
+    _RUNNERS[key] = make()
+  return _RUNNERS[key]
+
+
+_RUNNERS: dict = {}
+
+
+def collect(model, variables, batches: Iterable, path, *, sites: Sequence[Any],
+            num_batches: int | None = None, overwrite: bool = False, max_pending: int = 2,
+            progress: bool = True, method=None, **apply_kwargs) -> ActivationStore:
+  """Runs the model over ``batches`` and streams the ``sites``' values to ``path``.
+
+  Args:
+    model: an unbound linen module.
+    variables: its variables.
+    batches: an iterable of model inputs, one batch each (an array, or a tuple of
+      the model's positional inputs). Every batch must give the sites the same
+      per-row shape; the last may have fewer rows. On resume it must yield the
+      same batches in the same order.
+    path: the store directory (created; an existing store of the same sites is
+      resumed after its last complete batch).
+    sites: module paths (``"block_0"``, globs allowed) or selectors; every site
+      they select is stored under its label.
+    num_batches: the number of batches, for the progress bar and the free-space
+      check (default ``len(batches)`` when it has one).
+    overwrite: replace an existing store at ``path`` instead of resuming it.
+    max_pending: batches computed but not yet written that may wait in memory.
+    progress: show a tqdm progress bar.
+    method, **apply_kwargs: passed to :func:`jaxlens.trace`.
+
+  Returns:
+    The :class:`ActivationStore` at ``path``.
+
+  Raises:
+    StoreError: ``store_path_invalid``, ``store_not_empty``, ``store_mismatch``,
+      ``disk_full``.
+  """
+  root = Path(path)
+  selectors = _selectors(sites)
+  if num_batches is None and hasattr(batches, "__len__"):
+    num_batches = len(batches)
+
+  run = _runner(model, tuple(selectors), method, apply_kwargs)
+  iterator = iter(batches)
+  try:
+    first = next(iterator)
+  except StopIteration:
+    first = None
+  as_args = lambda b: b if isinstance(b, tuple) else (b,)
+  if first is None:
+    raise StoreError("collect was given no batches", code="store_empty_dataset", path=root,
+                     fix="an iterable that yields at least one batch")
+  shapes = jax.eval_shape(run, variables, *as_args(first))
+  meta = {"version": _VERSION,
+          "sites": {k: {"shape": list(s.shape[1:]), "dtype": str(s.dtype)}
+                    for k, s in shapes.items()}}
+  done = _prepare(root, meta, overwrite)
+  row_bytes = sum(int(np.prod(s.shape[1:], dtype=np.int64)) * np.dtype(s.dtype).itemsize
+                  for s in shapes.values())
+  batch_bytes = row_bytes * int(next(iter(shapes.values())).shape[0])
+  if (root / _DONE).exists():
+    return ActivationStore(root)
+  if num_batches is not None:
+    need = batch_bytes * max(0, num_batches - done)
+    free = shutil.disk_usage(root).free
+    if need > free:
+      raise _disk_full(root, f"the {num_batches - done} batches left need about {need} bytes "
+                             f"and {free} are free")
+
+  from tqdm import tqdm
+  bar = tqdm(total=num_batches, initial=done, desc=f"collecting {root.name}", unit="batch",
+             disable=not progress, dynamic_ncols=True, mininterval=0.5)
+  written = {"bytes": 0}
+
+  def on_written(arrays):
+    written["bytes"] += sum(a.nbytes for a in arrays.values())
+    bar.update(1)
+    bar.set_postfix(MB=f"{written['bytes'] / 2**20:.0f}", refresh=False)
+
+  writer = _Writer(root, max_pending, on_written)
+  writer.start()
+  index = 0
+  try:
+    for batch in _chain(first, iterator):
+      if index >= done:
+        writer.put((index, run(variables, *as_args(batch))))
+      index += 1
+  finally:
+    writer.queue.put(None)
+    writer.join()
+    bar.close()
+  if writer.error is not None:
+    raise writer.error
+  (root / _DONE).write_text(f"{index}\n")
+  return ActivationStore(root)
+
+
+def _chain(first, rest):
+  yield first
+  yield from rest
+
+
+class ActivationStore:
+  """A store written by :func:`collect` (open one with :func:`open`).
+
+  Only complete shards are read: the consecutive shards from the first, as they
+  were when the store was opened.
+
+  Attributes:
+    path: the directory.
+    labels: the stored site labels.
+    num_batches: the complete batches.
+    complete: whether :func:`collect` finished (the iterator was exhausted).
+  """
+
+  def __init__(self, path):
+    root = Path(path)
+    if not (root / _META).is_file():
+      raise StoreError(f"{root} is not an activation store (no {_META})", code="store_missing",
+                       path=root, fix="jaxlens.store.collect(..., path) first")
+    self.path = root
+    self._meta = json.loads((root / _META).read_text())
+    self.labels = tuple(self._meta["sites"])
+    self.num_batches = _committed(root)
+    self.complete = (root / _DONE).exists()
+    self._rows: list[int] | None = None
+
+  def __repr__(self) -> str:
+    state = "complete" if self.complete else "incomplete"
+    sites = ", ".join(f"{k}: {tuple(v['shape'])} {v['dtype']}"
+                      for k, v in self._meta["sites"].items())
+    return (f"ActivationStore({str(self.path)!r}, {self.num_batches} batches, {self.num_rows} "
+            f"rows, {state}; {sites})")
+
+  def _check(self, label: str) -> str:
+    if label not in self._meta["sites"]:
+      raise StoreError(f"the store has no site {label!r}; it has {list(self.labels)}",
+                       code="unknown_site", path=self.path, site=label,
+                       fix=f"one of {list(self.labels)}")
+    return label
+
+  def shape(self, label: str) -> tuple[int, ...]:
+    """The per-row shape of a site (its value's shape without the batch axis)."""
+    return tuple(self._meta["sites"][self._check(label)]["shape"])
+
+  def dtype(self, label: str) -> np.dtype:
+    return np.dtype(self._meta["sites"][self._check(label)]["dtype"])
+
+  def _open(self, i: int):
+    from safetensors import safe_open
+    try:
+      return safe_open(str(_shard(self.path, i)), framework="numpy")
+    except Exception as error:  # safetensors raises its own SafetensorError
+      raise StoreError(f"shard {i} of {self.path} cannot be read: {error}",
+                       code="store_corrupt", path=_shard(self.path, i),
+                       fix="delete that shard and the ones after it, then collect() again "
+                           "to recompute them") from error
+
+  @property
+  def rows_per_batch(self) -> list[int]:
+    if self._rows is None:
+      label = self.labels[0]
+      rows = []
+      for i in range(self.num_batches):
+        with self._open(i) as f:
+          rows.append(f.get_slice(label).get_shape()[0])
+      self._rows = rows
+    return self._rows
+
+  @property
+  def num_rows(self) -> int:
+    return sum(self.rows_per_batch)
+
+  def __len__(self) -> int:
+    return self.num_rows
+
+  def batch(self, i: int, label: str) -> np.ndarray:
+    """The ``i``-th stored batch of a site."""
+    self._check(label)
+    if not 0 <= i < self.num_batches:
+      raise StoreError(f"batch {i} is out of range: the store holds {self.num_batches}",
+                       code="index_out_of_range", path=self.path,
+                       fix=f"0 <= i < {self.num_batches}")
+    with self._open(i) as f:
+      return f.get_tensor(label)
+
+  def array(self, label: str, *, as_jax: bool = False):
+    """Every stored row of a site, ``(num_rows, *shape)``, in memory."""
+    self._check(label)
+    out = np.empty((self.num_rows, *self.shape(label)), self.dtype(label))
+    at = 0
+    for i in range(self.num_batches):
+      part = self.batch(i, label)
+      out[at:at + len(part)] = part
+      at += len(part)
+    return jax.numpy.asarray(out) if as_jax else out
+
+  def batches(self, labels: str | Sequence[str], *, batch_size: int | None = None,
+              flatten: bool = False, shuffle: bool = False, seed: int = 0,
+              as_jax: bool = False) -> Iterator:
+    """Iterates over the stored rows in batches, one shard in memory at a time.
+
+    Args:
+      labels: a site label (yields arrays) or several (yields ``{label: array}``).
+      batch_size: rows per yielded batch (default: the stored batches as they are).
+      flatten: merge every axis but the last into rows (``(batch, seq, d)`` becomes
+        ``(batch * seq, d)``: one row per token, as probes and SAEs train on).
+      shuffle: visit the shards in a random order and permute the rows within
+        each (a shard-local shuffle: memory stays one shard).
+      seed: the shuffle's seed (``numpy.random.default_rng``).
+      as_jax: yield JAX arrays instead of numpy arrays.
+    """
+    single = isinstance(labels, str)
+    names = [labels] if single else list(labels)
+    for name in names:
+      self._check(name)
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+      from jaxlens._src.errors import InvalidArgumentError
+      raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}",
+                                 code="invalid_argument", fix="batch_size=4096")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(self.num_batches) if shuffle else range(self.num_batches)
+    convert = jax.numpy.asarray if as_jax else (lambda a: a)
+
+    def emit(parts):
+      out = {k: convert(v) for k, v in parts.items()}
+      return out[names[0]] if single else out
+
+    carry: dict[str, list] = {k: [] for k in names}
+    held = 0
+    for i in order:
+      with self._open(int(i)) as f:
+        parts = {k: f.get_tensor(k) for k in names}
+      if flatten:
+        parts = {k: v.reshape(-1, v.shape[-1]) if v.ndim > 1 else v for k, v in parts.items()}
+      n = len(next(iter(parts.values())))
+      if shuffle:
+        perm = rng.permutation(n)
+        parts = {k: v[perm] for k, v in parts.items()}
+      if batch_size is None:
+        yield emit(parts)
+        continue
+      for k in names:
+        carry[k].append(parts[k])
+      held += n
+      while held >= batch_size:
+        joined = {k: np.concatenate(carry[k]) for k in names}
+        yield emit({k: v[:batch_size] for k, v in joined.items()})
+        carry = {k: [v[batch_size:]] for k, v in joined.items()}
+        held -= batch_size
+    if batch_size is not None and held:
+      yield emit({k: np.concatenate(carry[k]) for k in names})
+
+
+def open(path) -> ActivationStore:
+  """Opens a store written by :func:`collect`."""
+  return ActivationStore(path)
+

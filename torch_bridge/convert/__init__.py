@@ -1,0 +1,115 @@
+"""Convert torch models to Flax linen models whose sites carry torch's module names.
+
+One entry point, :func:`from_torch`, two converters behind it:
+
+* the **fast path** (:mod:`torch_bridge.convert._layers`): readable hand-written Flax modules
+  for ``Linear``, ``Conv1d/2d/3d``, ``LayerNorm``, ``Embedding``, activations, ``Sequential``
+  and the reference :class:`TinyGPT`; used when every module of the model is one of these;
+* the **export path** (:mod:`torch_bridge.convert._export`): any model ``torch.export`` can
+  export, interpreted op by op from one ATen -> JAX table (:mod:`torch_bridge.convert._aten`),
+  with one Flax module per torch module.
+
+Both return ``(flax_module, variables, site_map)``; ``docs/conversion.md`` documents the site
+map and what each path supports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import torch
+
+from torch_bridge.convert import _layers
+from torch_bridge.convert._arrays import jax_dtype, to_jax, to_torch
+from torch_bridge.convert._errors import ConversionError
+from torch_bridge.convert._export import ExportOptions, convert_exported, export_model
+from torch_bridge.convert._layers import GPTBlock, TinyGPT
+
+__all__ = ["ConversionError", "ExportOptions", "GPTBlock", "TinyGPT", "from_torch", "to_jax",
+           "to_torch"]
+
+_METHODS = ("auto", "modules", "export")
+
+
+def from_torch(module: torch.nn.Module, *example_args: Any, example_kwargs: dict | None = None,
+               dtype: Any = None, method: str = "auto", dynamic_shapes: Any = None,
+               attention_probs: bool = False, eval_mode: bool = True,
+               ) -> tuple[Any, dict[str, Any], dict[str, str]]:
+  """Converts a torch model into an equivalent Flax linen model, with a site map.
+
+  Args:
+    module: the torch model. Its weights are copied, not shared.
+    *example_args: example inputs (tensors) for the export path; the converted model takes
+      arrays in the same positions (``flax_module.apply(variables, *args)``).
+    example_kwargs: example keyword inputs (tensors), passed by name to the converted model.
+    dtype: floating dtype of the parameters and buffers (``jnp.float32``, ``torch.float64``);
+      None keeps torch's. float64 needs ``jax_enable_x64``.
+    method: ``"auto"`` (the fast path when every module is one it knows, or when no example
+      inputs are given; else the export path), ``"modules"`` (fast path only) or ``"export"``.
+    dynamic_shapes: export path: ``torch.export`` dynamic shapes (e.g. ``{"input_ids": {0:
+      torch.export.Dim("batch")}}``); other sizes are fixed to the example's.
+    attention_probs: export path: each softmax and ``scaled_dot_product_attention`` computes
+      its probabilities in a child Flax module ``attn_probs``, a site of its own.
+    eval_mode: export path: export in eval mode (BatchNorm running statistics, dropout off);
+      each module's training flag is restored afterwards.
+
+  Returns:
+    ``(flax_module, variables, site_map)``. ``variables`` is ``{"params": ...}`` (plus
+    ``"buffers"`` on the export path). ``site_map`` maps each torch module name (as in
+    ``named_modules()``; ``""`` the root) that has a site to the "/"-joined Flax path of the
+    module computing the same output. The fast path names Flax children its own way
+    (``layers_0`` for a ``Sequential``'s ``0``); the export path keeps torch's names
+    (``transformer/h/0/mlp`` for ``transformer.h.0.mlp``). See ``docs/conversion.md``.
+
+  Raises:
+    ConversionError: the model cannot be converted faithfully; ``fields["code"]`` says why
+      (``docs/errors.md``).
+    TypeError: ``module`` is not a ``torch.nn.Module``.
+  """
+  if not isinstance(module, torch.nn.Module):
+    raise TypeError(f"from_torch expects a torch.nn.Module, got {type(module).__name__}")
+  if method not in _METHODS:
+    raise ConversionError(
+      f"[invalid_method] method={method!r} is not one of {_METHODS}. Fix: pass method="
+      "'auto', 'modules' or 'export'.", code="invalid_method", module="",
+      fix="method='auto'")
+  has_example = bool(example_args) or bool(example_kwargs)
+  if method == "modules" or (method == "auto" and not has_example):
+    return _layers.from_torch(module, dtype=dtype)
+  if method == "auto":
+    try:
+      return _layers.from_torch(module, dtype=dtype)
+    except ConversionError:
+      pass
+  flax_module, variables, site_map, _ = convert(
+    module, *example_args, example_kwargs=example_kwargs, dtype=dtype,
+    dynamic_shapes=dynamic_shapes, attention_probs=attention_probs, eval_mode=eval_mode)
+  return flax_module, variables, site_map
+
+
+def convert(module: torch.nn.Module, *example_args: Any, example_kwargs: dict | None = None,
+            dtype: Any = None, dynamic_shapes: Any = None, attention_probs: bool = False,
+            eval_mode: bool = True):
+  """The export path of :func:`from_torch`; also returns the :class:`Program` it built."""
+  if not example_args and not example_kwargs:
+    raise ConversionError(
+      "[example_inputs_required] the export path traces the model on example inputs. Fix: "
+      "pass them, from_torch(model, x).", code="example_inputs_required", module="",
+      fix="from_torch(model, *example_inputs)")
+  target = None
+  if dtype is not None:
+    try:
+      target = jax_dtype(dtype)
+    except TypeError:
+      target = None
+    if target is None or not jnp.issubdtype(target, jnp.floating):
+      raise ConversionError(
+        f"[unsupported_dtype] dtype={dtype!r} is not supported; supported: None (keep "
+        "torch's) or a floating dtype such as jnp.float32. Fix: dtype=jnp.float32.",
+        code="unsupported_dtype", module="", attribute="dtype", value=dtype,
+        fix="dtype=jnp.float32")
+  options = ExportOptions(dynamic_shapes=dynamic_shapes, attention_probs=attention_probs,
+                          eval_mode=eval_mode)
+  ep = export_model(module, tuple(example_args), dict(example_kwargs or {}), options)
+  return convert_exported(ep, options, dtype=target)
