@@ -6,9 +6,9 @@ on the CPU), in one process:
 * conversion time: ``torch.export`` + grouping + building the Flax model (median of
   ``--repeats`` conversions), next to the torch eager forward it replaces;
 * the converted model's jitted forward against the torch eager forward of the same model on
-  the same inputs (ratio of medians; torch uses its default intra-op threads);
-* the converted GPT-2's jitted forward against a hand-written Flax GPT of the same shape
-  (jaxlens.models.GPT: same width, depth, heads, vocabulary and sequence; target <= 1.1).
+  the same inputs (ratio of medians; torch with ``--torch-threads``, default 1);
+* the converted GPT-2's jitted forward against the zoo's hand-written Flax GPT-2
+  (jaxlens.models, loaded from the same Hugging Face weights; target <= 1.1).
 
 Usage::
 
@@ -27,16 +27,16 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
   sys.path.insert(0, str(_ROOT))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import jax
+import numpy as np
+import torch
 
-from benchmarks._timing import env_info, interleaved, median, ratio, report, row  # noqa: E402
-from jaxlens import models  # noqa: E402
-from torch_bridge.convert import _zoo, convert, to_jax  # noqa: E402
+from benchmarks._timing import env_info, interleaved, median, ratio, report, row
+from jaxlens import models
+from torch_bridge.convert import _zoo, convert, to_jax
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "convert.json"
-GPT = dict(n_layer=4, n_embd=128, n_head=4, vocab_size=256, seq=64, batch=4)
+GPT = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 256, "seq": 64, "batch": 4}
 
 
 def parse_args(argv=None):
@@ -44,6 +44,9 @@ def parse_args(argv=None):
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON result path ('' to skip)")
+  p.add_argument("--torch-threads", type=int, default=1,
+                 help="torch intra-op threads (1: no spinning threads fighting XLA's on a "
+                      "shared machine)")
   return p.parse_args(argv)
 
 
@@ -93,6 +96,7 @@ def measure(name, model, inputs, repeats, warmup):
 def main(argv=None) -> dict:
   args = parse_args(argv)
   warnings.filterwarnings("ignore")
+  torch.set_num_threads(args.torch_threads)
   rows, figures = [], {}
   for name, make in (("gpt2", gpt2_model), ("resnet18", resnet_model)):
     model, inputs = make()
@@ -107,19 +111,23 @@ def main(argv=None) -> dict:
                     baseline="torch eager (no_grad)", candidate_value=m["converted"],
                     baseline_value=m["torch"]))
     if name == "gpt2":
-      hand, hvars, tokens = models.init_gpt(0, "small", batch=GPT["batch"], n_layers=GPT["n_layer"],
-                                            d_model=GPT["n_embd"], n_heads=GPT["n_head"],
-                                            max_len=GPT["seq"], vocab_size=GPT["vocab_size"])
-      hand_fwd = jax.jit(hand.apply)
+      # The zoo's hand-written Flax GPT-2 with the same Hugging Face weights.
+      lm = models.from_state_dict(model.state_dict(), models.config_from_hf(model.config.to_dict()))
+      hand_fwd = jax.jit(lambda v, x, lm=lm: lm.model.apply(v, x))
       conv_fwd = jax.jit(m["fmodel"].apply)
       variables, jin = m["variables"], m["jin"]
-      t = interleaved({"converted": lambda: conv_fwd(variables, *jin),
-                       "hand": lambda: hand_fwd(hvars, tokens)}, args.repeats, args.warmup)
+      hand_logits = np.asarray(hand_fwd(lm.variables, jin[0]))
+      conv_logits = np.asarray(conv_fwd(variables, *jin)["logits"])
+      figures["gpt2"]["vs_zoo_rel_error"] = float(
+        np.max(np.abs(hand_logits - conv_logits)) / np.max(np.abs(hand_logits)))
+      t = interleaved({"converted": lambda: conv_fwd(variables, *jin),  # noqa: B023
+                       "hand": lambda: hand_fwd(lm.variables, jin[0])},  # noqa: B023
+                      args.repeats, args.warmup)
       figures["gpt2"]["hand_written"] = median(t["hand"])
       rows.append(row("forward_gpt2_vs_hand_written",
-                      "gpt2: converted jitted forward / hand-written Flax GPT (jaxlens.models)",
+                      "gpt2: converted jitted forward / the zoo's hand-written Flax GPT-2",
                       ratio(median(t["converted"]), median(t["hand"])), target=("<=", 1.1),
-                      candidate="converted GPT-2", baseline="jaxlens.models.GPT, same shape",
+                      candidate="converted GPT-2", baseline="jaxlens.models GPT-2, same weights",
                       candidate_value=median(t["converted"]), baseline_value=median(t["hand"])))
   result = {"benchmark": "convert", "title": "torch -> Flax conversion: time and forward speed",
             "config": {"gpt2": GPT, "resnet18": {"width": 16, "input": [4, 3, 64, 64]},

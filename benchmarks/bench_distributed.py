@@ -11,10 +11,11 @@ every block x every position in two layouts, each on a ``(data=2, model=2)`` mes
 Each layout runs once in one process with four CPU devices and once in two processes
 (``jax.distributed`` on localhost, gloo collectives) with two devices each, where the
 ``data`` axis spans the processes. The script reports, per layout, the ratio of medians
-(2 x 2 / 1 x 4; reported, not asserted), and the bytes the compiled program moves in
-collectives whose device group spans both processes, per cell, read from its optimised
-HLO (a ring model: an all-reduce of ``S`` bytes over ``g`` devices sends
-``2 (g - 1) / g * S`` per device). From those it writes an estimate for a full
+(2 x 2 / 1 x 4; reported, not asserted), and the bytes the compiled program moves per
+cell in collectives whose device group spans both processes, and in those within one,
+read from its optimised HLO (a ring model: an all-reduce of ``S`` bytes over ``g``
+devices sends ``2 (g - 1) / g * S`` per device). With two processes on CPU every
+collective goes through gloo (TCP), also between two devices of one process. From those it writes an estimate for a full
 layer x position sweep of a 7B Llama on 64 accelerators (see ``docs/scaling.md``).
 
 Usage::
@@ -77,8 +78,18 @@ def _shape_bytes(text: str) -> int:
 
 
 def _groups(line: str, n_devices: int) -> list[list[int]]:
-  """The device groups of a collective (explicit ``{{0,1},{2,3}}`` or iota ``[2,2]<=[4]``)."""
+  """The device groups of a collective: explicit (``{{0,1},{2,3}}``), iota (``[2,2]<=[4]``,
+  ``[2,2]<=[2,2]T(1,0)``) or over a mesh (``mesh['axis_0'=2,'axis_1'=2] {'axis_1'}``: the
+  devices numbered row-major over the mesh, a group for each value of the other axes)."""
   import numpy as np
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+  if m:
+    axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
+    rest = [i for i in range(len(names)) if i not in grouped]
+    ids = np.arange(int(np.prod(sizes))).reshape(sizes).transpose(rest + grouped)
+    return ids.reshape(-1, int(np.prod([sizes[i] for i in grouped]))).tolist()
   m = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
   if m:
     return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
@@ -249,12 +260,14 @@ def _job(args, processes: int, result: Path) -> dict:
   return json.loads(result.read_text())
 
 
-def estimate_7b(tiny_cell_over_forward: float, activations_per_cell: float) -> dict:
+def estimate_7b(tiny_cell_over_forward: float, cross_bytes_per_cell: float,
+                activations_per_cell_layer: float) -> dict:
   """A full layer x position sweep of a 7B Llama on 64 accelerators, written out.
 
   Llama-2-7B: 32 layers, d_model 4096, MLP 11008, 6.7e9 parameters, bfloat16; the sweep
   patches each of the 32 block outputs at each of 512 positions (16384 cells), batch 8,
-  on 64 accelerators (8 hosts x 8, H100-class: 989 TFLOP/s dense bf16, 40 % of it used).
+  on 64 accelerators (8 hosts x 8, H100-class: 989 TFLOP/s dense bf16, 40 % of it used;
+  NVLink 450 GB/s within a host).
 
   Cells layout (``jaxlens.distributed.patching_sweep``): every device holds the model
   and both traces and replays 256 cells. A cell at layer ``l`` recomputes layers
@@ -263,10 +276,13 @@ def estimate_7b(tiny_cell_over_forward: float, activations_per_cell: float) -> d
   vmapping amortises the dispatch that dominates there). Nothing crosses devices but
   one float per cell.
 
-  Tensor-parallel layout (``jl.sweep.patching_sweep`` on a (data, model) mesh, the batch
-  over hosts): XLA gathers activations over the data axis; ``activations_per_cell`` is
-  the measured cross-process bytes per cell over one ``(batch, seq, d_model)`` float32
-  activation of the benchmark model, scaled here to the 7B model's bf16 activation.
+  Tensor-parallel layout (``jl.sweep.patching_sweep`` on a (data, model) mesh: batch
+  over the 8 hosts, kernels over the 8 devices of a host): what crosses hosts per cell
+  is the metric's reduction over the batch (``cross_bytes_per_cell``, measured, does not
+  grow with the model); within a host the kernels' split gathers activations,
+  ``activations_per_cell_layer`` ``(batch, seq, d)`` activations per cell and replayed
+  layer (measured on the benchmark model), scaled to the 7B model's bf16 activations of
+  one host's batch share and 16.5 replayed layers per cell.
   """
   layers, d, mlp, params, seq, batch, devices, hosts = 32, 4096, 11008, 6.7e9, 512, 8, 64, 8
   bf16 = 2
@@ -280,7 +296,7 @@ def estimate_7b(tiny_cell_over_forward: float, activations_per_cell: float) -> d
   saved_per_layer = (8 * d + 2 * mlp) * batch * seq * bf16
   chunk = 16  # cells replayed at once (batch_size=16): a few activations and the scores each
   chunk_bytes = chunk * (4 * activation + batch * 32 * seq * seq * bf16)
-  cross = activations_per_cell * activation
+  intra = activations_per_cell_layer * cone * layers * activation / hosts
   return {
       "cells": cells, "cells_per_device": per_device, "forward_s": forward_s,
       "cell_over_forward": cone, "tiny_cell_over_forward_measured": tiny_cell_over_forward,
@@ -290,9 +306,9 @@ def estimate_7b(tiny_cell_over_forward: float, activations_per_cell: float) -> d
                                "corrupt_trace_all_module_sites": layers * saved_per_layer / 1e9,
                                f"replay_chunk_of_{chunk}": chunk_bytes / 1e9},
       "cells_layout_bytes_per_cell": 4,
-      "tensor_parallel_cross_host_bytes_per_cell": cross,
-      "tensor_parallel_cross_host_total_tb": cross * cells / 1e12,
-      "tensor_parallel_transfer_s_at_25GBps_per_host": cross * cells / hosts / 25e9,
+      "tensor_parallel_cross_host_bytes_per_cell": cross_bytes_per_cell,
+      "tensor_parallel_intra_host_bytes_per_cell": intra,
+      "tensor_parallel_intra_host_s_at_450GBps": intra * cells / 450e9,
   }
 
 
@@ -316,19 +332,23 @@ def main(argv=None) -> dict:
   rows, per_cell = [], {}
   for name in two["median_s"]:
     cross = sum(c["cross_bytes"] for c in two["collectives"][name].values())
-    per_cell[name] = {"cross_process_bytes": cross / cells,
+    within = sum(c["all_bytes"] - c["cross_bytes"] for c in two["collectives"][name].values())
+    per_cell[name] = {"cross_process_bytes": cross / cells, "within_process_bytes": within / cells,
                       "collectives": {op: c["count"] for op, c in two["collectives"][name].items()
                                       if c["count"]}}
     rows.append(row(f"distributed_{name}", f"sweep, {name} layout: 2 processes x 2 devices / "
                     "1 process x 4 devices", ratio(two["median_s"][name], one["median_s"][name]),
                     candidate="2 x 2 (gloo)", baseline="1 x 4",
                     candidate_value=two["median_s"][name], baseline_value=one["median_s"][name],
-                    note=f"{cross / cells:.0f} bytes per cell in collectives spanning processes"))
+                    note=f"{cross / cells:.0f} bytes per cell in collectives spanning processes, "
+                    f"{within / cells:.0f} in collectives within one"))
   med = one["median_s"]
   activation = args.batch * args.seq * args.d_model * 4
   estimate = estimate_7b(
       tiny_cell_over_forward=med["one_device_sweep"] / cells / med["one_device_forward"],
-      activations_per_cell=per_cell["tensor_parallel"]["cross_process_bytes"] / activation)
+      cross_bytes_per_cell=per_cell["tensor_parallel"]["cross_process_bytes"],
+      activations_per_cell_layer=per_cell["tensor_parallel"]["within_process_bytes"]
+      / activation / args.layers)
   result = {
       "benchmark": "distributed", "title": "one sweep, 1 process x 4 devices vs 2 x 2",
       "config": {"layers": args.layers, "d_model": args.d_model, "seq": args.seq,
@@ -336,22 +356,23 @@ def main(argv=None) -> dict:
       "env": env_info(), "rows": rows, "one": one, "two": two, "per_cell": per_cell,
       "estimate_7b_64": estimate,
   }
-  lines = [result["title"], "", "| layout | 1x4 s | 2x2 s | ratio | cross-process B/cell |",
-           "|---|---|---|---|---|"]
+  header = "| layout | 1x4 s | 2x2 s | ratio | B/cell across processes | B/cell within |"
+  lines = [result["title"], "", header, "|---|---|---|---|---|---|"]
   for r in rows:
     name = r["key"].removeprefix("distributed_")
     lines.append(f"| {name} | {r['baseline_value']:.4f} | {r['candidate_value']:.4f} | "
-                 f"{r['value']:.2f} | {per_cell[name]['cross_process_bytes']:.0f} |")
+                 f"{r['value']:.2f} | {per_cell[name]['cross_process_bytes']:.0f} | "
+                 f"{per_cell[name]['within_process_bytes']:.0f} |")
   lines.append("")
   e = estimate
   lines.append(f"7B Llama, 32 layers x 512 positions, batch 8, on 64 devices (cells layout): "
                f"{e['cells_layout_s']:.0f} s, {e['cells_per_device']:.0f} cells per device; "
                f"memory per device (GB): " + ", ".join(
                    f"{k} {v:.1f}" for k, v in e["memory_per_device_gb"].items()))
-  lines.append(f"tensor-parallel layout: {e['tensor_parallel_cross_host_bytes_per_cell'] / 1e6:.0f}"
-               f" MB across hosts per cell, {e['tensor_parallel_cross_host_total_tb']:.1f} TB in "
-               f"all, {e['tensor_parallel_transfer_s_at_25GBps_per_host']:.0f} s at 25 GB/s per "
-               "host")
+  lines.append(f"tensor-parallel layout: {e['tensor_parallel_cross_host_bytes_per_cell']:.0f} B "
+               f"across hosts and {e['tensor_parallel_intra_host_bytes_per_cell'] / 1e6:.0f} MB "
+               f"within a host per cell, {e['tensor_parallel_intra_host_s_at_450GBps']:.0f} s "
+               "of NVLink transfer")
   return report(result, "\n".join(lines), args.out)
 
 

@@ -78,14 +78,16 @@ def _fit(text: str, width: int) -> str:
 
 
 def _summary_lines(doors: dict, counts: dict, rows: int, torch: bool) -> list[str]:
-  """Door spellings, then per door how many verbs agree; every line within WIDTH columns."""
-  from jaxlens._src import matrix
+  """Door spellings, then per door how many verbs agree; every line within WIDTH columns.
+
+  ``doors``: door name -> (spelling, runner), the matrix's ``DOORS``.
+  """
   lines = [("doors (the spellings of docs/gradient_contract.md; a selection door runs the same "
             "edit"), "under jl.units(site, ...) or jl.subspace(site, basis, ...)):"]
   name_w = max(len(d) for d in doors if ":" not in d) + 2
   for door in doors:
     if ":" not in door:
-      lines.append(_fit(f"  {door:<{name_w}}{matrix.DOORS[door][0]}", WIDTH))
+      lines.append(_fit(f"  {door:<{name_w}}{doors[door][0]}", WIDTH))
   what = "jaxlens = torch reference" if torch else "jaxlens"
   lines += ["", f"rows per door ({rows} verbs, each without and with keep_grad):",
             f"  {'door':<34}{what:>26}  {'= specification':>16}"]
@@ -100,20 +102,24 @@ def _summary_lines(doors: dict, counts: dict, rows: int, torch: bool) -> list[st
 def _matrix_main(*, full: bool = False, table_out: str | None = None,
                  progress: bool = True) -> int:
   jax.config.update("jax_enable_x64", True)
-  from jaxlens._src import matrix
+  # The contract matrix (rows, doors, the specification's outcomes) and, with torch, its
+  # torch side: the only two imports of the matrix code in this module.
+  from jaxlens import contract as matrix
+  torch = _torch_available()
+  if torch:
+    from torch_bridge import matrix as torch_matrix
 
   _, _, _, _, source = matrix.spec_model()
   doors = dict(matrix.DOORS)
   rows_by_name = {r.name: r for r in matrix.ROWS}
-  torch = _torch_available()
   if torch:
     print("gradient contract matrix: jaxlens and the torch reference (torch_bridge), side by side")
     print(f"model: Sequential([Dense(4), Dense(2)]) / nn.Sequential(nn.Linear(4, 4), "
           f"nn.Linear(4, 2)),\n  float64, weights from {source}; edit at {matrix.SITE}\n")
   else:
     print("jaxlens gradient contract matrix")
-    print(f"model: Sequential([Dense(4), Dense(2)]), float64, weights from {source}; "
-          f"edit at {matrix.SITE}")
+    print(f"model: Sequential([Dense(4), Dense(2)]), float64, edit at {matrix.SITE};\n"
+          f"  weights from {source}")
     print("note: torch is not installed, so the torch reference column is not measured\n"
           "  (pip install torch==2.13.0 to compare both frameworks)\n")
 
@@ -123,8 +129,6 @@ def _matrix_main(*, full: bool = False, table_out: str | None = None,
     for door in doors:
       bar.set_postfix_str(door, refresh=False)
       if torch:
-        # The one import of the torch side: torch_bridge's matrix (it imports torch).
-        from torch_bridge import _matrix as torch_matrix
         part = torch_matrix.door_table(door)
         counts[door] = (sum(p.agrees for p in part.values()),
                         sum(p.matches_spec for p in part.values()))
@@ -158,8 +162,10 @@ def _matrix_main(*, full: bool = False, table_out: str | None = None,
     print("\n" + whole)  # it ends with the agreement line
   else:
     print(verdict)
-    where = f"written to {table_out}" if table_out else "--full prints it"
-    print(f"the whole matrix, one row per door and verb: {where}")
+    if table_out:
+      print(f"the whole matrix, one row per door and verb, is in\n  {table_out}")
+    else:
+      print("the whole matrix, one row per door and verb: --full prints it")
   return 1 if bad else 0
 
 

@@ -33,8 +33,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlens._src.errors import InvalidArgumentError, JaxlensError
-from jaxlens._src.portable import load_spec as _load_spec
-from jaxlens._src.portable import save_spec as _save_spec
+from jaxlens._src.doors import load_spec as _load_spec
+from jaxlens._src.doors import save_spec as _save_spec
 from jaxlens._src.sites import module
 from jaxlens._src.tracing import trace
 from jaxlens._src.verbs import at_positions, patch_from
@@ -81,10 +81,13 @@ def host_values(tree):
   remote = [i for i, leaf in enumerate(leaves)
             if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable]
   named = [i for i in remote if isinstance(leaves[i].sharding, NamedSharding)]
-  if named:
-    shardings = tuple(NamedSharding(leaves[i].sharding.mesh, P()) for i in named)
-    gathered = jax.jit(lambda *xs: xs, out_shardings=shardings)(*(leaves[i] for i in named))
-    for i, value in zip(named, gathered):
+  by_mesh: dict[Any, list[int]] = {}
+  for i in named:
+    by_mesh.setdefault(leaves[i].sharding.mesh, []).append(i)
+  for mesh, group in by_mesh.items():  # one program per mesh (a program has one device set)
+    replicated = (NamedSharding(mesh, P()),) * len(group)
+    gathered = jax.jit(lambda *xs: xs, out_shardings=replicated)(*(leaves[i] for i in group))
+    for i, value in zip(group, gathered):
       leaves[i] = value
   for i in remote:
     if i not in named:
@@ -134,7 +137,8 @@ def barrier(name: str, *, timeout_s: float) -> None:
   Uses the coordination service of ``jax.distributed`` (no device collective), so it
   also works between programs. Raises :class:`DistributedError` ``barrier_timeout``
   naming the barrier when a process does not arrive in time. Without
-  ``jax.distributed`` (one process) it returns at once. Each name is used once.
+  ``jax.distributed`` (one process) it returns at once. Every process must pass the
+  barriers of one name the same number of times (the coordination service counts them).
   """
   client = _client()
   if client is None or jax.process_count() == 1:
@@ -163,9 +167,13 @@ def save_spec(spec, path, *, timeout_s: float = 300.0):
   must be on a file system that every process sees. Returns ``path``.
   """
   host = host_values(spec)
-  if jax.process_index() == 0:
-    _save_spec(host, path)
-  barrier(f"jaxlens.save_spec:{path}", timeout_s=timeout_s)
+  try:
+    if jax.process_index() == 0:
+      _save_spec(host, path)
+  finally:
+    # Also when process 0's save raised (e.g. spec_target_exists): the others then pass
+    # the barrier at once and get spec_not_found from load_spec, not a barrier timeout.
+    barrier(f"jaxlens.save_spec:{path}", timeout_s=timeout_s)
   return path
 
 

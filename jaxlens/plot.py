@@ -217,7 +217,9 @@ def logit_lens(logits, *, vocab: Sequence[str] | Callable[[int], str] | None = N
   top_p = np.take_along_axis(probs, top[..., None], -1)[..., 0]
   decode = (vocab if callable(vocab) else
             (lambda i: str(i)) if vocab is None else (lambda i: str(vocab[i])))
-  text = [[decode(int(t)) for t in row] for row in top]
+  # A blank token (a space, a newline) is shown as its repr, so that the cell says what it is.
+  shown = lambda t: t if t.strip() else repr(t)
+  text = [[shown(decode(int(t))) for t in row] for row in top]
   layers, positions = top.shape
   rlabels = _labels(row_labels, layers, "row_labels", "layers")
   clabels = _labels(col_labels, positions, "col_labels", "positions")

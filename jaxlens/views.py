@@ -39,7 +39,7 @@ from typing import Any
 
 from jaxlens._optional import require
 
-__all__ = ["register", "show", "to_html", "view"]
+__all__ = ["register", "render", "show", "to_html", "view"]
 
 KEEP = "#c9efc9"  # written by an edit that keeps the gradient
 CUT = "#f6c5bd"  # written by an edit that cuts it
@@ -116,6 +116,7 @@ class SiteView:
   value: Any
   edits: tuple = ()
   state: str = ""  # "keep", "cut", "downstream", "frontier", "not saved" or ""
+  input: Any = None  # the call's (args, kwargs), when the trace saved inputs
 
 
 @dataclasses.dataclass
@@ -186,13 +187,14 @@ def _trace_view(trace) -> TraceView:
   downstream = _downstream(trace, set(edited))
   frontier = dict(getattr(trace, "frontier", {}) or {})
   values = dict(trace.values)
+  inputs = dict(getattr(trace, "inputs", None) or {})
   saved_infos = {k: i for k, i in trace.infos.items() if i is not None}
 
   def site(info, value, saved=True):
     lbl = info.label
     return SiteView(lbl, info.kind, info.module_type if info.kind == "module" else info.func,
                     value, tuple(edited.get(lbl, ())),
-                    _site_state(lbl, edited, downstream, frontier, saved))
+                    _site_state(lbl, edited, downstream, frontier, saved), inputs.get(lbl))
 
   root = ModuleView("", "", None, {}, [])
 
@@ -233,21 +235,30 @@ def _trace_view(trace) -> TraceView:
   return TraceView(output, root, spec, frontier, bool(getattr(trace, "stale", False)), counts)
 
 
-def view(obj) -> Any:
-  """The view object of a jaxlens object (a Trace, Spec, edit or selector); else ``obj``."""
+def view(obj, *, trace=None) -> Any:
+  """The view object of a jaxlens object (a Trace, Spec, edit or selector); else ``obj``.
+
+  Args:
+    obj: what to view.
+    trace: for a selector or a spec, a trace whose sites they are matched against:
+      the view then says which sites each selects (``# matches ...``, ``# fired at ...``).
+  """
   import jaxlens as jl
   register()
-  from jaxlens._src.verbs import Edit
+  from jaxlens._src.edit import Edit
   if isinstance(obj, (TraceView, SpecView, EditView, SelectorView, ModuleView, SiteView)):
     return obj
+  infos = list(trace.sites) if trace is not None else None
   if isinstance(obj, jl.Trace):
     return _trace_view(obj)
   if isinstance(obj, jl.Spec):
-    return SpecView(tuple(RuleView(s, e, None) for s, e in obj.rules))
+    fired = _fired(obj.rules, infos) if infos is not None else [None] * len(obj.rules)
+    return SpecView(tuple(RuleView(s, e, None if f is None else tuple(f))
+                          for (s, e), f in zip(obj.rules, fired)))
   if isinstance(obj, Edit):
     return EditView(obj)
   if isinstance(obj, jl.Site):
-    return SelectorView(obj)
+    return SelectorView(obj, None if infos is None else tuple(_fired([(obj, None)], infos)[0]))
   return obj
 
 
@@ -326,6 +337,10 @@ def _render_site(sv: SiteView, path, subtree_renderer, *, name: str | None = Non
   head = _styled(rp.text(f"{name or sv.label}: "), color)
   if sv.value is None:
     body = rp.RenderableAndLineAnnotations(rp.text("(not saved)"), rp.empty_part())
+  elif sv.input is not None:
+    args, kwargs = sv.input
+    body = _node("(", [("input", args if not kwargs else sv.input), ("out", sv.value)], path,
+                 subtree_renderer)
   else:
     body = subtree_renderer(sv.value, path=path)
   return rp.RenderableAndLineAnnotations(
@@ -337,12 +352,23 @@ def _render_site(sv: SiteView, path, subtree_renderer, *, name: str | None = Non
 def _render_module(mv: ModuleView, path, subtree_renderer, prefix: str = ""):
   label = f"{prefix}/{mv.name}" if prefix else mv.name
   items = []
-  if mv.out is not None:
+  if mv.out is not None and (mv.out.value is not None or mv.out.state in ("keep", "cut")):
     items.append((None, _render_site(mv.out, None, subtree_renderer, name="out")))
+  hidden = []  # submodules with nothing saved or edited anywhere below: one line for all
   for child in mv.children.values():
-    items.append((None, _render_module(child, None, subtree_renderer, label)))
+    if _shows(child):
+      items.append((None, _render_module(child, None, subtree_renderer, label)))
+    else:
+      hidden.append(child.name)
   for op in mv.ops:
-    items.append((None, _render_site(op, None, subtree_renderer)))
+    if op.value is not None or op.state in ("keep", "cut"):
+      items.append((None, _render_site(op, None, subtree_renderer)))
+    else:
+      hidden.append(op.label)
+  if hidden:
+    names = ", ".join(hidden[:6]) + (", ..." if len(hidden) > 6 else "")
+    items.append((None, _one_line(f"({len(hidden)} not saved: {names})", None,
+                                  color=NOT_SAVED)))
   color = _STATE_COLOR.get(mv.out.state) if mv.out is not None and mv.out.state in (
       "keep", "cut") else None
   title = _styled(_treescope().rendering_parts.text(
@@ -350,6 +376,13 @@ def _render_module(mv: ModuleView, path, subtree_renderer, prefix: str = ""):
   # Open the model and every module that holds an edited site, so the edits show.
   return _node(title, items, path, subtree_renderer, suffix="}",
                expand=not prefix or _holds_edit(mv))
+
+
+def _shows(mv: ModuleView) -> bool:
+  """Whether a module has a saved or edited site anywhere below it."""
+  sites = ([mv.out] if mv.out is not None else []) + list(mv.ops)
+  return any(s.value is not None or s.state in ("keep", "cut") for s in sites) or any(
+      _shows(c) for c in mv.children.values())
 
 
 def _holds_edit(mv: ModuleView) -> bool:
@@ -374,7 +407,7 @@ def _render_edit(edit, path, subtree_renderer):
   for k, v in getattr(edit, "static", ()):
     if v is not None:
       items.append((k, v))
-  mark = "keep_grad(" if getattr(edit, "keep_grad", False) else ""
+  mark = "jl.keep_grad(" if getattr(edit, "keep_grad", False) else ""
   comment = ("keeps the gradient" if keeps else "cuts the gradient") + (
       "; keep_grad: checked when it fires" if mark else "")
   prefix = f"{mark}jl.{getattr(edit, 'name', type(edit).__name__)}("
@@ -404,8 +437,8 @@ def _render_trace(tv: TraceView, path, subtree_renderer):
              f"{c['downstream']} recomputed downstream" +
              (f", {c['frontier']} frontier values" if c["frontier"] else "") +
              ("; stale: staged edits not run" if tv.stale else ""))
-  items = [("output", tv.output),
-           ("sites", _render_module(tv.sites, None, subtree_renderer)),
+  # The output is the model's own site (``out`` at the top of the site tree).
+  items = [("sites", _render_module(tv.sites, None, subtree_renderer)),
            ("spec", _render_spec(tv.spec, None, subtree_renderer))]
   if tv.frontier:
     items.append(("frontier", tv.frontier))
@@ -415,7 +448,7 @@ def _render_trace(tv: TraceView, path, subtree_renderer):
 def _handler(node, path, subtree_renderer):
   """treescope's handler for jaxlens objects and their views."""
   import jaxlens as jl
-  from jaxlens._src.verbs import Edit
+  from jaxlens._src.edit import Edit
   if isinstance(node, (jl.Trace, jl.Spec, Edit, jl.Site)):
     node = view(node)
   if isinstance(node, TraceView):
@@ -434,6 +467,12 @@ def _handler(node, path, subtree_renderer):
   return NotImplemented
 
 
+def render(obj, path, subtree_renderer):
+  """The treescope rendering of a jaxlens object (what its ``__treescope_repr__`` returns)."""
+  register()
+  return _handler(obj, path, subtree_renderer)
+
+
 _registered = False
 
 
@@ -443,7 +482,7 @@ def register() -> None:
   if _registered:
     return
   import jaxlens as jl
-  from jaxlens._src.verbs import Edit
+  from jaxlens._src.edit import Edit
   registry = _treescope().type_registries.TREESCOPE_HANDLER_REGISTRY
   for cls in (jl.Trace, jl.Spec, Edit, jl.Site, TraceView, SpecView, EditView, SelectorView,
               ModuleView, SiteView):
@@ -451,10 +490,10 @@ def register() -> None:
   _registered = True
 
 
-def show(obj) -> None:
-  """Displays ``obj`` with treescope (in a notebook: a foldable tree)."""
+def show(obj, *, trace=None) -> None:
+  """Displays ``obj`` with treescope (in a notebook: a foldable tree); ``trace`` as for :func:`view`."""
   register()
-  _treescope().show(obj)
+  _treescope().show(view(obj, trace=trace))
 
 
 register()
@@ -479,13 +518,14 @@ body {{ font-family: system-ui, sans-serif; margin: 1.5em; }}
 """
 
 
-def to_html(obj, path=None, *, title: str | None = None) -> str:
+def to_html(obj, path=None, *, title: str | None = None, trace=None) -> str:
   """A standalone HTML page of ``obj``'s view (treescope's foldable tree and a legend).
 
   Args:
     obj: a Trace, Spec, edit, selector (or anything treescope renders).
     path: when given, the page is also written there.
     title: the page title (default: the object's type).
+    trace: for a selector or a spec, the trace to match them against (see :func:`view`).
 
   Returns:
     The page's HTML. It needs JavaScript (treescope's renderer) and no network.
@@ -493,7 +533,8 @@ def to_html(obj, path=None, *, title: str | None = None) -> str:
   register()
   treescope = _treescope()
   with treescope.active_autovisualizer.set_scoped(None):
-    body = treescope.render_to_html(view(obj), roundtrip_mode=False, compressed=False)
+    body = treescope.render_to_html(view(obj, trace=trace), roundtrip_mode=False,
+                                    compressed=False)
   title = title or f"jaxlens {type(obj).__name__}"
   legend = "".join(f'<span style="background:{c}">{html.escape(t)}</span>' for t, c in _LEGEND)
   page = _PAGE.format(title=html.escape(title), legend=legend, body=body)

@@ -107,12 +107,30 @@ def _flat(prefix, tree, out):
     out[prefix + jax.tree_util.keystr(path)] = leaf
 
 
+def _probe(fn):
+  """``None`` when ``fn()`` runs, else what it raised: class, code (if any), first line."""
+  try:
+    fn()
+    return None
+  except Exception as error:  # noqa: BLE001 (recorded, compared by the test)
+    import traceback
+
+    import jaxlens as jl
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if f"jaxlens{os.sep}" in f.filename]
+    where = f"{frames[-1].filename.split(os.sep + 'jaxlens' + os.sep)[-1]}:{frames[-1].lineno} " \
+            f"({frames[-1].name})" if frames else None
+    return {"type": type(error).__name__, "jaxlens": isinstance(error, jl.JaxlensError),
+            "code": getattr(error, "fields", {}).get("code"), "where": where,
+            "message": str(error).splitlines()[0][:300]}
+
+
 def run_scenarios(mesh, dtype, facts, spec_dir=None):
   """Every scenario on ``mesh`` (or one device); returns name -> array (device or host).
 
   ``facts`` collects what is not an array: error codes, and where a value lives. In
   float64 every scenario runs; in float32 (to keep the suite lean) the trace, a keeping
-  live edit with its gradient, the sweeps and a training step.
+  live edit with its gradient and the sweeps.
   """
   full = dtype == "float64"
   import flax.linen as nn  # noqa: F401  (imported before jaxlens, as users do)
@@ -238,9 +256,11 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
   # -- optax training steps through an edit (every variant in one compiled step) -------
   target = place.put(rng.normal(size=(BATCH, SEQ, 4)).astype(dt), "data")
   opt = optax.adam(1e-2)
-  train = {"train_keep": jl.when(site, keep_grad(jl.steer(direction, 0.5, feature_axis=-1)))}
+  # float64 only, one keeping edit: what a cutting verb does to the gradient is checked on
+  # live_cut.
+  train = {}
   if full:
-    train["train_cut"] = jl.when(site, jl.zero_ablate())
+    train = {"train_keep": jl.when(site, keep_grad(jl.steer(direction, 0.5, feature_axis=-1)))}
 
   # Global arrays are arguments: a jitted function may not close over one that spans
   # other processes' devices.
@@ -257,7 +277,7 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
 
   params = {name: v for name in train}
   states = {name: opt.init(v) for name in train}
-  for i in range(3):
+  for i in range(3 if train else 0):
     new = step(params, states, x, target, train)
     for name, (p, state, value) in new.items():
       params[name], states[name] = p, state
@@ -277,10 +297,44 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
     loaded = jd.load_spec(path)
     out["spec/output"] = jax.jit(loaded.bind(model))(v, x)
     facts["spec_sha256"] = json.loads((path / "spec.json").read_text())["sha256"]
+    # The host boundary without the helpers: what a user who does not gather gets.
+    facts["probes"] = {
+        "spec.save": _probe(lambda: spec.save(Path(spec_dir) / f"plain_{jax.process_index()}")),
+        "repr(trace)": _probe(lambda: repr(t)),
+        "repr(spec)": _probe(lambda: repr(spec)),
+        "spec.check": _probe(lambda: spec.check(model, v, x).ok),
+        # An eager door with a units mask split over processes (jitted, it works above).
+        "eager units mask": _probe(lambda: jl.when(jl.units(site, mask), jl.scale(3.0)).bind(
+            model)(v, x)),
+    }
   else:
     spec = jl.when(site, jl.replace_with(jnp.asarray(donor_h)))  # one process: no saving
     out["spec/output"] = spec.bind(model)(v, x)
   mark("spec")
+
+  # -- the activation store: each process collects the rows of its own devices, in
+  # parallel, into a store of its own; read back, they form the global array ----------
+  if full and mesh is not None and spec_dir is not None:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxlens import store
+    rows = x.addressable_shards[0].index[0]  # this process's slice of the batch
+    local = x_h[rows]
+    half = len(local) // 2
+    root = Path(spec_dir) / f"store_{dtype}" / f"process_{jax.process_index()}"
+    store.collect(model, variables_h, [local[:half], local[half:]], root, sites=["block_1"],
+                  progress=False)
+    back = store.open(root).array("block_1")
+    out["store/block_1"] = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("data")), back, (BATCH, SEQ, WIDTH))
+    facts["store_local_rows"] = [rows.start or 0, rows.stop]
+    facts["probes"]["store.collect of a global batch"] = _probe(lambda: store.collect(
+        model, v, [x], Path(spec_dir) / f"store_global_{jax.process_index()}",
+        sites=["block_1"], progress=False))
+  elif full:
+    out["store/block_1"] = t["block_1"].out
+  mark("store")
   return out
 
 

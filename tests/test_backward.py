@@ -7,7 +7,6 @@ values change, for what ``jl.depends_on`` and ``keep_grad`` report, and for ever
 typed error it raises.
 """
 
-import doctest
 
 import chex
 import flax.linen as nn
@@ -17,7 +16,6 @@ import numpy as np
 import pytest
 
 import jaxlens as jl
-from jaxlens._src import backward
 from jaxlens.intervention import keep_grad
 
 SITE = jl.module("layers_0")
@@ -287,7 +285,3 @@ def test_an_integer_site_is_refused(edit):
     jl.when(jl.module("argmax"), edit).bind(model)(variables, x)
   assert info.value.fields["code"] == "site_not_float"
 
-
-def test_docstring_examples_run():
-  failures, tried = doctest.testmod(backward, verbose=False)
-  assert tried >= 4 and failures == 0

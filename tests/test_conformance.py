@@ -13,7 +13,7 @@ import pytest
 
 import jaxlens as jl
 from jaxlens import intervention as ji
-from jaxlens._src import matrix
+from jaxlens import contract as matrix
 
 SITE = jl.module("layers_0")
 

@@ -50,3 +50,33 @@ def test_main_trains_sweeps_and_draws_the_heatmap(tmp_path, capsys, monkeypatch)
   assert ticks[MARKER_AT] == f"{MARKER_AT} marker" and ticks[-1] == f"{SEQ - 1} query"
   assert "Activation patching" in ax.get_title()
   assert "restored" in result.figure.axes[-1].get_ylabel()  # the colour bar
+
+
+def test_python_m_jaxlens_summary_fits_100_columns(tmp_path, capsys, monkeypatch):
+  """The command's own layout, on stand-in cells (the matrix itself is tested elsewhere)."""
+  from jaxlens import __main__ as entry
+  from jaxlens import contract as matrix
+  doors = {k: matrix.DOORS[k] for k in ("live_bind", "replay", "units:differentiable_replay")}
+  cells = {(d, r.name): tuple(matrix.Cell(o) for o in matrix.expected(d, r))
+           for d in doors for r in matrix.ROWS}
+  monkeypatch.setattr(entry, "_torch_available", lambda: False)
+  monkeypatch.setattr(matrix, "DOORS", doors)
+  monkeypatch.setattr(matrix, "run_matrix", lambda doors_: {
+      k: v for k, v in cells.items() if k[0] in doors_})
+  monkeypatch.setattr(matrix, "spec_model", lambda: (None,) * 4 + ("jax.random",))
+  table = tmp_path / "matrix.md"
+  assert entry.main(["--no-demo", "--no-progress", "--table-out", str(table)]) == 0
+  out = capsys.readouterr().out
+  assert all(len(line) <= entry.WIDTH for line in out.splitlines() if str(table) not in line)
+  n = len(matrix.ROWS)
+  assert out.count("rows agree with the specification") == 1
+  assert f"{3 * n} of {3 * n} rows agree" in out and f"is in\n  {table}\n" in out
+  # Spellings come from the matrix's own table (the one the docs' generated block prints).
+  assert f"live_bind  {matrix.DOORS['live_bind'][0]}" in out
+  assert f"  units:differentiable_replay{n}/{n}".replace(" ", "") in out.replace(" ", "")
+  assert table.read_text().count("\n| `") == 3 * n  # the whole table, one line per row
+
+  with pytest.raises(SystemExit):
+    entry.main(["--help"])
+  helptext = capsys.readouterr().out
+  assert "``" not in helptext and "--no-demo" in helptext and "--matrix-only" not in helptext

@@ -172,10 +172,10 @@ def test_the_mesh_spans_both_processes(parity_run):
 
 GROUPS = ["trace", "host", "eager", "live_keep", "live_cut", "replay", "patch_from",
           "select_units", "select_subspace", "select_subspace_zero", "sweep", "train_keep",
-          "train_cut", "spec"]
+          "spec", "store"]
 # run in float64 only (tests/_dist_worker.py), to keep the suite lean
 FLOAT64_ONLY = {"eager", "live_cut", "replay", "patch_from", "select_units", "select_subspace",
-                "select_subspace_zero", "train_cut", "spec"}
+                "select_subspace_zero", "train_keep", "spec", "store"}
 
 
 def _error(a, b) -> float:
@@ -243,22 +243,17 @@ def test_the_sweep_cells_are_spread_over_every_device(parity_run, reference, dty
     assert _error(got[f"{dtype}:sweep_cells/grid"], ref) <= TOLERANCE[dtype] * scale
 
 
-def test_training_through_a_cut_leaves_upstream_parameters_unchanged(parity_run):
+def test_a_cut_gives_exact_zero_gradients_upstream_and_training_learns(parity_run):
+  """In every process, bit for bit: the cut's gradient upstream is zero, not merely small."""
   values, _, _ = parity_run
-  dtype = "float64"
-  model = worker._model(np.dtype(dtype))
-  x = np.zeros((worker.BATCH, worker.SEQ, worker.WIDTH), dtype)
-  initial = {}
-  worker._flat("train_cut/params", worker._host_variables(model, x, seed=2), initial)
-  upstream = [k for k in initial if "block_0" in k]
-  assert upstream
+  upstream = [k for k in values[0] if k.startswith("float64:live_cut/grad") and "block_0" in k]
+  downstream = [k for k in values[0] if k.startswith("float64:live_cut/grad") and "head" in k]
+  assert upstream and downstream
   for got in values:
-    for k in upstream:
-      np.testing.assert_array_equal(got[f"{dtype}:{k}"], initial[k])
-    downstream = [k for k in initial if "head" in k]
-    assert any(not np.array_equal(got[f"{dtype}:{k}"], initial[k]) for k in downstream)
-    losses = [float(got[f"{dtype}:train_keep/loss_{i}"]) for i in range(3)]
-    assert losses[2] < losses[0]
+    assert all(not got[k].any() for k in upstream)
+    assert all(got[k].any() for k in downstream)
+    losses = [float(got[f"float64:train_keep/loss_{i}"]) for i in range(3)]
+    assert losses[2] < losses[1] < losses[0]
 
 
 def test_a_spec_is_written_once_and_loaded_by_every_process(parity_run):
@@ -343,3 +338,49 @@ def test_the_cell_sweep_on_one_process_matches_jl_sweep(reference):
     jd.patching_sweep(model, variables, 2 * x, x, worker.metric, mesh=mesh, sites=sites,
                       positions=(worker.SEQ,))
   assert error.value.code == "index_out_of_range"
+
+
+def test_each_process_stores_its_rows_and_they_read_back_as_the_global_array(parity_run):
+  """jaxlens.store per process, in parallel; the value itself is compared in the parity test."""
+  from jaxlens import store
+  _, facts, out = parity_run
+  assert [f["float64"]["store_local_rows"] for f in facts] == [[0, 4], [4, 8]]
+  for i in range(PROCESSES):
+    local = store.open(out / "store_float64" / f"process_{i}")
+    assert local.num_rows == worker.BATCH // PROCESSES
+    assert (out / "store_float64" / f"process_{i}" / "COMPLETE").exists()
+
+
+def test_reading_a_trace_or_spec_needs_no_gather(parity_run):
+  """repr and spec.check on values split over processes work without jaxlens.distributed."""
+  _, facts, _ = parity_run
+  for f in facts:
+    probes = f["float64"]["probes"]
+    for name in ("repr(trace)", "repr(spec)", "spec.check"):
+      assert probes[name] is None, (name, probes[name])
+
+
+# Three places where jaxlens reads an array's values on the host (np.asarray) fail, on a
+# value whose shards live on other processes, with jax's RuntimeError ("Fetching value
+# for `jax.Array` that spans non-addressable ... devices is not possible") instead of a
+# typed jaxlens error; the probes in tests/_dist_worker.py record where.
+HOST_READ_BUGS = {
+    "spec.save": "jaxlens/_src/portable.py _Writer.array: np.asarray(a) of a spec array "
+                 "split over processes; expected a typed refusal (e.g. spec_not_portable, "
+                 "fix: jaxlens.distributed.save_spec)",
+    "store.collect of a global batch": "jaxlens/store.py _Writer.run: np.asarray of site "
+                                       "values split over processes in the writer thread; "
+                                       "expected a typed StoreError (or one store per process)",
+    "eager units mask": "jaxlens/_src/selections.py _host (from _mask/_units): np.asarray of "
+                        "a concrete units mask split over processes in an eager door; "
+                        "expected the value checks skipped as for a tracer (jitted, it works)",
+}
+
+
+@pytest.mark.parametrize("probe", sorted(HOST_READ_BUGS))
+def test_values_on_other_processes_are_refused_typed_or_work(parity_run, probe, request):
+  request.applymarker(pytest.mark.xfail(strict=True, reason=HOST_READ_BUGS[probe]))
+  _, facts, _ = parity_run
+  for f in facts:
+    got = f["float64"]["probes"][probe]
+    assert got is None or got["jaxlens"], got

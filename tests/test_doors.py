@@ -218,3 +218,55 @@ def test_depends_on_audits_parameters(spec_model):
   # Control flow: cond is analysed branch by branch.
   g = lambda p: jax.lax.cond(True, lambda q: q["a"] * 2, lambda q: q["a"] * 3, p)
   assert jl.depends_on(g, {"a": 1.0, "b": 2.0}) == {"a": True, "b": False}
+
+
+class _TupleLayer(nn.Module):
+  """A layer written like a Hugging Face decoder layer: it returns a tuple."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4)(x)
+    return h, jnp.tanh(h)
+
+
+class _TupleModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h, aux = _TupleLayer(name="layer")(x)
+    return nn.Dense(2)(h + aux)
+
+
+def test_one_element_of_a_tuple_output_on_every_door():
+  model, x = _TupleModel(), jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+  v = model.init(jax.random.key(0), x)
+  site = jl.module("layer", output=0)
+  edit = jl.scale(0.0)
+  h = jl.trace(model, v, x)["layer#0"].out
+  head = v["params"]["Dense_0"]
+  want = jnp.tanh(h) @ head["kernel"] + head["bias"]  # the first element zeroed, the second kept
+  outs = {
+      "bind": jl.when(site, edit).bind(model)(v, x),
+      "trace": jl.trace(model, v, x, intervene=jl.when(site, edit)).output,
+      "replay": jl.trace(model, v, x).fork().do(site, edit).output,
+      "rerun": jl.trace(model, v, x).fork().do(site, edit, model=model.bind(v), inputs=x).output,
+      "op-site bind": (jl.when(site, edit) + jl.when(jl.func("tanh"), jl.scale(1.0))).bind(
+          model)(v, x),
+  }
+  for door, out in outs.items():
+    np.testing.assert_allclose(out, want, atol=1e-12, err_msg=door)
+  assert jl.trace(model, v, x, save=site).labels == ("layer#0",)
+
+
+def test_save_of_a_tuple_module_names_what_ran():
+  """Issue 11: save= on a module returning a tuple names it and the spelling that works."""
+  model, x = _TupleModel(), jnp.ones((2, 4))
+  v = model.init(jax.random.key(0), x)
+  with pytest.raises(jl.SiteError, match="returned a tuple") as info:
+    jl.trace(model, v, x, save=jl.module("layer"))
+  assert info.value.fields["fix"] == "jl.module('layer', output=0)"
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[site_not_array\]") as info:
+    jl.trace(model, v, x, intervene=jl.when(jl.module("layer"), jl.scale(2.0)))
+  assert "output=0" in info.value.fields["fix"]
+  with pytest.raises(jl.SiteError, match="select one element") as info:
+    jl.trace(model, v, x, save=jl.module("layer", output=5))
+  assert info.value.fields["candidates"] == ["layer#0", "layer#1"]

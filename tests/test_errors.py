@@ -200,3 +200,38 @@ def test_bad_arguments(spec_model, call, code, match):
   with pytest.raises(jl.InvalidArgumentError, match=match) as info:
     call(model, variables, x)
   assert info.value.code == code
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda e: ji.at_positions(jnp.array([0]), e, axis=0),
+    lambda e: ji.compose(jl.scale(1.0), e),
+    lambda e: ji.gate(True, e),
+], ids=["at_positions", "compose", "gate"])
+def test_site_has_no_graph_for_keep_grad_nested_in_another_edit(wrap):
+  """Regression: keep_grad inside at_positions skipped the site_has_no_graph probe."""
+  model = WithDetached()
+  x = jnp.ones((3, 4))
+  v = init(model, x)
+  spec = jl.when(jl.module("frozen"), wrap(keep_grad(jl.scale(2.0))))
+  for f in (lambda v: jl.trace(model, v, x, intervene=spec).output,
+            lambda v: spec.bind(model)(v, x)):
+    with pytest.raises(jl.GradientContractError, match=r"\[site_has_no_graph\]"):
+      f(v)
+
+
+def test_reprs_show_every_argument():
+  """Regression: jl.scale(0.5) printed as jl.scale()."""
+  assert repr(jl.scale(0.5)) == "jl.scale(0.5)"
+  assert repr(keep_grad(jl.clamp(min=-1.0))) == "jl.keep_grad(jl.clamp(min=-1.0))"
+  assert repr(jl.steer(np.array([1.0, 2.0]), 3.0, feature_axis=-1)) == (
+      "jl.steer(jnp.array([1.0, 2.0], dtype=jnp.float64), magnitude=3.0, feature_axis=-1)")
+  assert repr(ji.compose(jl.scale(2.0), jl.zero_ablate())) == (
+      "jl.compose(jl.scale(2.0), jl.zero_ablate())")
+  assert repr(jl.mean_ablate(dim=0)) == "jl.mean_ablate(dim=0)"
+  assert repr(ji.permute_batch(seed=3)) == "jl.permute_batch(seed=3)"
+  spec = jl.when(jl.units("layers_0", [1, 3]), jl.add_noise(0.1, seed=0))
+  assert repr(spec) == ("jl.when(jl.units(jl.label('layers_0'), jnp.array([1, 3], "
+                        "dtype=jnp.int64)), jl.add_noise(0.1, seed=0))")
+  # A repr of plain values is code that builds the same edit.
+  edit = jl.clamp(min=-1.0, max=2.0)
+  assert repr(eval(repr(edit), {"jl": jl, "jnp": jnp})) == repr(edit)

@@ -6,7 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlens._src import matrix
+from jaxlens import contract as matrix
+
+# The matrix cells are cached per process: the files reading them share one xdist worker.
+pytestmark = pytest.mark.xdist_group("matrix")
 
 SITE = matrix.SITE
 _sg = jax.lax.stop_gradient
@@ -119,10 +122,10 @@ def test_hand_table_covers_every_row():
 
 @pytest.mark.parametrize("door", list(matrix.DOORS))
 @pytest.mark.parametrize("row", matrix.ROWS, ids=lambda r: r.name)
-def test_cell(spec_model, door, row):
+def test_cell(spec_model, matrix_weights, door, row):
   model, variables, x, x_donor, _ = spec_model
   want = matrix.expected(door, row)
-  cells = [matrix.measured(door, row.name, keep) for keep in (False, True)]
+  cells = [matrix.measured(door, row.name, keep, matrix_weights) for keep in (False, True)]
   assert (cells[0].outcome, cells[1].outcome) == want, [c.message for c in cells]
 
   if all(c.outcome.startswith("raises:") for c in cells):
@@ -147,18 +150,18 @@ def test_cell(spec_model, door, row):
     assert cell.warnings == (("keep_grad_replay_frontier",) if want_warning else ())
 
 
-def test_edits_change_the_output(spec_model):
+def test_edits_change_the_output(spec_model, matrix_weights):
   """Guards the table above against edits that silently do nothing."""
-  model, variables, x, x_donor, _ = spec_model
+  model, variables, x, _, _ = spec_model
   clean = model.apply(variables, x)
   for row in matrix.ROWS:
     door = "subspace:live_bind" if row.name in matrix.SUBSPACE_ONLY else "live_trace"
-    cell = matrix.run_cell(door, row, False, model, variables, x, x_donor)
+    cell = matrix.measured(door, row.name, False, matrix_weights)
     assert np.max(np.abs(cell.output - clean)) > 1e-6, row.name
 
 
-def test_matrix_formats_with_full_agreement(spec_model):
-  table = {(d, r.name): tuple(matrix.run_cell(d, r, k, *spec_model[:4]) for k in (False, True))
+def test_matrix_formats_with_full_agreement(matrix_weights):
+  table = {(d, r.name): tuple(matrix.measured(d, r.name, k, matrix_weights) for k in (False, True))
            for d in ("live_bind", "replay") for r in matrix.ROWS
            if r.name in ("scale", "zero_ablate", "set_affine_coordinates")}
   text = matrix.format_matrix(table)

@@ -9,7 +9,10 @@ from flax import nnx
 
 import jaxlens as jl
 from jaxlens import intervention as ji
-from jaxlens._src import matrix
+from jaxlens import contract as matrix
+
+# The matrix cells are cached per process: the files reading them share one xdist worker.
+pytestmark = pytest.mark.xdist_group("matrix")
 
 SITE = jl.module("layers/0")
 
@@ -49,20 +52,20 @@ NNX_DOORS = {
 @pytest.mark.parametrize("door", list(NNX_DOORS))
 @pytest.mark.parametrize("row", [r for r in matrix.ROWS if r.name not in matrix.SUBSPACE_ONLY],
                          ids=lambda r: r.name)
-def test_nnx_matrix_rows_match_linen(spec_model, door, row):
-  model, variables, x, x_donor, _ = spec_model
+def test_nnx_matrix_rows_match_linen(spec_model, matrix_weights, door, row):
   m, x, x_donor = _nnx_spec_model(spec_model)
   graphdef, state = nnx.split(m)
-  linen = matrix.run_cell(door, row, False, model, variables, x, x_donor)
+  # The linen cell, measured once per session (tests/test_matrix.py reads the same one).
+  linen = matrix.measured(door, row.name, False, matrix_weights)
 
   def out_fn(state, keep=False):
     mm = nnx.merge(graphdef, state)
     edit = row.build(_case(mm, x_donor))
     return NNX_DOORS[door](mm, x, ji.keep_grad(edit) if keep else edit)
 
-  out = out_fn(state)
+  (_, out), grad = jax.value_and_grad(lambda s: (lambda o: (o.sum(), o))(out_fn(s)),
+                                     has_aux=True)(state)
   np.testing.assert_allclose(out, linen.output, atol=1e-12, rtol=0)
-  grad = jax.grad(lambda s: out_fn(s).sum())(state)
   kernel = grad["layers"][0]["kernel"].value
   np.testing.assert_allclose(kernel, linen.kernel_grad, atol=1e-12, rtol=0)
   reaches = jl.depends_on(lambda s: out_fn(s).sum(), state)["layers"][0]["kernel"].value

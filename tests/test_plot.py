@@ -98,7 +98,7 @@ def test_missing_matplotlib_is_a_typed_error(monkeypatch):
 def test_import_jaxlens_and_jaxlens_plot_do_not_import_matplotlib():
   code = ("import sys, jaxlens, jaxlens.plot, jaxlens.store, "
           "jaxlens.attribution; "
-          "print(sorted(m for m in ('matplotlib', 'treescope', 'tqdm', 'torch') "
+          "print(sorted(m for m in ('matplotlib', 'tqdm', 'torch') "
           "if m in sys.modules))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]"

@@ -55,7 +55,7 @@ def test_replay_does_not_call_the_model(mlp, monkeypatch):
 
 
 def test_replay_evaluates_only_the_downstream_cone(mlp):
-  from jaxlens._src import capture
+  from jaxlens._src import interpret as capture
   model, v = mlp
   t = jl.trace(model, v, X)
   prog = t._program

@@ -15,7 +15,7 @@ from flax import nnx
 
 import jaxlens as jl
 from jaxlens import intervention as ji
-from jaxlens._src import matrix
+from jaxlens import contract as matrix
 
 L, LAYER = 3, 1
 
@@ -328,3 +328,14 @@ def test_every_layer_on_the_interceptor_door(models):
       jl.when(jl.module("blocks/up"), jl.scale(0.0)).bind(m)(X),
       jl.trace(m, X, intervene=jl.when(jl.module("blocks/up"), jl.scale(0.0))).output,
       atol=1e-12, rtol=0)
+
+
+def test_a_saved_spec_keeps_the_layer_and_the_call(models, tmp_path):
+  """Regression: jl.module("blocks/up", layer=k) came back from save/load as every layer."""
+  model, v, _, _ = models
+  spec = jl.when(SCAN_SITE, jl.scale(0.0)) + jl.when(jl.module("blocks/up", call=1), jl.scale(1.0))
+  loaded = jl.load_spec(spec.save(tmp_path / "s"))
+  assert loaded.rules[0][0] == SCAN_SITE and loaded.rules[1][0].call == 1
+  np.testing.assert_array_equal(loaded.bind(model)(v, X), spec.bind(model)(v, X))
+  every_layer = jl.when(jl.module("blocks/up"), jl.scale(0.0)).bind(model)(v, X)
+  assert not np.allclose(loaded.bind(model)(v, X), every_layer)

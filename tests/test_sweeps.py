@@ -161,7 +161,7 @@ def test_defaults_chunks_and_no_recompile(seq_model):
                                    positions=(5, 2))
   np.testing.assert_allclose(subset, full[:, [5, 2]], atol=1e-12, rtol=0)
   # New inputs of the same shape reuse the compiled sweep.
-  from jaxlens._src import sweep
+  from jaxlens._src import sweep  # the compiled sweep's cache
   before = sweep._sweep._cache_size()
   other = (corrupt + 3) % VOCAB
   again = jl.sweep.patching_sweep(model, variables, clean, other, logit_diff)
@@ -205,10 +205,3 @@ def test_errors(gpt, kwargs, error, code, match):
   with pytest.raises(error, match=match) as info:
     jl.sweep.patching_sweep(model, variables, clean, corrupt, metric, **kwargs)
   assert info.value.fields["code"] == code
-
-
-def test_docstring_example_runs():
-  import doctest
-  from jaxlens._src import sweep
-  failures, tried = doctest.testmod(sweep, verbose=False)
-  assert tried >= 3 and failures == 0

@@ -1,6 +1,6 @@
 """The contract matrix on both frameworks: jaxlens and the torch reference, side by side.
 
-The rows and doors are jaxlens's (``jaxlens._src.matrix.ROWS`` and ``DOORS``, with the
+The rows and doors are jaxlens's (``jaxlens.contract.ROWS`` and ``DOORS``, with the
 specification's outcome ``expected()``). This module holds their torch side, keyed by
 the same names:
 
@@ -12,7 +12,7 @@ raises :class:`ReferenceMissingError` (and a test asserts the key sets are equal
 
 Each torch cell is measured on the specification's model, ``torch.manual_seed(0)``,
 ``nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))`` in float64, ``x = torch.randn(3, 4)``,
-then ``x_donor = torch.randn(3, 4)`` (the draws ``jaxlens._src.matrix.spec_model`` copies),
+then ``x_donor = torch.randn(3, 4)`` (the draws :func:`spec_model` gives jaxlens's cells),
 with the edit at module ``"0"`` (``layers_0`` in Flax, by ``from_torch``'s site map).
 ``reaches`` means ``output.sum().backward()`` leaves ``model[0].weight.grad`` not None
 (``scale(0.0)``-style edits reach with an all-zero gradient); ``cut`` that it stays None.
@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxlens._src import matrix
-from jaxlens._src.errors import InvalidArgumentError, JaxlensWarning
-from torch_bridge import _reference as ref
+from jaxlens import contract as matrix
+from jaxlens import InvalidArgumentError, JaxlensWarning
+from torch_bridge import reference as ref
 
 SITE = "0"  # the torch module name of matrix.SITE ("layers_0")
 TOL = 1e-12  # float64: outputs and gradients agree to this, element by element
@@ -45,7 +45,29 @@ class ReferenceMissingError(InvalidArgumentError):
 
 
 # --------------------------------------------------------------------------
-# The model and the cell inputs, mirroring jaxlens._src.matrix.spec_model / make_case.
+# The model and the cell inputs, mirroring jaxlens.contract.spec_model / make_case.
+
+
+def spec_model():
+  """``jaxlens.contract.spec_model`` with the specification's torch draws.
+
+  The weights are torch's ``nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))`` after
+  ``torch.manual_seed(0)``, then ``x = torch.randn(3, 4)`` and ``x_donor =
+  torch.randn(3, 4)``, all in float64: the same numbers the torch cells use.
+
+  Returns:
+    ``(model, variables, x, x_donor, source)`` for ``jaxlens.contract.measured``.
+  """
+  model = matrix.spec_model()[0]
+  tmodel, x, x_donor = torch_model()
+  params = {}
+  for i, layer in enumerate(tmodel):
+    params[f"layers_{i}"] = {
+        "kernel": jnp.asarray(layer.weight.detach().numpy().T),
+        "bias": jnp.asarray(layer.bias.detach().numpy()),
+    }
+  to64 = lambda t: jnp.asarray(t.numpy())
+  return model, {"params": params}, to64(x), to64(x_donor), "torch.manual_seed(0)"
 
 
 def torch_model() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -320,13 +342,12 @@ class Pair:
 def run_both(doors: tuple[str, ...] | None = None,
              rows: tuple[str, ...] | None = None) -> dict[tuple[str, str], Pair]:
   """Measures the matrix on both frameworks: ``{(door, row name): Pair}``."""
-  model, variables, x, x_donor, _ = matrix.spec_model()
   table = {}
   for door in doors or tuple(matrix.DOORS):
     for row in matrix.ROWS:
       if rows is not None and row.name not in rows:
         continue
-      jcells = tuple(matrix.measured(door, row.name, keep) for keep in (False, True))
+      jcells = tuple(matrix.measured(door, row.name, keep, spec_model) for keep in (False, True))
       tcells = tuple(run_torch_cell(door, row.name, keep) for keep in (False, True))
       table[(door, row.name)] = Pair(door, row, jcells, tcells)
   return table

@@ -8,7 +8,8 @@ Usage::
 
 The exit status is 1 when a row disagrees between the frameworks or with the
 specification, or (``--check``) when the committed block differs from this run.
-The table itself lives in :mod:`torch_bridge._matrix`.
+The table itself lives in :mod:`torch_bridge._matrix`; this module is its public
+entry point (``python -m jaxlens`` reaches torch through it alone).
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ import sys
 
 import jax
 
+from torch_bridge._matrix import SITE as SITE
+from torch_bridge._matrix import TOL as TOL
+from torch_bridge._matrix import door_table as door_table
+from torch_bridge._matrix import format_both as format_both
+from torch_bridge._matrix import full_table as full_table
+from torch_bridge._matrix import spec_model as spec_model
+from torch_bridge._matrix import summary as summary
+
+__all__ = ["SITE", "TOL", "door_table", "format_both", "full_table", "main", "spec_model", "summary"]
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m torch_bridge.matrix", description=__doc__,
@@ -27,7 +37,7 @@ def main(argv=None) -> int:
   group.add_argument("--check", metavar="FILE", help="fail if FILE's matrix block is stale")
   args = parser.parse_args(argv)
   jax.config.update("jax_enable_x64", True)
-  from torch_bridge import _matrix
+  from torch_bridge import _matrix  # noqa: F811
 
   table = _matrix.full_table()
   block = _matrix.render_block(table)

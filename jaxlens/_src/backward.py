@@ -1,6 +1,6 @@
 """Backward verbs: edits that leave the forward value alone and change its gradient.
 
-Each verb here is an :class:`~jaxlens._src.verbs.Edit` whose written value is the
+Each verb here is an :class:`~jaxlens._src.edit.Edit` whose written value is the
 site value itself, bit for bit, while the cotangent flowing back through the site
 is transformed on its way upstream:
 
@@ -41,8 +41,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxlens._src.edit import ByIdentity, Edit, FireContext, register, takes_hook_keyword
 from jaxlens._src.errors import InvalidArgumentError, ShapeError
-from jaxlens._src.verbs import Edit, FireContext, _ByIdentity, takes_hook_keyword
 
 __all__ = ["grad_scale", "grad_zero", "grad_clip", "backward_hook"]
 
@@ -105,8 +105,8 @@ def _as_param(value, x, ctx, verb, name):
   return arr.astype(x.dtype)
 
 
-def _make(name, impl, params, **static):
-  return Edit(name, impl, params, tuple(sorted(static.items())), keeps=True)
+def _make(name, params, **static):
+  return Edit(name, params, tuple(sorted(static.items())), keeps=True)
 
 
 def _concrete(value) -> bool:
@@ -147,7 +147,10 @@ def grad_scale(factor) -> Edit:
     >>> jax.grad(lambda x: edit(x).sum())(jnp.ones(2)).tolist()
     [3.0, 3.0]
   """
-  return _make("grad_scale", _grad_scale, {"factor": factor})
+  return _make("grad_scale", {"factor": factor})
+
+
+register("grad_scale", _grad_scale, grad_scale)
 
 
 def _zero_rule(g, params):
@@ -175,7 +178,10 @@ def grad_zero() -> Edit:
     >>> jax.grad(lambda x: (jl.grad_zero()(x) * x).sum())(jnp.ones(2)).tolist()
     [1.0, 1.0]
   """
-  return _make("grad_zero", _grad_zero, {})
+  return _make("grad_zero", {})
+
+
+register("grad_zero", _grad_zero, grad_zero)
 
 
 # --------------------------------------------------------------------------
@@ -241,7 +247,10 @@ def grad_clip(limit=None, *, min=None, max=None) -> Edit:  # noqa: A002 (as jl.c
     raise InvalidArgumentError(f"grad_clip: min={min!r} is above max={max!r}",
                                code="invalid_argument",
                                fix="jl.grad_clip(min=lo, max=hi) with lo <= hi")
-  return _make("grad_clip", _grad_clip, {"limit": limit, "min": min, "max": max})
+  return _make("grad_clip", {"limit": limit, "min": min, "max": max})
+
+
+register("grad_clip", _grad_clip, grad_clip)
 
 
 # --------------------------------------------------------------------------
@@ -294,7 +303,8 @@ class _HookRule:
 
 def _backward_hook(x, p, s, ctx):
   _site_check(x, ctx, "backward_hook")
-  rule = _HookRule(s["fn"].obj, s["takes_hook"], ctx, tuple(x.shape), x.dtype)
+  fn = s["fn"].obj
+  rule = _HookRule(fn, takes_hook_keyword(fn), ctx, tuple(x.shape), x.dtype)
   return _identity(rule, x, {})
 
 
@@ -333,5 +343,7 @@ def backward_hook(fn: Callable[..., Any]) -> Edit:
     raise InvalidArgumentError(
         f"backward_hook needs a function of the cotangent, got {type(fn).__name__}",
         code="invalid_argument", fix="jl.backward_hook(lambda g: 0.5 * g)")
-  takes_hook = takes_hook_keyword(fn)
-  return _make("backward_hook", _backward_hook, {}, fn=_ByIdentity(fn), takes_hook=takes_hook)
+  return _make("backward_hook", {}, fn=ByIdentity(fn))
+
+
+register("backward_hook", _backward_hook, backward_hook, user_code=True)

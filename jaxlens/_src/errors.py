@@ -55,6 +55,10 @@ class GradientContractError(InvalidArgumentError):
   """``keep_grad`` found that the gradient cannot flow as asked."""
 
 
+class SpecFormatError(InvalidArgumentError):
+  """A saved spec that is missing, truncated, altered or not portable."""
+
+
 class JaxlensWarning(UserWarning):
   """Base class of jaxlens warnings; ``.fields["code"]`` as for errors."""
 

@@ -39,29 +39,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlens._src import verbs
+from jaxlens._src.edit import (
+  Edit,
+  Population,
+  fire,
+  place_like,
+  register,
+  show_arguments,
+  verb_named,
+)
 from jaxlens._src.errors import InvalidArgumentError, ShapeError
 from jaxlens._src.sites import Site, as_selector
-from jaxlens._src.verbs import Edit, Population, as_edit, fire
-
-_SOURCE_VERBS = ("replace_with", "swap_with", "patch_from", "resample_rows_from")
-_ROW_COHERENT = ("permute_batch",)
-
-
-def _is_source(edit: Edit) -> bool:
-  if edit.name in _SOURCE_VERBS:
-    return True
-  if edit.name in ("mean_ablate", "scramble_elements"):
-    return edit.params.get("source") is not None
-  return False
-
-
-def _names(edit: Edit):
-  yield edit.name
-  if edit.name == "compose":
-    for e in edit.params["edits"]:
-      yield from _names(e)
-  if edit.name in ("at_positions", "units", "subspace"):
-    yield from _names(edit.params["edit"])
 
 
 def _concrete(a) -> bool:
@@ -83,19 +71,22 @@ class Selection:
   options: tuple
 
   def wrap(self, edit) -> Edit:
-    inner = as_edit(edit)
+    inner = verbs.as_edit(edit)
     # keep_grad asks about the value the selection writes as a whole (the
     # unselected part keeps the graph), so the check moves to the wrapper.
     keep = inner.keep_grad
     inner = dataclasses.replace(inner, keep_grad=False)
-    if self.kind == "units":
-      return Edit("units", _units, {**self.data, "edit": inner}, self.options, keeps=True,
-                  keep_grad=keep)
-    return Edit("subspace", _subspace, {**self.data, "edit": inner}, self.options,
-                keeps=True, keep_grad=keep)
+    wrapped = _WRAPPERS[self.kind](inner, **self.data, **dict(self.options))
+    return dataclasses.replace(wrapped, keep_grad=keep)
 
   def __repr__(self) -> str:
-    return f"jl.{self.kind}({self.site!r}, ...)"
+    args = show_selection(self.kind, {**self.data, **dict(self.options)})
+    return f"jl.{self.kind}({self.site!r}{', ' + args if args else ''})"
+
+
+def show_selection(kind: str, arguments: dict) -> str:
+  """The arguments of a selection (everything but its site and edit), as in its repr."""
+  return show_arguments(verb_named(kind), {k: v for k, v in arguments.items() if k != "edit"})
 
 
 # -- units --------------------------------------------------------------------
@@ -123,9 +114,18 @@ def units(site, indices, *, feature_axis: int = -1) -> Selection:
                    (("feature_axis", feature_axis),))
 
 
+def units_edit(edit, indices, *, feature_axis: int = -1) -> Edit:
+  """The edit ``jl.units(site, indices).wrap(edit)`` returns (what a saved spec records)."""
+  if isinstance(indices, (list, tuple)):
+    indices = np.asarray(indices)
+  return Edit("units", {"indices": indices, "edit": verbs.as_edit(edit)},
+              (("feature_axis", feature_axis),), keeps=True)
+
+
 def _mask(x, indices, feature_axis, ctx):
   host = _host(indices)
   idx = jnp.asarray(indices)
+  bad = None
   fail = lambda msg, code="shape_mismatch": (_ for _ in ()).throw(ShapeError(
       f"units: {msg}", code=code, site=ctx.label, fix="jl.units(site, jnp.array([0, 2]))"))
   if idx.dtype == jnp.bool_:
@@ -140,7 +140,12 @@ def _mask(x, indices, feature_axis, ctx):
       if host is not None and host.size and (host.max() >= n or host.min() < -n):
         fail(f"feature indices {idx.tolist()} out of range for axis {axis} of size {n}",
              "index_out_of_range")
-      line = jnp.zeros((n,), bool).at[idx].set(True)
+      norm = jnp.where(idx < 0, idx + n, idx)
+      # A comparison, not a scatter: an index outside [0, n) selects nothing, and a
+      # traced one makes the edit's error value (NaN) visible instead.
+      line = jnp.any(jnp.arange(n)[:, None] == norm[None, :], axis=1)
+      if host is None:
+        bad = jnp.any((norm < 0) | (norm >= n))
       shape = [1] * x.ndim
       shape[axis] = n
       mask = jnp.broadcast_to(line.reshape(shape), x.shape)
@@ -150,7 +155,11 @@ def _mask(x, indices, feature_axis, ctx):
         if np.any(host >= hi) or np.any(host < -hi):
           fail(f"element indices out of range for the site's shape {x.shape}",
                "index_out_of_range")
-      mask = jnp.zeros(x.shape, bool).at[tuple(idx.T)].set(True)
+      hi = jnp.asarray(x.shape)
+      norm = jnp.where(idx < 0, idx + hi, idx)
+      mask = jnp.zeros(x.shape, bool).at[tuple(norm.T)].set(True, mode="drop")
+      if host is None:
+        bad = jnp.any((norm < 0) | (norm >= hi))
     else:
       fail(f"integer indices of shape {idx.shape}: expected (n,) feature indices or "
            f"(n, {x.ndim}) element indices")
@@ -161,23 +170,27 @@ def _mask(x, indices, feature_axis, ctx):
   if empty:
     raise InvalidArgumentError("units: the selection is empty", code="empty_selection",
                                site=ctx.label, fix="select at least one element")
-  return mask
+  return mask, bad
 
 
 def _units(x, p, s, ctx):
   inner = p["edit"]
-  mask = _mask(x, p["indices"], s["feature_axis"], ctx)
+  mask, bad = _mask(x, p["indices"], s["feature_axis"], ctx)
   host = _host(p["indices"])
-  if any(n in _ROW_COHERENT for n in _names(inner)) and host is not None and \
-      host.dtype == bool:
-    axis = inner.options.get("axis", 0) if inner.name == "permute_batch" else 0
+  movers = [e for e in inner.walk() if e.verb.row_axis is not None]
+  if movers and host is not None and host.dtype == bool:
+    axis = movers[0].options[movers[0].verb.row_axis]
     full = np.broadcast_to(host, x.shape)
     if not np.all(full == np.take(full, [0], axis=axis)):
       raise InvalidArgumentError(
           f"units: {inner!r} moves whole rows, so it needs the same selection in every row",
           code="mask_not_row_equivariant", site=ctx.label,
           fix="select feature indices (a 1-D integer array) instead of a per-row mask")
-  return jnp.where(verbs.place_like(mask, x), fire(inner, x, ctx), x)
+  out = jnp.where(place_like(mask, x), fire(inner, x, ctx), x)
+  return out if bad is None else verbs.poison(bad, out)
+
+
+register("units", _units, units_edit, wraps=True)
 
 
 # -- subspace -----------------------------------------------------------------
@@ -242,25 +255,33 @@ def _replicated(a):
 
 
 def _coords_fn(B, host, ctx):
+  """The coordinates map ``z -> (BᵀB)⁻¹ Bᵀ z`` and, for a traced basis, whether it is bad."""
   gram = B.T @ B
+  bad = None
   if host is not None:
-    s = np.linalg.svd(host.astype(np.float64), compute_uv=False)
-    if s.min() <= s.max() * 1e-10:
+    sv = np.linalg.svd(host.astype(np.float64), compute_uv=False)
+    if sv.min() <= sv.max() * 1e-10:
       raise InvalidArgumentError(
           "subspace: the basis columns are linearly dependent", code="basis_rank_deficient",
           site=ctx.label, fix="pass linearly independent columns (e.g. an orthonormal basis)")
+  else:
+    sv = jnp.linalg.svd(B, compute_uv=False)
+    bad = sv.min() <= sv.max() * jnp.finfo(B.dtype).eps * max(B.shape) * 10
   inv = jnp.linalg.inv(gram)
-  return lambda z: (z @ B) @ inv.T
+  # Features where the basis has no support never enter the coordinates, even as NaN
+  # (0 * NaN would spread a donor's NaN there to the whole subspace).
+  support = jnp.any(B != 0, axis=1)
+  return (lambda z: (jnp.where(support, z, 0) @ B) @ inv.T), bad
 
 
 def _subspace(x, p, s, ctx):
   inner = p["edit"]
-  for name in _names(inner):
-    if name in ("project_onto", "project_out"):
+  for e in inner.walk():
+    if e.verb.under_subspace == "refused":
       raise InvalidArgumentError(
-          f"{name} under jl.subspace: a projection of a projection is not a subspace edit",
+          f"{e.name} under jl.subspace: a projection of a projection is not a subspace edit",
           code="subspace_edit_unsupported", site=ctx.label,
-          fix=f"apply jl.{name} to the whole site, or use subspace_zero/subspace_set")
+          fix=f"apply jl.{e.name} to the whole site, or use subspace_zero/subspace_set")
   axis = s["feature_axis"]
   axis = axis + x.ndim if axis < 0 else axis
   B = jnp.asarray(p["basis"])
@@ -268,34 +289,55 @@ def _subspace(x, p, s, ctx):
     raise ShapeError(
         f"subspace: basis of shape {B.shape} does not fit feature axis {axis} of size "
         f"{x.shape[axis] if 0 <= axis < x.ndim else '?'} (site shape {x.shape})",
-        code="shape_mismatch", site=ctx.label, fix=f"a ({x.shape[axis]}, k) basis")
+        code="shape_mismatch", site=ctx.label,
+        fix=f"a ({x.shape[axis] if 0 <= axis < x.ndim else 'd'}, k) basis")
   if B.shape[1] == 0:
     raise InvalidArgumentError("subspace: the basis has no columns", code="empty_selection",
                                site=ctx.label, fix="a basis with at least one column")
-  B = _replicated(B.astype(x.dtype))
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    raise InvalidArgumentError(f"subspace: the site value has dtype {x.dtype}; a subspace "
+                               "needs a float site", code="site_not_float", site=ctx.label,
+                               fix="select a float site")
+  # The coordinate solve runs in at least float32 (half precision has no inverse);
+  # the result is cast back, exactly, where the basis has no support.
+  work = jnp.promote_types(x.dtype, jnp.float32)
+  B = _replicated(B.astype(work))
   d = B.shape[0]
-  coords = _coords_fn(B, _host(p["basis"]), ctx)
-  xm = jnp.moveaxis(x, axis, -1)
-  o = _origin(p["origin"], x, axis, d, ctx)
+  coords, bad = _coords_fn(B, _host(p["basis"]), ctx)
+  xw = x.astype(work)
+  xm = jnp.moveaxis(xw, axis, -1)
+  o = _origin(p["origin"], xw, axis, d, ctx)
   c = coords(xm - o)
   back = lambda v: jnp.moveaxis(v, -1, axis)
-  if inner.name == "set_affine_coordinates":
-    W = jnp.asarray(inner.params["W"]).astype(x.dtype)
-    b = jnp.asarray(inner.params["b"]).astype(x.dtype)
+  mode = inner.verb.under_subspace
+  if mode == "affine":
+    W = jnp.asarray(inner.params["W"]).astype(work)
+    b = jnp.asarray(inner.params["b"]).astype(work)
     if W.shape != (B.shape[1], d) or b.shape[-1:] != (B.shape[1],):
       raise ShapeError(f"set_affine_coordinates: W {W.shape} / b {b.shape} do not map the "
                        f"site's {d} features to the basis's {B.shape[1]} coordinates",
                        code="shape_mismatch", site=ctx.label,
                        fix=f"W of shape ({B.shape[1]}, {d}) and b of shape ({B.shape[1]},)")
     c_new = xm @ W.T + b
-  elif _is_source(inner):
-    y = jnp.moveaxis(fire(inner, x, ctx), axis, -1)
+  elif inner.verb.writes_source(inner):
+    y = jnp.moveaxis(fire(inner, x, ctx).astype(work), axis, -1)
     c_new = coords(y - o)
   else:
-    comp = back(c @ B.T)
-    y = jnp.moveaxis(fire(inner, comp, ctx), axis, -1)
+    comp = back(c @ B.T).astype(x.dtype)
+    y = jnp.moveaxis(fire(inner, comp, ctx).astype(work), axis, -1)
     c_new = coords(y)
-  return x + back((c_new - c) @ B.T)
+  out = (xw + back((c_new - c) @ B.T)).astype(x.dtype)
+  return out if bad is None else verbs.poison(bad, out)
+
+
+def subspace_edit(edit, basis, origin=None, *, feature_axis: int = -1) -> Edit:
+  """The edit ``jl.subspace(site, basis, origin).wrap(edit)`` returns (what a spec records)."""
+  return Edit("subspace", {"basis": basis, "origin": origin, "edit": verbs.as_edit(edit)},
+              (("feature_axis", feature_axis),), keeps=True)
+
+
+register("subspace", _subspace, subspace_edit, wraps=True)
+_WRAPPERS = {"units": units_edit, "subspace": subspace_edit}
 
 
 # -- verbs that only make sense under a subspace --------------------------------
@@ -316,37 +358,33 @@ def set_affine_coordinates(W, b) -> Edit:
   ``x + Rᵀ... `` written ``x + B (W x + b - Bᵀx)``. Every other door refuses it
   with ``affine_source_needs_subspace``.
   """
-  return Edit("set_affine_coordinates", _set_affine, {"W": W, "b": b}, (), keeps=True)
+  return Edit("set_affine_coordinates", {"W": W, "b": b}, (), keeps=True)
 
 
-def _sub_edit(name, basis, origin, feature_axis, inner):
-  sel = Selection(None, "subspace", {"basis": basis, "origin": origin},
-                  (("feature_axis", feature_axis),))
-  edit = sel.wrap(inner)
-  return dataclasses.replace(edit, name="subspace", static=edit.static)
+register("set_affine_coordinates", _set_affine, set_affine_coordinates, under_subspace="affine")
 
 
 def subspace_zero(basis, origin=None, *, feature_axis=-1) -> Edit:
   """Sets the subspace coordinates to zero (the value's component becomes the origin's)."""
-  return _sub_edit("subspace_zero", basis, origin, feature_axis, verbs.zero_ablate())
+  return subspace_edit(verbs.zero_ablate(), basis, origin, feature_axis=feature_axis)
 
 
 def subspace_scale(basis, factor, origin=None, *, feature_axis=-1) -> Edit:
   """Multiplies the subspace coordinates by ``factor``."""
-  return _sub_edit("subspace_scale", basis, origin, feature_axis, verbs.scale(factor))
+  return subspace_edit(verbs.scale(factor), basis, origin, feature_axis=feature_axis)
 
 
 def subspace_set(basis, coords, origin=None, *, feature_axis=-1) -> Edit:
   """Sets the subspace coordinates to ``coords`` (shape ``(k,)``, broadcast over rows)."""
   B = jnp.asarray(basis)
   W = jnp.zeros((B.shape[1], B.shape[0]), B.dtype)
-  return _sub_edit("subspace_set", basis, origin, feature_axis,
-                   set_affine_coordinates(W, coords))
+  return subspace_edit(set_affine_coordinates(W, coords), basis, origin,
+                       feature_axis=feature_axis)
 
 
 def subspace_patch(basis, source, origin=None, *, feature_axis=-1) -> Edit:
   """Writes the donor's subspace component (its coordinates), keeping the complement."""
-  return _sub_edit("subspace_patch", basis, origin, feature_axis, verbs.patch_from(source))
+  return subspace_edit(verbs.patch_from(source), basis, origin, feature_axis=feature_axis)
 
 
 def orthonormal(raw) -> jax.Array:

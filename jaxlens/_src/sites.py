@@ -16,7 +16,7 @@ import difflib
 import fnmatch
 from typing import Iterable
 
-from jaxlens._src.errors import InvalidArgumentError, SiteError
+from jaxlens._src.errors import InvalidArgumentError, SiteError, SpecFormatError
 
 __all__ = ["Site", "SiteInfo", "module", "func", "label", "in_module", "all_sites",
            "module_sites", "as_selector"]
@@ -42,6 +42,8 @@ class SiteInfo:
       stack), the iteration (layer) this info stands for; ``None`` for the site as a
       whole (its value stacks every layer along axis 0).
     layers: the scan length for a site inside a ``scan`` body, else ``None``.
+    output: for one element of a module's tuple, list or dict output, its index or
+      key (label ``"path#0"``, ``"path#hidden"``); ``None`` for the output as a whole.
   """
 
   path: str
@@ -53,6 +55,7 @@ class SiteInfo:
   index: int | None = None
   layer: int | None = None
   layers: int | None = None
+  output: int | str | None = None
 
   @property
   def label(self) -> str:
@@ -64,6 +67,7 @@ class SiteInfo:
       if self.method != "__call__":
         base = f"{base}.{self.method}"
       base = base if self.call == 1 else f"{base}:{self.call}"
+      base = base if self.output is None else f"{base}#{self.output}"
     return base if self.layer is None else f"{base}[{self.layer}]"
 
   def at_layer(self, layer: int) -> "SiteInfo":
@@ -109,16 +113,80 @@ class Site:
     labels = sorted({s.label for s in seen})
     return f"{self!r} matched no site of this run", labels[:10]
 
+  def __treescope_repr__(self, path, subtree_renderer):
+    from jaxlens import views  # treescope's notebook view
+    return views.render(self, path, subtree_renderer)
 
+  def to_json(self) -> dict:
+    """The selector's saved form: ``{"kind": ..., field: value, ...}``."""
+    out = {"kind": self.kind}
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      out[f.name] = value.to_json() if isinstance(value, Site) else value
+    return out
+
+  def module_path(self) -> str | None:
+    """The module path when this selector names the first call of one module, else None.
+
+    (What another framework's twin of the model can map: torch_bridge uses it.)
+    """
+    return None
+
+
+_KINDS: dict[str, type] = {}
+
+
+def _kind(name: str):
+  """Registers a selector class under the ``kind`` its saved form carries."""
+  def register(cls):
+    cls.kind = name
+    _KINDS[name] = cls
+    return cls
+  return register
+
+
+def selector_from_json(d, *, depth: int = 0) -> "Site":
+  """The selector a :meth:`Site.to_json` form describes; a typed error for anything else."""
+  def bad(why):
+    return SpecFormatError(f"malformed selector {d!r:.200}: {why}", code="spec_corrupt",
+                           fix="save the spec again with spec.save(path)")
+  if depth > 64:
+    raise bad("nested too deeply")
+  if not isinstance(d, dict) or d.get("kind") not in _KINDS:
+    raise bad(f"unknown kind (one of {sorted(_KINDS)})")
+  cls = _KINDS[d["kind"]]
+  values = {}
+  for f in dataclasses.fields(cls):
+    if f.name not in d:
+      if f.default is dataclasses.MISSING:
+        raise bad(f"missing {f.name!r}")
+      continue
+    value = d[f.name]
+    if f.type in ("Site", Site):
+      value = selector_from_json(value, depth=depth + 1)
+    elif f.type in ("str", str):
+      if not isinstance(value, str):
+        raise bad(f"{f.name} must be a string")
+    elif f.name == "output" and isinstance(value, str):
+      pass
+    elif value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or value < 0):
+      raise bad(f"{f.name} must be a non-negative int or null")
+    values[f.name] = value
+  return cls(**values)
+
+
+@_kind("module")
 @dataclasses.dataclass(frozen=True)
 class _Module(Site):
   path: str
   method: str = "__call__"
   call: int | None = None
   layer: int | None = None
+  output: int | str | None = None
 
   def matches(self, info: SiteInfo) -> bool:
-    if info.kind != "module" or info.method != self.method:
+    if info.kind != "module" or info.method != self.method or info.output != self.output:
       return False
     if self.call is not None and info.call != self.call:
       return False
@@ -134,6 +202,13 @@ class _Module(Site):
   def picks_layer(self) -> bool:
     return self.layer is not None
 
+  def module_path(self) -> str | None:
+    if self.method != "__call__" or self.call not in (None, 1) or self.layer is not None or \
+        self.output is not None or \
+        any(ch in self.path for ch in "*?["):
+      return None
+    return self.path
+
   def describe_miss(self, seen):
     if self.layer is not None:
       stacks = [s for s in seen if s.layers is not None and
@@ -142,7 +217,12 @@ class _Module(Site):
         n = stacks[0].layers
         return (f"layer {self.layer} is out of range: {stacks[0].label!r} runs in a scan of "
                 f"{n} layers", [stacks[0].at_layer(k).label for k in range(min(n, 10))])
-    paths = sorted({s.path for s in seen if s.path and s.kind == "module"})
+    elements = sorted({s.label for s in seen if s.kind == "module" and s.output is not None
+                       and dataclasses.replace(self, output=s.output).matches(s)})
+    if elements:
+      return (f"the module {self.path!r} returns a tuple or dict; select one element with "
+              "output=", elements[:10])
+    paths = sorted({s.path for s in seen if s.path and s.kind == "module"} - {self.path})
     close = difflib.get_close_matches(self.path, paths, n=5, cutoff=0.4)
     suffix = [p for p in paths if p.endswith("/" + self.path)]
     candidates = list(dict.fromkeys(suffix + close)) or paths[:10]
@@ -152,12 +232,17 @@ class _Module(Site):
     extra = "" if self.method == "__call__" else f", method={self.method!r}"
     extra += "" if self.call is None else f", call={self.call}"
     extra += "" if self.layer is None else f", layer={self.layer}"
+    extra += "" if self.output is None else f", output={self.output!r}"
     return f"jl.module({self.path!r}{extra})"
 
 
+@_kind("label")
 @dataclasses.dataclass(frozen=True)
 class _Label(Site):
   label: str
+
+  def module_path(self) -> str | None:
+    return self.label
 
   def matches(self, info: SiteInfo) -> bool:
     return info.label == self.label
@@ -174,6 +259,7 @@ class _Label(Site):
     return f"jl.label({self.label!r})"
 
 
+@_kind("and")
 @dataclasses.dataclass(frozen=True)
 class _And(Site):
   left: Site
@@ -192,6 +278,7 @@ class _And(Site):
     return f"({self.left!r} & {self.right!r})"
 
 
+@_kind("or")
 @dataclasses.dataclass(frozen=True)
 class _Or(Site):
   left: Site
@@ -210,6 +297,7 @@ class _Or(Site):
     return f"({self.left!r} | {self.right!r})"
 
 
+@_kind("func")
 @dataclasses.dataclass(frozen=True)
 class _Func(Site):
   name: str
@@ -226,6 +314,7 @@ class _Func(Site):
     return f"jl.func({self.name!r})"
 
 
+@_kind("in_module")
 @dataclasses.dataclass(frozen=True)
 class _InModule(Site):
   path: str
@@ -245,6 +334,7 @@ class _InModule(Site):
     return f"jl.in_module({self.path!r})"
 
 
+@_kind("module_sites")
 @dataclasses.dataclass(frozen=True)
 class _ModuleSites(Site):
   broad = True
@@ -259,6 +349,7 @@ class _ModuleSites(Site):
     return "jl.module_sites()"
 
 
+@_kind("all")
 @dataclasses.dataclass(frozen=True)
 class _All(Site):
   broad = True
@@ -271,7 +362,7 @@ class _All(Site):
 
 
 def module(path: str, *, method: str = "__call__", call: int | None = None,
-           layer: int | None = None) -> Site:
+           layer: int | None = None, output: int | str | None = None) -> Site:
   """Selects the output of the Flax submodule at ``path``.
 
   Args:
@@ -284,6 +375,9 @@ def module(path: str, *, method: str = "__call__", call: int | None = None,
       layer with this index (0-based, the index of its stacked parameters); without
       it every layer is selected. The stack is not unrolled: the edit is applied
       inside the scan body where the iteration index equals ``layer``.
+    output: for a module that returns a tuple, list or dict (a Hugging Face-style
+      decoder layer returning ``(hidden, ...)``), the index or key of the element
+      to select (label ``"path#0"``); the other elements pass through unchanged.
 
   Example:
     >>> import jaxlens as jl
@@ -303,7 +397,12 @@ def module(path: str, *, method: str = "__call__", call: int | None = None,
     raise InvalidArgumentError(f"layer must be a non-negative int, got {layer!r}",
                                code="invalid_site", site=path,
                                fix=f'jl.module("{path}", layer=0)')
-  return _Module(path, method, call, layer)
+  if output is not None and (isinstance(output, bool) or not isinstance(output, (int, str)) or (
+      isinstance(output, int) and output < 0)):
+    raise InvalidArgumentError(f"output must be an element index or a dict key, got {output!r}",
+                               code="invalid_site", site=path,
+                               fix=f'jl.module("{path}", output=0)')
+  return _Module(path, method, call, layer, output)
 
 
 def all_sites() -> Site:

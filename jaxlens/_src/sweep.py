@@ -1,4 +1,4 @@
-"""Activation-patching sweeps as one compiled call.
+"""Floor 10: activation-patching sweeps as one compiled call.
 
 An activation-patching sweep asks, for every layer ``l`` and sequence position
 ``p``: if the corrupt run is given the clean run's value of layer ``l`` at
@@ -27,27 +27,10 @@ import jax.numpy as jnp
 
 from jaxlens._src.errors import InvalidArgumentError, ShapeError
 from jaxlens._src.sites import module
-from jaxlens._src.verbs import Edit, as_edit, at_positions, fire, patch_from
+from jaxlens._src.tracing import trace
+from jaxlens._src.verbs import at_positions, gate, patch_from
 
 __all__ = ["gate", "layer_sites", "patching_sweep"]
-
-
-def _gate(x, p, s, ctx):
-  # The inner edit runs on every firing (its shape checks apply either way); its
-  # value is written only where the flag is on.
-  edited = fire(p["edit"], x, ctx)
-  return jnp.where(p["flag"], edited, x)
-
-
-def gate(flag, edit) -> Edit:
-  """Applies ``edit`` when the boolean scalar ``flag`` is true, else leaves the site alone.
-
-  ``flag`` is a leaf: under ``jax.vmap`` a batch of flags selects, per batch
-  element, which rules of a spec are live. The edit keeps the gradient when the
-  inner one does.
-  """
-  inner = as_edit(edit)
-  return Edit("gate", _gate, {"flag": flag, "edit": inner}, (), keeps=inner.keeps)
 
 
 def layer_sites(n_layers: int, pattern: str = "block_{}") -> tuple[str, ...]:
@@ -82,7 +65,6 @@ def _check(clean, corrupt, sites, positions):
 @functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "positions",
                                              "batch_size"))
 def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_size):
-  from jaxlens._src.tracing import trace  # tracing imports doors; keep import order simple
   donor = trace(model, variables, clean, save=[module(s) for s in sites])
   # The corrupt run once, every module site saved: a cell at site i replays only the
   # downstream cone of site i from these values, not the layers below it.

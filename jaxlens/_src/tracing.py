@@ -1,4 +1,4 @@
-"""``jl.trace`` and the capture doors: replay (``fork().do``), rerun, set_only + run.
+"""Floor 9: ``jl.trace`` and the trace doors: replay (``fork().do``), rerun, set_only + run.
 
 A :class:`Trace` holds the captured program (static), the call's flat inputs and
 constants, the spec that ran live, the saved site values and the output. It is a
@@ -14,25 +14,52 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxlens._src import capture, dependence
-from jaxlens._src.doors import (Spec, _asks_keep_grad, _grad_disabled, _split, _stop, as_spec,
-                                raise_no_graph, rule)
-from jaxlens._src.errors import InvalidArgumentError, SiteError, warn_once
-from jaxlens._src.sites import (OUTPUT_LABEL, SiteInfo, as_selector, matched_layers, module_sites,
-                                unmatched_error)
+from jaxlens._src import interpret, model_calls, program, runtime
+from jaxlens._src.doors import Spec, as_spec, rule
+from jaxlens._src.edit import Donor
+from jaxlens._src.errors import InvalidArgumentError, ShapeError, SiteError, warn_once
+from jaxlens._src.sites import (
+  OUTPUT_LABEL,
+  SiteInfo,
+  as_selector,
+  matched_layers,
+  module_sites,
+  unmatched_error,
+)
 from jaxlens._src.sites import hits as site_hits
-from jaxlens._src.verbs import InterventionOptions
 
-__all__ = ["Trace", "SiteValue", "trace"]
+__all__ = ["Trace", "SiteValue", "trace", "InterventionOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class InterventionOptions:
+  """How ``Trace.do`` runs an edit.
+
+  Attributes:
+    engine: ``"auto"`` (replay without ``model=``, rerun with it), ``"replay"``,
+      ``"rerun"`` or ``"set_only"`` (stage; ``Trace.run`` executes).
+    differentiable: replay with the frontier re-leafed (gradients stop there).
+  """
+
+  engine: str = "auto"
+  differentiable: bool = False
+
+  def __post_init__(self):
+    if self.engine not in ("auto", "replay", "rerun", "set_only"):
+      raise InvalidArgumentError(f"unknown engine {self.engine!r}", code="invalid_argument",
+                                 fix='InterventionOptions(engine="set_only")')
 
 
 @dataclasses.dataclass(frozen=True)
 class SiteValue:
-  """One saved site: ``.out`` is its value, ``.label`` its label."""
+  """One saved site: ``.out`` is its value, ``.label`` its label, and ``.input`` the
+  ``(args, kwargs)`` its module was called with (traces captured with ``save_inputs=True``;
+  else ``None``)."""
 
   label: str
   out: Any
   info: SiteInfo | None = None
+  input: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +77,8 @@ class _Static:
   keep_inputs: bool = True
   module: Any = None
   call: Any = None  # (method, apply_kwargs items, model kwargs items)
+  input_labels: tuple = ()
+  save_inputs: bool = False
 
 
 def _id_eq(a, b):
@@ -57,7 +86,7 @@ def _id_eq(a, b):
 
 
 @jax.tree_util.register_pytree_node_class
-class Trace:
+class Trace(Donor):
   """The result of ``jl.trace``: the model output and the saved site values.
 
   Index it by label (``trace["layers_0"]``, ``trace["tanh_1"]``) or by a selector
@@ -69,8 +98,10 @@ class Trace:
   def __init__(self, output, values: dict, infos: dict, *, program=None, args=(), consts=(),
                spec: Spec | None = None, staged: Spec | None = None, save=None,
                frontier: dict | None = None, replay_starts=None, stale=False, module=None,
-               call=None, replay_layers=(), keep_inputs=True):
+               call=None, replay_layers=(), keep_inputs=True, inputs=None, save_inputs=False):
     self.output = output
+    self.inputs = dict(inputs or {})  # label -> (args, kwargs) of the saved module calls
+    self._save_inputs = save_inputs
     self.values = dict(values)
     self.infos = dict(infos)
     self._program = program
@@ -92,22 +123,26 @@ class Trace:
   def tree_flatten(self):
     labels = tuple(self.values)
     flabels = tuple(self.frontier)
+    ilabels = tuple(self.inputs)
     children = (self.output, tuple(self.values[k] for k in labels), self._args, self._consts,
-                self._spec, self._staged, tuple(self.frontier[k] for k in flabels))
+                self._spec, self._staged, tuple(self.frontier[k] for k in flabels),
+                tuple(self.inputs[k] for k in ilabels))
     aux = _Static(labels, tuple(self.infos.get(k) for k in labels), _Ident(self._program),
                   self._save, flabels, self._replay_starts, self._replay_layers, self.stale,
-                  self._keep_inputs, _Ident(self._module), self._call)
+                  self._keep_inputs, _Ident(self._module), self._call, ilabels,
+                  self._save_inputs)
     return children, aux
 
   @classmethod
   def tree_unflatten(cls, aux: "_Static", children):
-    output, vals, args, consts, spec, staged, fvals = children
+    output, vals, args, consts, spec, staged, fvals, ivals = children
     return cls(output, dict(zip(aux.labels, vals)), dict(zip(aux.labels, aux.infos)),
                program=aux.program.obj, args=args, consts=consts, spec=spec, staged=staged,
                save=aux.save, frontier=dict(zip(aux.frontier_labels, fvals)),
                replay_starts=aux.replay_starts, replay_layers=aux.replay_layers,
                stale=aux.stale, keep_inputs=aux.keep_inputs, module=aux.module.obj,
-               call=aux.call)
+               call=aux.call, inputs=dict(zip(aux.input_labels, ivals)),
+               save_inputs=aux.save_inputs)
 
   # -- reading ------------------------------------------------------------
 
@@ -141,7 +176,7 @@ class Trace:
 
   def __getitem__(self, key) -> SiteValue:
     if isinstance(key, str) and key in self.values:
-      return SiteValue(key, self.values[key], self.infos.get(key))
+      return SiteValue(key, self.values[key], self.infos.get(key), self.inputs.get(key))
     if isinstance(key, str) and key == OUTPUT_LABEL:
       return SiteValue(OUTPUT_LABEL, self.output)
     selector = as_selector(key)
@@ -159,7 +194,8 @@ class Trace:
       raise SiteError(f"{selector!r} matches {len(hits)} saved sites: {hits}",
                       code="ambiguous_site", site=repr(selector), candidates=hits,
                       fix=f"index by one label, e.g. trace[{hits[0]!r}]")
-    return SiteValue(hits[0], self.values[hits[0]], self.infos[hits[0]])
+    return SiteValue(hits[0], self.values[hits[0]], self.infos[hits[0]],
+                     self.inputs.get(hits[0]))
 
   def value_for_donor(self, label: str, verb: str, *, layer=None, static_layer=None):
     """The value this trace saved at ``label``, for a verb that reads it as a donor.
@@ -179,10 +215,52 @@ class Trace:
         code="donor_site_missing", site=label,
         fix=f"capture the donor with save=jl.label({label!r}) or the default save=None")
 
+  def donor_values(self) -> dict:
+    return dict(self.values)
+
+  def donor_infos(self) -> dict:
+    return dict(self.infos)
+
+  def site_value(self, site):
+    return self[site].out
+
   def __repr__(self) -> str:
-    shapes = {k: tuple(jnp.shape(v)) for k, v in self.values.items()}
+    shape = lambda v: tuple(jnp.shape(v))
+    shapes = {k: shape(v) for k, v in self.values.items()}
     stale = ", stale" if self.stale else ""
-    return f"Trace(output={tuple(jnp.shape(self.output))}, sites={shapes}{stale})"
+    # The output may be any pytree (a dict, a tuple of arrays): its leaves' shapes.
+    return f"Trace(output={jax.tree.map(shape, self.output)}, sites={shapes}{stale})"
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from jaxlens import views  # treescope's notebook view: the site tree, edits, replay
+    return views.render(self, path, subtree_renderer)
+
+  def to_html(self, path=None, **kwargs) -> str:
+    """A standalone HTML page of this trace's view (:func:`jaxlens.views.to_html`)."""
+    from jaxlens import views
+    return views.to_html(self, path, **kwargs)
+
+  def grad(self, metric, *, sites):
+    """The gradient of ``metric(output)`` at each of ``sites``, from one backward pass.
+
+    The model is rerun from this trace's variables and inputs with this trace's edits
+    live; see :func:`jaxlens.site_grads` (this is its ``trace.grad`` spelling, as
+    ``.grad`` in nnsight and torchlens).
+    """
+    from jaxlens.attribution import grads_at_sites
+    prog = self._need_program("grad")
+    variables, inputs = jax.tree.unflatten(prog.in_tree, self._args)
+    method, apply_kwargs, kwargs = self._call
+
+    def run_trace(spec, save):
+      selector = None
+      for s in save:
+        selector = as_selector(s) if selector is None else selector | as_selector(s)
+      return _capture(self._module, variables, inputs, dict(kwargs), as_spec(spec), selector,
+                      save_given=True, method=method, apply_kwargs=dict(apply_kwargs),
+                      keep_inputs=False)
+
+    return grads_at_sites(run_trace, metric, sites, list(self._spec.rules and [self._spec]))
 
   # -- doors --------------------------------------------------------------
 
@@ -238,11 +316,28 @@ class Trace:
           "replay(frontier) needs a trace from a differentiable replay", code="not_a_replay",
           fix="trace.do(site, edit, intervention=InterventionOptions(differentiable=True))")
     prog = self._need_program("replay")
-    ev = capture.evaluate(prog, self._args, self._consts, self._spec.rules, None,
-                          known=self.values, start_labels=self._replay_starts,
-                          frontier_values=frontier,
-                          releaf_layers=dict(self._replay_layers) or None)
-    return _output(prog, ev, self.output)
+    if not isinstance(frontier, dict):
+      raise InvalidArgumentError(f"replay(frontier) takes a dict of label -> value, got "
+                                 f"{type(frontier).__name__}", code="invalid_argument",
+                                 fix="r.replay(r.frontier)")
+    for label, value in frontier.items():
+      if label not in self.frontier:
+        raise SiteError(f"replay(frontier): {label!r} is not a frontier value of this replay",
+                        code="unknown_site", site=label, candidates=list(self.frontier),
+                        fix=f"one of: {', '.join(self.frontier)}")
+      want = self.frontier[label]
+      if jnp.shape(value) != jnp.shape(want) or jnp.result_type(value) != jnp.result_type(want):
+        raise ShapeError(
+            f"replay(frontier): {label!r} has shape {jnp.shape(value)} and dtype "
+            f"{jnp.result_type(value)}, the frontier value {jnp.shape(want)} and "
+            f"{jnp.result_type(want)}", code="shape_mismatch", site=label,
+            fix=f"pass a value like r.frontier[{label!r}]", expected=str(jnp.shape(want)),
+            received=str(jnp.shape(value)))
+    ev = interpret.evaluate(prog, self._args, self._consts, self._spec.rules, None,
+                            known=self.values, start_labels=self._replay_starts,
+                            frontier_values=frontier,
+                            releaf_layers=dict(self._replay_layers) or None)
+    return interpret.program_output(prog, ev, self.output)
 
   # -- implementation -----------------------------------------------------
 
@@ -252,7 +347,8 @@ class Trace:
                   frontier=self.frontier, replay_starts=self._replay_starts,
                   replay_layers=self._replay_layers, stale=self.stale,
                   keep_inputs=self._keep_inputs,
-                  module=self._module, call=self._call)
+                  module=self._module, call=self._call, inputs=self.inputs,
+                  save_inputs=self._save_inputs)
     output = changes.pop("output", self.output)
     values = changes.pop("values", self.values)
     infos = changes.pop("infos", self.infos)
@@ -276,7 +372,7 @@ class Trace:
     starts = []
     first_layers: dict[str, int] = {}
     for selector, edit in new.rules:
-      capture.check_selectable(prog, selector, "do()")
+      program.check_selectable(prog, selector, "do()")
       hits = [i.label for i in prog.infos if site_hits(selector, i)]
       if not hits:
         raise unmatched_error(selector, prog.infos, "do()")
@@ -287,7 +383,7 @@ class Trace:
           first_layers[info.label] = min(layers + [first_layers.get(info.label, layers[0])])
     rules = self._spec.rules + new.rules
     spec = Spec(rules)
-    asks = any(_asks_keep_grad(e) for _, e in new.rules)
+    asks = runtime.asks_keep_grad(new.rules)
     if asks:
       if differentiable:
         warn_once(
@@ -295,14 +391,22 @@ class Trace:
             "replayed computation, but parameters upstream of the replay frontier get no "
             "gradient; the live door jl.when(site, keep_grad(edit)).bind(model)(x) reaches them",
             code="keep_grad_replay_frontier")
-      _probe_replay(prog, self, spec, starts, differentiable)
-    ev = capture.evaluate(prog, self._args, self._consts, rules, self._save,
-                          known=self.values, start_labels=tuple(starts), releaf=differentiable,
-                          grad_disabled=_grad_disabled(),
-                          releaf_layers=first_layers if differentiable else None)
+      found = interpret.probe_sites(prog, self._args, self._consts, rules, known=self.values,
+                                    start_labels=tuple(starts), releaf=differentiable)
+      if not differentiable:
+        # (Re-leafed frontier values are fresh inputs of a differentiable replay: a
+        # site computed from them has a graph inside the replayed computation.)
+        runtime.raise_no_graph(*found)
+    ev = interpret.evaluate(prog, self._args, self._consts, rules, self._save,
+                            known=self.values, start_labels=tuple(starts), releaf=differentiable,
+                            grad_disabled=runtime.grad_disabled(),
+                            releaf_layers=first_layers if differentiable else None)
     values = dict(self.values)
     values.update(ev.saved)
-    return self._with(output=_output(prog, ev, self.output), values=values, spec=spec,
+    inputs = dict(self.inputs)
+    inputs.update(ev.saved_inputs)
+    return self._with(inputs=inputs, output=interpret.program_output(prog, ev, self.output), values=values,
+                      spec=spec,
                       staged=Spec(()), stale=False,
                       frontier=ev.frontier if differentiable else {},
                       replay_starts=tuple(starts) if differentiable else None,
@@ -317,7 +421,7 @@ class Trace:
     if model is None:
       module = self._module
     else:
-      module, bound = _split(model)
+      module, bound = model_calls.split(model)
       variables = variables if bound is None else bound
     if inputs is None:
       inputs = old_inputs
@@ -328,7 +432,7 @@ class Trace:
     method, apply_kwargs, kwargs = self._call
     return _capture(module, variables, inputs, dict(kwargs), self._spec + new, self._save,
                     save_given=False, method=method, apply_kwargs=dict(apply_kwargs),
-                    keep_inputs=self._keep_inputs)
+                    keep_inputs=self._keep_inputs, save_inputs=self._save_inputs)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -344,86 +448,22 @@ class _Ident:
     return id(self.obj)
 
 
-def _output(prog, ev, original):
-  orig_leaves = jax.tree.leaves(original)
-  leaves = []
-  for k, i in enumerate(prog.out_ids):
-    if isinstance(i, tuple):
-      leaves.append(i[1])
-    elif i in ev.env:
-      leaves.append(ev.env[i])
-    else:
-      leaves.append(orig_leaves[k])
-  return jax.tree.unflatten(prog.out_tree, leaves)
-
-
-def _probe(prog, args, consts, spec, **kw):
-  labels, dtypes = [], []
-
-  def probe_fn(args, known):
-    ev = capture.evaluate(prog, args, consts, spec.rules, None, probe=True,
-                          known=known or None, **kw)
-    labels[:] = [lbl for lbl, _ in ev.recorded]
-    dtypes[:] = [jnp.result_type(v) for _, v in ev.recorded]
-    return [v for _, v in ev.recorded]
-
-  return probe_fn, labels, dtypes
-
-
-def _probe_capture(prog, args, consts, spec):
-  probe_fn, labels, dtypes = _probe(prog, args, consts, spec)
-  table, _ = dependence.outputs_depend_on_inputs(probe_fn, list(args), {})
-  raise_no_graph(labels, table, dtypes)
-
-
-def _probe_replay(prog, t: Trace, spec, starts, differentiable):
-  probe_fn, labels, dtypes = _probe(prog, t._args, t._consts, spec, start_labels=tuple(starts),
-                                    releaf=differentiable)
-  table, _ = dependence.outputs_depend_on_inputs(probe_fn, list(t._args), dict(t.values))
-  if differentiable:
-    # Re-leafed frontier values are fresh inputs of the replay: a site computed from
-    # them has a graph inside the replayed computation.
-    return
-  raise_no_graph(labels, table, dtypes)
-
-
-def _capture(module, variables, inputs, kwargs, spec: Spec, save, *, save_given, method,
-             apply_kwargs, keep_inputs=True) -> Trace:
-  disabled = _grad_disabled()
-  if disabled:
-    variables, inputs = _stop(variables), _stop(inputs)
-  prog, consts, args = capture.build_program(module, variables, inputs, kwargs, method,
-                                             apply_kwargs)
-  for selector, _ in spec.rules:
-    capture.check_selectable(prog, selector, "intervene=")
-  if save_given:
-    capture.check_selectable(prog, save, "save=", editing=False)
-  probed = False
-  if not disabled and any(_asks_keep_grad(e) for _, e in spec.rules):
-    _probe_capture(prog, args, consts, spec)
-    probed = True
-  ev = capture.evaluate(prog, args, consts, spec.rules, save, grad_disabled=disabled)
-  seen = prog.infos
-  for (selector, _), count in zip(spec.rules, ev.fired):
-    if count == 0:
-      raise unmatched_error(selector, seen, "intervene=")
-  if save_given and not ev.saved:
-    raise unmatched_error(save, seen, "save=")
-  if not probed and ev.hook_asked:
-    # A hook may ask for keep_grad at fire time (InterventionDecision): check its site.
-    probe_fn, labels, dtypes = _probe(prog, args, consts, spec)
-    table, _ = dependence.outputs_depend_on_inputs(probe_fn, list(args), {})
-    raise_no_graph(labels, table, dtypes)
-  output = _output(prog, ev, None)
-  call = (method, tuple(sorted(apply_kwargs.items())), tuple(sorted(kwargs.items())))
+def _capture(call, variables, inputs, kwargs, spec: Spec, save, *, save_given, method,
+             apply_kwargs, keep_inputs=True, save_inputs=False) -> Trace:
+  run = interpret.capture(call, variables, inputs, kwargs, spec.rules, save,
+                          save_given=save_given, method=method, apply_kwargs=apply_kwargs,
+                          save_inputs=save_inputs)
+  ev, args, consts = run.evaluation, run.args, run.consts
+  kw = (method, tuple(sorted(apply_kwargs.items())), tuple(sorted(kwargs.items())))
   if not keep_inputs:
     args, consts = (), ()
-  return Trace(output, ev.saved, ev.saved_infos, program=prog, args=args, consts=consts,
-               spec=spec, save=save, module=module, call=call, keep_inputs=keep_inputs)
+  return Trace(run.output, ev.saved, ev.saved_infos, program=run.program, args=args,
+               consts=consts, spec=spec, save=save, module=call, call=kw,
+               keep_inputs=keep_inputs, inputs=ev.saved_inputs, save_inputs=save_inputs)
 
 
 def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: bool = True,
-          **apply_kwargs) -> Trace:
+          save_inputs: bool = False, **apply_kwargs) -> Trace:
   """Runs ``model`` with edits live and returns a :class:`Trace`.
 
   Spellings:
@@ -444,6 +484,9 @@ def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: boo
       ``False`` gives a Trace of the output and saved values only: returned from
       ``jax.jit`` it costs no copies of the variables (jit copies every input it
       returns), and replay raises ``trace_without_inputs``.
+    save_inputs: also keep, for each saved module site, the ``(args, kwargs)`` its
+      module was called with (``trace[site].input``, as torchlens and nnsight's
+      ``.input``); replay and rerun keep them up to date.
     **apply_kwargs: ``rngs=``/``mutable=`` for ``Module.apply``; other keywords go
       to the model call.
 
@@ -452,7 +495,10 @@ def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: boo
     through it with ``jax.grad``, return it from ``jax.jit``, replay edits on it
     with ``trace.fork().do(site, edit)``.
   """
-  module, variables = _split(model)
+  module, variables = model_calls.split(model)
+  if isinstance(method, str) and not callable(getattr(model, method, None)):
+    raise InvalidArgumentError(f"{type(model).__name__} has no method {method!r}",
+                               code="invalid_argument", fix="method=None (the module's __call__)")
   if variables is None:
     if not args:
       raise InvalidArgumentError("an unbound module needs its variables as the first argument",
@@ -464,6 +510,9 @@ def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: boo
   elif save is False:
     selector = None
   elif isinstance(save, (list, tuple)):
+    if not save:
+      raise InvalidArgumentError("save=[] selects no site", code="invalid_argument",
+                                 fix="save=False (keep no site) or save=None (every module)")
     selector = None
     for s in save:
       selector = as_selector(s) if selector is None else selector | as_selector(s)
@@ -474,6 +523,9 @@ def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: boo
   if not isinstance(keep_inputs, bool):
     raise InvalidArgumentError(f"keep_inputs must be True or False, got {keep_inputs!r}",
                                code="invalid_argument", fix="jl.trace(..., keep_inputs=False)")
+  if not isinstance(save_inputs, bool):
+    raise InvalidArgumentError(f"save_inputs must be True or False, got {save_inputs!r}",
+                               code="invalid_argument", fix="jl.trace(..., save_inputs=True)")
   return _capture(module, variables, tuple(args), model_kwargs, as_spec(intervene), selector,
                   save_given=save_given, method=method, apply_kwargs=apply_kwargs,
-                  keep_inputs=keep_inputs)
+                  keep_inputs=keep_inputs, save_inputs=save_inputs)

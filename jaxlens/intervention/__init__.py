@@ -1,25 +1,35 @@
-"""Intervention verbs, keep_grad, decisions and options (``jaxlens.intervention``)."""
+"""Every name that builds or wraps an edit (``jaxlens.intervention``).
+
+The verbs, the backward verbs, ``keep_grad``, ``compose``, ``hook``, ``gate``,
+``at_positions``, the selections (``units``, ``subspace`` and the ``subspace_*``
+edits), populations, and the edit types. ``jaxlens`` re-exports all of them, so
+``jl.scale`` and ``jl.intervention.scale`` are the same function.
+"""
 
 from jaxlens._src.backward import backward_hook as backward_hook
 from jaxlens._src.backward import grad_clip as grad_clip
 from jaxlens._src.backward import grad_scale as grad_scale
 from jaxlens._src.backward import grad_zero as grad_zero
-from jaxlens._src.verbs import Edit as Edit
-from jaxlens._src.verbs import FireContext as FireContext
-from jaxlens._src.verbs import InterventionDecision as InterventionDecision
-from jaxlens._src.verbs import InterventionOptions as InterventionOptions
-from jaxlens._src.verbs import Population as Population
+from jaxlens._src.edit import Edit as Edit
+from jaxlens._src.edit import FireContext as FireContext
+from jaxlens._src.edit import InterventionDecision as InterventionDecision
+from jaxlens._src.edit import Population as Population
+from jaxlens._src.selections import Selection as Selection
 from jaxlens._src.selections import orthonormal as orthonormal
 from jaxlens._src.selections import set_affine_coordinates as set_affine_coordinates
+from jaxlens._src.selections import subspace as subspace
 from jaxlens._src.selections import subspace_patch as subspace_patch
 from jaxlens._src.selections import subspace_scale as subspace_scale
 from jaxlens._src.selections import subspace_set as subspace_set
 from jaxlens._src.selections import subspace_zero as subspace_zero
+from jaxlens._src.selections import units as units
+from jaxlens._src.tracing import InterventionOptions as InterventionOptions
 from jaxlens._src.verbs import add as add
 from jaxlens._src.verbs import add_noise as add_noise
 from jaxlens._src.verbs import at_positions as at_positions
 from jaxlens._src.verbs import clamp as clamp
 from jaxlens._src.verbs import compose as compose
+from jaxlens._src.verbs import gate as gate
 from jaxlens._src.verbs import hook as hook
 from jaxlens._src.verbs import keep_grad as keep_grad
 from jaxlens._src.verbs import mean_ablate as mean_ablate
@@ -39,11 +49,11 @@ from jaxlens._src.verbs import swap_with as swap_with
 from jaxlens._src.verbs import zero_ablate as zero_ablate
 
 __all__ = [
-    "orthonormal", "set_affine_coordinates", "subspace_patch", "subspace_scale", "subspace_set", "subspace_zero",
-    "Edit", "FireContext", "InterventionDecision", "InterventionOptions", "Population", "add",
-    "add_noise", "at_positions", "clamp", "compose", "hook", "keep_grad", "mean_ablate", "patch_from",
-    "permute_batch", "population", "project_onto", "project_out", "replace_with",
-    "resample_rows_from", "scale", "scramble_elements", "set_direction_mean", "splice_module",
-    "steer", "swap_with", "zero_ablate",
-    "backward_hook", "grad_clip", "grad_scale", "grad_zero",
+    "Edit", "FireContext", "InterventionDecision", "InterventionOptions", "Population",
+    "Selection", "add", "add_noise", "at_positions", "backward_hook", "clamp", "compose", "gate",
+    "grad_clip", "grad_scale", "grad_zero", "hook", "keep_grad", "mean_ablate", "orthonormal",
+    "patch_from", "permute_batch", "population", "project_onto", "project_out", "replace_with",
+    "resample_rows_from", "scale", "scramble_elements", "set_affine_coordinates",
+    "set_direction_mean", "splice_module", "steer", "subspace", "subspace_patch",
+    "subspace_scale", "subspace_set", "subspace_zero", "swap_with", "units", "zero_ablate",
 ]

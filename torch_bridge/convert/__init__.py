@@ -26,7 +26,7 @@ from torch_bridge.convert._errors import ConversionError
 from torch_bridge.convert._export import ExportOptions, convert_exported, export_model
 from torch_bridge.convert._layers import GPTBlock, TinyGPT
 
-__all__ = ["ConversionError", "ExportOptions", "GPTBlock", "TinyGPT", "from_torch", "to_jax",
+__all__ = ["ConversionError", "ExportOptions", "GPTBlock", "TinyGPT", "convert", "from_torch", "to_jax",
            "to_torch"]
 
 _METHODS = ("auto", "modules", "export")

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -270,7 +271,7 @@ def _conv(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
   unbatched = x.ndim == n + 1
   if unbatched:
     x = x[None]
-  expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)  # noqa: E731
+  expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)
   stride, dilation = expand(_listify(stride)), expand(_listify(dilation))
   if isinstance(padding, str):
     if padding == "valid":
@@ -304,7 +305,7 @@ def _conv_transpose(x, w, b=None, stride=1, padding=0, output_padding=0, groups=
   unbatched = x.ndim == n + 1
   if unbatched:
     x = x[None]
-  expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)  # noqa: E731
+  expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)
   stride, padding = expand(_listify(stride)), expand(_listify(padding))
   output_padding, dilation = expand(_listify(output_padding)), expand(_listify(dilation))
   # torch weight (in, out/groups, *k) -> (out, in/groups, *k), spatially flipped.
@@ -337,7 +338,7 @@ def _max_pool(n):
     unbatched = x.ndim == n + 1
     if unbatched:
       x = x[None]
-    expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)  # noqa: E731
+    expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)
     k = expand(_listify(kernel_size))
     s = expand(_listify(stride)) if _listify(stride) else k
     p, d = expand(_listify(padding)), expand(_listify(dilation))
@@ -356,7 +357,7 @@ def _avg_pool(n):
     unbatched = x.ndim == n + 1
     if unbatched:
       x = x[None]
-    expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)  # noqa: E731
+    expand = lambda v: tuple(v) * n if len(tuple(v)) == 1 else tuple(v)
     k = expand(_listify(kernel_size))
     s = expand(_listify(stride)) if _listify(stride) else k
     p = expand(_listify(padding))
@@ -456,7 +457,20 @@ def _group_norm(x, groups, w=None, b=None, eps=1e-5):
 
 
 def _embedding(w, idx, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-  return jnp.take(w, idx, axis=0)
+  rows = jnp.take(w, idx, axis=0)
+  if padding_idx < 0 and not scale_grad_by_freq:
+    return rows
+  # torch's backward gives the padding row no gradient and, with scale_grad_by_freq, divides
+  # each row's gradient by its count in the batch. (rows - stop_gradient(rows)) is exactly zero,
+  # so the forward value is unchanged and only the gradient is scaled.
+  factor = jnp.ones(idx.shape, w.dtype)
+  if padding_idx >= 0:
+    factor = jnp.where(idx == padding_idx, 0, factor).astype(w.dtype)
+  if scale_grad_by_freq:
+    counts = jnp.zeros((w.shape[0],), w.dtype).at[idx.reshape(-1)].add(1)
+    factor = factor / jnp.take(counts, idx)
+  fixed = lax.stop_gradient(rows)
+  return fixed + (rows - fixed) * factor[..., None]
 
 
 def _softmax(x, dim, half_to_float=False):

@@ -137,7 +137,7 @@ def export_model(model: torch.nn.Module, args: tuple, kwargs: dict, options: Exp
       fix="replace the autograd.Function by plain torch ops") from None
   except ConversionError:
     raise
-  except Exception as error:  # noqa: BLE001  (export raises many types; all mean the same)
+  except Exception as error:
     module = watch.failed_in or ""
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     raise ConversionError(
@@ -179,7 +179,7 @@ class _Call:
   items: list = dataclasses.field(default_factory=list)  # fx nodes and child _Calls
   inputs: list = dataclasses.field(default_factory=list)
   outputs: list = dataclasses.field(default_factory=list)
-  template: "_Call | None" = None  # the call whose nodes this call runs (repeated calls)
+  template: _Call | None = None  # the call whose nodes this call runs (repeated calls)
 
 
 class Program:
@@ -188,7 +188,7 @@ class Program:
   Identity-hashed: Flax modules hold it as a field.
   """
 
-  def __init__(self, ep, options: ExportOptions, example_inputs: list):
+  def __init__(self, ep, options: ExportOptions):
     self.options = options
     self.graph = ep.graph
     sig = ep.graph_signature
@@ -211,7 +211,6 @@ class Program:
                      f"the model writes its buffer {spec.target!r} ({spec.kind.name})",
                      "convert the model in eval mode (eval_mode=True, the default)")
     self.out_spec = ep.call_spec.out_spec
-    self.in_spec = ep.call_spec.in_spec
     values = {}
     values.update(ep.state_dict)
     values.update(ep.constants)
@@ -451,7 +450,7 @@ class _Node(nn.Module):
   def __call__(self, *args, **kwargs):
     prog = self.program
     if self.tpath == "":  # the root: flatten the user's inputs as torch did
-      leaves, spec = tree.tree_flatten((args, kwargs))
+      leaves, _ = tree.tree_flatten((args, kwargs))
       if len(leaves) != len(prog.user_inputs):
         raise TypeError(f"the converted model takes {len(prog.user_inputs)} input arrays "
                         f"(as the example inputs), got {len(leaves)}")
@@ -469,17 +468,17 @@ class _Node(nn.Module):
     outs = [env[n] for n in call.outputs]
     return outs[0] if len(outs) == 1 else tuple(outs)
 
-  def _tb_module(self, path: str) -> "_Node":
+  def _tb_module(self, path: str) -> _Node:
     node: Any = self
     while node.tpath and not path.startswith(node.tpath + "."):
       node = node.parent
     rel = path[len(node.tpath) + 1:] if node.tpath else path
-    for part in _walk(node.tpath, rel):
+    for part in rel.split(".") if rel else ():
       node = node.kids[part]
     return node
 
   def _tb_state(self, node) -> Any:
-    collection, fqn = self.program.state[node]
+    _, fqn = self.program.state[node]
     owner = _owner(fqn)
     return (self if owner == self.tpath else self._tb_module(owner)).own[_leaf(fqn)]
 
@@ -530,10 +529,6 @@ class _Probs(nn.Module):
     return jax.nn.softmax(logits, axis=axis)
 
 
-def _walk(base: str, rel: str) -> list[str]:
-  return rel.split(".") if rel else []
-
-
 def _constant_init(value, dtype):
   array = _to_numpy(value)
 
@@ -579,8 +574,7 @@ def _unflatten(leaves: list, spec) -> Any:
     if s.type in (tuple, list):
       return s.type(kids)
     if s.type is dict or isinstance(s.context, (list, tuple)):
-      keys = s.context if isinstance(s.context, (list, tuple)) else s.context
-      return dict(zip(keys, kids))
+      return dict(zip(s.context, kids))
     if _is_namedtuple(s.type):
       return s.type(*kids)
     return tuple(kids)
@@ -596,7 +590,7 @@ def _is_namedtuple(t) -> bool:
 
 def convert_exported(ep, options: ExportOptions, dtype=None):
   """Builds ``(flax_module, variables, site_map)`` from an exported program."""
-  program = Program(ep, options, [])
+  program = Program(ep, options)
   program.dtype_override = dtype
   program.dtype_of = lambda node: _state_dtype(program, node)
   _check_dtypes(program)

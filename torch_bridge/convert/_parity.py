@@ -31,7 +31,7 @@ from torch_bridge.convert._arrays import to_jax
 
 __all__ = ["EDITS", "Result", "check", "first_leaf"]
 
-UNITS = [0, 2]
+UNITS = [0, 1]
 
 
 def _edits(jdonor, tdonor):
@@ -43,13 +43,13 @@ def _edits(jdonor, tdonor):
      lambda s: ref.when(s, ref.zero_ablate())),
     ("patch_from(donor)", "cutting", lambda s: jl.when(jl.module(s), jl.patch_from(jdonor)),
      lambda s: ref.when(s, ref.patch_from(tdonor))),
-    ("units([0, 2]) zero_ablate", "selection",
+    ("units([0, 1]) zero_ablate", "selection",
      lambda s: jl.when(jl.units(jl.module(s), jnp.asarray(UNITS)), jl.zero_ablate()),
      lambda s: ref.when(ref.units(s, UNITS), ref.zero_ablate())),
   ]
 
 
-EDITS = ("scale(0.5)", "zero_ablate", "patch_from(donor)", "units([0, 2]) zero_ablate")
+EDITS = ("scale(0.5)", "zero_ablate", "patch_from(donor)", "units([0, 1]) zero_ablate")
 
 
 @dataclasses.dataclass
@@ -62,7 +62,7 @@ class Result:
   flax_site: str
   weight: str
   output: float
-  edits: dict  # edit name -> (output error, gradient error)
+  edits: dict  # edit name ("" without edits) -> (output error, gradient error)
   convert_s: float
 
 
@@ -72,7 +72,7 @@ def first_leaf(out):
     return first_leaf(next(iter(out.values())))
   if isinstance(out, (tuple, list)):
     return first_leaf(out[0])
-  if isinstance(out, torch.Tensor) or isinstance(out, jax.Array):
+  if isinstance(out, (torch.Tensor, jax.Array)):
     return out
   leaves = [t for t in tree.tree_leaves(out) if isinstance(t, torch.Tensor)]
   return leaves[0]
@@ -115,16 +115,23 @@ def check(name: str, dtype: torch.dtype = torch.float64, edits: tuple = EDITS,
   jin = [to_jax(x) for x in inputs]
   with torch.no_grad():
     want = first_leaf(model(*inputs))
-  if not edits:
-    output = _rel(first_leaf(jax.jit(fmodel.apply)(variables, *jin)), want)
-    return Result(name, str(dtype).removeprefix("torch."), site, site_map.get(site, ""), "",
-                  output, {}, convert_s)
-
   weight = next(n for n, _ in model.named_parameters())
   jweight = program.tied.get(weight, weight)
   torch.manual_seed(2)
   proj = torch.randn(want.shape, dtype=want.dtype)
   jproj = to_jax(proj)
+  if not edits:  # the output, and the gradient of its projection without edits
+    def plain(params):
+      y = first_leaf(fmodel.apply({**variables, "params": params}, *jin))
+      return jnp.sum(y * jproj), y
+
+    (_, y), grad = jax.jit(jax.value_and_grad(plain, has_aux=True))(variables["params"])
+    model.zero_grad(set_to_none=True)
+    (first_leaf(model(*inputs)) * proj).sum().backward()
+    tgrad = dict(model.named_parameters())[weight].grad
+    model.zero_grad(set_to_none=True)
+    return Result(name, str(dtype).removeprefix("torch."), site, site_map.get(site, ""), weight,
+                  _rel(y, want), {"": (0.0, _rel(_get(grad, jweight), tgrad))}, convert_s)
   donor_in = _donor_inputs(inputs)
   jdonor_in = [to_jax(x) for x in donor_in]
   tdonor = ref.trace(model, *donor_in)

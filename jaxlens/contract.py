@@ -1,4 +1,8 @@
-"""The gradient contract matrix as data, and the runner that measures it.
+"""The gradient contract matrix as data, and the runner that measures it (``jaxlens.contract``).
+
+This module is semi-public: documented and kept stable for privileged downstream
+code (``torch_bridge`` measures the same rows and doors on its torch reference),
+written against jaxlens's public names only, and free of torch.
 
 One row per verb, one column block per door, two columns (without and with
 ``keep_grad``). Each cell is measured on the specification's float64 model,
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import tempfile
 import warnings
 from typing import Any, Callable
 
@@ -25,10 +30,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._src import doors, selections, tracing, verbs
-from jaxlens._src.dependence import depends_on
-from jaxlens._src.errors import InvalidArgumentError, JaxlensWarning, reset_warnings
-from jaxlens._src.sites import module
+import jaxlens as jl
+from jaxlens import intervention as ji
+from jaxlens._src.edit import Donor
+from jaxlens._src.edit import takes_hook_keyword as _takes_hook_keyword
+from jaxlens._src.errors import reset_warnings as _reset_warnings
+
+__all__ = ["SITE", "Case", "Row", "ROWS", "SUBSPACE_ONLY", "NOT_UNDER_SUBSPACE", "DOORS",
+           "CONCRETE_EDIT", "Cell", "expected", "spec_model", "make_case", "matrix_basis",
+           "run_cell", "measured", "run_matrix", "format_matrix", "takes_hook_keyword",
+           "reset_warnings", "Donor"]
+
+
+# ``Donor``: the protocol of a run whose saved values a verb reads (``jl.Trace``, and
+# the donor a loaded spec holds); ``donor_values()`` gives them by site label.
+Donor.__module__ = "jaxlens.contract"
+
+
+def takes_hook_keyword(fn: Callable) -> bool:
+  """Whether ``fn`` accepts a ``hook=`` keyword (how jaxlens decides to pass the site context).
+
+  The torch reference decides the same way, through this function.
+  """
+  return _takes_hook_keyword(fn)
+
+
+def reset_warnings() -> None:
+  """Forgets which once-per-session warnings jaxlens issued (each matrix cell shows its own)."""
+  _reset_warnings()
 
 SITE = "layers_0"
 
@@ -54,36 +83,36 @@ class Row:
   """A matrix row: a verb, how to build it from a Case, and whether it keeps."""
 
   name: str
-  build: Callable[[Case], verbs.Edit]
+  build: Callable[[Case], ji.Edit]
   keeps: bool
 
 
 ROWS: tuple[Row, ...] = (
-    Row("scale", lambda c: verbs.scale(0.5), True),
-    Row("clamp", lambda c: verbs.clamp(min=-0.3, max=0.4), True),
-    Row("add_noise", lambda c: verbs.add_noise(0.1, seed=0), True),
-    Row("steer", lambda c: verbs.steer(c.direction, 2.0), True),
-    Row("add", lambda c: verbs.add(c.delta), True),
-    Row("project_onto", lambda c: verbs.project_onto(c.direction), True),
-    Row("project_out", lambda c: verbs.project_out(c.direction), True),
-    Row("mean_ablate(dim=)", lambda c: verbs.mean_ablate(dim=0), True),
-    Row("scramble_elements(seed=)", lambda c: verbs.scramble_elements(seed=0), True),
-    Row("splice_module", lambda c: verbs.splice_module(jnp.tanh), True),
-    Row("permute_batch", lambda c: verbs.permute_batch(seed=1), True),
-    Row("set_direction_mean", lambda c: verbs.set_direction_mean(c.direction, c.population), True),
-    Row("compose", lambda c: verbs.compose(verbs.scale(0.0), verbs.add(c.delta)), True),
-    Row("hook callable", lambda c: verbs.hook(_square), True),
-    Row("zero_ablate", lambda c: verbs.zero_ablate(), False),
-    Row("replace_with", lambda c: verbs.replace_with(c.donor), False),
-    Row("swap_with", lambda c: verbs.swap_with(c.donor), False),
-    Row("patch_from", lambda c: verbs.patch_from(c.donor_trace), False),
-    Row("resample_rows_from", lambda c: verbs.resample_rows_from(c.population, seed=0), False),
-    Row("mean_ablate(source=)", lambda c: verbs.mean_ablate(source=c.population), False),
+    Row("scale", lambda c: jl.scale(0.5), True),
+    Row("clamp", lambda c: jl.clamp(min=-0.3, max=0.4), True),
+    Row("add_noise", lambda c: jl.add_noise(0.1, seed=0), True),
+    Row("steer", lambda c: jl.steer(c.direction, 2.0), True),
+    Row("add", lambda c: jl.add(c.delta), True),
+    Row("project_onto", lambda c: jl.project_onto(c.direction), True),
+    Row("project_out", lambda c: jl.project_out(c.direction), True),
+    Row("mean_ablate(dim=)", lambda c: jl.mean_ablate(dim=0), True),
+    Row("scramble_elements(seed=)", lambda c: jl.scramble_elements(seed=0), True),
+    Row("splice_module", lambda c: jl.splice_module(jnp.tanh), True),
+    Row("permute_batch", lambda c: jl.permute_batch(seed=1), True),
+    Row("set_direction_mean", lambda c: jl.set_direction_mean(c.direction, c.population), True),
+    Row("compose", lambda c: jl.compose(jl.scale(0.0), jl.add(c.delta)), True),
+    Row("hook callable", lambda c: jl.hook(_square), True),
+    Row("zero_ablate", lambda c: jl.zero_ablate(), False),
+    Row("replace_with", lambda c: jl.replace_with(c.donor), False),
+    Row("swap_with", lambda c: jl.swap_with(c.donor), False),
+    Row("patch_from", lambda c: jl.patch_from(c.donor_trace), False),
+    Row("resample_rows_from", lambda c: jl.resample_rows_from(c.population, seed=0), False),
+    Row("mean_ablate(source=)", lambda c: jl.mean_ablate(source=c.population), False),
     Row("scramble_elements(source=)",
-        lambda c: verbs.scramble_elements(seed=0, source=c.donor), False),
-    Row("set_affine_coordinates", lambda c: selections.set_affine_coordinates(c.W, c.b), True),
+        lambda c: jl.scramble_elements(seed=0, source=c.donor), False),
+    Row("set_affine_coordinates", lambda c: jl.set_affine_coordinates(c.W, c.b), True),
     Row("subspace_* (subspace_patch)",
-        lambda c: selections.subspace_patch(c.basis, c.donor_trace, origin=c.population), True),
+        lambda c: jl.subspace_patch(c.basis, c.donor_trace, origin=c.population), True),
 )
 
 # Rows that write subspace coordinates: refused outside a jl.subspace selection.
@@ -97,49 +126,46 @@ def _square(x):
 
 
 def _door_bind(model, variables, x, edit):
-  return doors.when(module(SITE), edit).bind(model.bind(variables))(x)
+  return jl.when(jl.module(SITE), edit).bind(model.bind(variables))(x)
 
 
 def _door_trace(model, variables, x, edit):
-  t = tracing.trace(model.bind(variables), x, intervene=doors.when(module(SITE), edit))
+  t = jl.trace(model.bind(variables), x, intervene=jl.when(jl.module(SITE), edit))
   return t[t.output_layers[0]].out
 
 
 def _captured(model, variables, x):
   # Captured inside the differentiated function: saved values are functions of v.
-  return tracing.trace(model.bind(variables), x)
+  return jl.trace(model.bind(variables), x)
 
 
 def _door_replay(model, variables, x, edit):
-  return _captured(model, variables, x).fork().do(module(SITE), edit).output
+  return _captured(model, variables, x).fork().do(jl.module(SITE), edit).output
 
 
 def _door_rerun(model, variables, x, edit):
   t = _captured(model, variables, x)
-  return t.fork().do(module(SITE), edit, model=model.bind(variables), inputs=x).output
+  return t.fork().do(jl.module(SITE), edit, model=model.bind(variables), inputs=x).output
 
 
 def _door_set_only(model, variables, x, edit):
   t = _captured(model, variables, x).fork()
-  staged = t.do(module(SITE), edit, intervention=verbs.InterventionOptions(engine="set_only"))
+  staged = t.do(jl.module(SITE), edit, intervention=jl.InterventionOptions(engine="set_only"))
   return staged.run().output
 
 
 def _door_differentiable(model, variables, x, edit):
   t = _captured(model, variables, x).fork()
-  opts = verbs.InterventionOptions(differentiable=True)
-  return t.do(module(SITE), edit, intervention=opts).output
+  opts = jl.InterventionOptions(differentiable=True)
+  return t.do(jl.module(SITE), edit, intervention=opts).output
 
 
 def _door_spec_bind(model, variables, x, edit):
-  import tempfile
-
-  from jaxlens._src import portable
-  spec = doors.when(module(SITE), edit)
+  spec = jl.when(jl.module(SITE), edit)
   try:
     with tempfile.TemporaryDirectory() as tmp:
-      spec = portable.load_spec(portable.save_spec(spec, f"{tmp}/spec"))
-  except portable.SpecFormatError as error:
+      spec = jl.load_spec(spec.save(f"{tmp}/spec"))
+  except jl.SpecFormatError as error:
     # Hooks and splice_module hold Python callables: they bind in memory only.
     if error.code != "spec_not_portable":
       raise
@@ -148,8 +174,8 @@ def _door_spec_bind(model, variables, x, edit):
 
 def _selection(kind, case):
   if kind == "units":
-    return selections.units(module(SITE), case.units)
-  return selections.subspace(module(SITE), case.basis, origin=case.population)
+    return jl.units(jl.module(SITE), case.units)
+  return jl.subspace(jl.module(SITE), case.basis, origin=case.population)
 
 
 def _selected(base, kind):
@@ -207,47 +233,31 @@ def expected(door: str, row: Row) -> tuple[str, str]:
 
 
 def spec_model():
-  """The matrix model and its float64 inputs.
+  """The matrix model and its float64 inputs, from a fixed ``jax.random`` draw.
 
-  With torch installed the weights are torch's ``nn.Sequential(nn.Linear(4, 4),
-  nn.Linear(4, 2))`` after ``torch.manual_seed(0)`` and ``x = torch.randn(3, 4)``, as
-  the specification says; without torch, a fixed ``jax.random`` draw of the same
-  shapes (reported in ``source``).
+  ``torch_bridge.matrix.spec_model()`` gives the same model with the
+  specification's torch draws (``torch.manual_seed(0)``); the outcomes are the
+  same for both, and :func:`measured` takes either.
 
   Returns:
     ``(model, variables, x, x_donor, source)``.
   """
   if not jax.config.jax_enable_x64:
-    raise InvalidArgumentError("the matrix runs in float64", code="x64_required",
-                               fix='jax.config.update("jax_enable_x64", True)')
-  model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
-  try:
-    import torch
-  except ImportError:
-    key = jax.random.key(0)
-    k1, k2, k3 = jax.random.split(key, 3)
-    x = jax.random.normal(k1, (3, 4), jnp.float64)
-    x_donor = jax.random.normal(k2, (3, 4), jnp.float64)
-    variables = model.init(k3, x)
-    return model, variables, x, x_donor, "jax.random (torch not installed)"
-  torch.manual_seed(0)
-  tmodel = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).eval()
-  x = torch.randn(3, 4)
-  x_donor = torch.randn(3, 4)
-  params = {}
-  for i, layer in enumerate(tmodel):
-    params[f"layers_{i}"] = {
-        "kernel": jnp.asarray(layer.weight.detach().double().numpy().T),
-        "bias": jnp.asarray(layer.bias.detach().double().numpy()),
-    }
-  to64 = lambda t: jnp.asarray(t.double().numpy())
-  return model, {"params": params}, to64(x), to64(x_donor), "torch.manual_seed(0)"
+    raise jl.InvalidArgumentError("the matrix runs in float64", code="x64_required",
+                                  fix='jax.config.update("jax_enable_x64", True)')
+  model = nn.Sequential([nn.Dense(4, param_dtype=jnp.float64),
+                         nn.Dense(2, param_dtype=jnp.float64)])
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(k1, (3, 4), jnp.float64)
+  x_donor = jax.random.normal(k2, (3, 4), jnp.float64)
+  variables = jax.tree.map(lambda a: a.astype(jnp.float64), model.init(k3, x))
+  return model, variables, x, x_donor, "jax.random.key(0)"
 
 
 def make_case(model, variables, x, x_donor) -> Case:
-  donor_trace = tracing.trace(model.bind(variables), x_donor)
+  donor_trace = jl.trace(model.bind(variables), x_donor)
   donor = donor_trace[SITE].out
-  pop = verbs.population(donor, donor[::-1] * 0.5)
+  pop = jl.population(donor, donor[::-1] * 0.5)
   return Case(
       x=x,
       donor_trace=donor_trace,
@@ -265,7 +275,7 @@ def make_case(model, variables, x, x_donor) -> Case:
 def matrix_basis():
   """The matrix's subspace basis: orthonormal, 4 x 2, spanning no coordinate axis."""
   raw = jnp.asarray([[1.0, 0.5], [-2.0, 1.0], [0.5, 3.0], [1.0, -1.0]], jnp.float64)
-  return selections.orthonormal(raw)
+  return jl.orthonormal(raw)
 
 
 @dataclasses.dataclass
@@ -290,7 +300,7 @@ def run_cell(door: str, row: Row, keep: bool, model=None, variables=None, x=None
     case = concrete_case if concrete_case is not None else make_case(model, v, x, x_donor)
     edit = row.build(case)
     if keep:
-      edit = verbs.keep_grad(edit)
+      edit = jl.keep_grad(edit)
     if getattr(runner, "takes_case", False):
       return runner(model, v, x, edit, case)
     return runner(model, v, x, edit)
@@ -298,15 +308,15 @@ def run_cell(door: str, row: Row, keep: bool, model=None, variables=None, x=None
   # Once-per-session warnings are reset so that every cell shows its own.
   reset_warnings()
   with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always", JaxlensWarning)
+    warnings.simplefilter("always", jl.JaxlensWarning)
     try:
       (_, out), grads = jax.value_and_grad(lambda v: (lambda o: (o.sum(), o))(out_fn(v)),
                                            has_aux=True)(variables)
-      dep = depends_on(lambda v: out_fn(v).sum(), variables)
-    except InvalidArgumentError as error:
+      dep = jl.depends_on(lambda v: out_fn(v).sum(), variables)
+    except jl.InvalidArgumentError as error:
       return Cell(f"raises:{error.code}", message=str(error))
   codes = tuple(sorted({w.message.fields["code"] for w in caught
-                        if isinstance(w.message, JaxlensWarning)}))
+                        if isinstance(w.message, jl.JaxlensWarning)}))
   kernel_grad = grads["params"][SITE]["kernel"]
   reaches = dep["params"][SITE]["kernel"]
   if not reaches and np.any(np.asarray(kernel_grad) != 0):
@@ -315,27 +325,30 @@ def run_cell(door: str, row: Row, keep: bool, model=None, variables=None, x=None
 
 
 @functools.lru_cache(maxsize=None)
-def measured(door: str, row_name: str, keep: bool) -> Cell:
+def measured(door: str, row_name: str, keep: bool, weights: Callable = None) -> Cell:
   """One cell on the specification's model, measured once per process.
 
-  The matrix tests, the torch parity tests and ``python -m jaxlens`` share it.
+  ``weights`` is a function returning what :func:`spec_model` returns (default
+  :func:`spec_model`; torch_bridge passes its torch draws). The matrix tests, the
+  torch parity tests and ``python -m jaxlens`` share the cache.
   """
-  model, variables, x, x_donor, _ = _spec_model_cached()
+  model, variables, x, x_donor, _ = _cached(weights or spec_model)
   row = next(r for r in ROWS if r.name == row_name)
   return run_cell(door, row, keep, model, variables, x, x_donor)
 
 
-@functools.lru_cache(maxsize=1)
-def _spec_model_cached():
-  return spec_model()
+@functools.lru_cache(maxsize=None)
+def _cached(weights: Callable):
+  return weights()
 
 
-def run_matrix(doors_: tuple[str, ...] | None = None) -> dict:
+def run_matrix(doors_: tuple[str, ...] | None = None, weights: Callable = None) -> dict:
   """Measures every cell: ``{(door, row name): (Cell without, Cell with keep_grad)}``."""
   table = {}
   for door in doors_ or tuple(DOORS):
     for row in ROWS:
-      table[(door, row.name)] = tuple(measured(door, row.name, keep) for keep in (False, True))
+      table[(door, row.name)] = tuple(measured(door, row.name, keep, weights)
+                                      for keep in (False, True))
   return table
 
 

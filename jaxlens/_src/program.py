@@ -1,4 +1,4 @@
-"""Op-level capture: the model as a flat program whose every value is a labelled site.
+"""Floor 6: the model as a flat program whose every value is a labelled site.
 
 ``jl.trace`` turns the model call into a jaxpr (``jax.make_jaxpr``) while a Flax
 interceptor marks each module output with an identity ``checkpoint_name`` equation
@@ -6,19 +6,10 @@ and opens a named scope per module call, so that every equation can be attribute
 to the module that ran it. Nested ``jit`` calls are inlined; every other equation
 is one *op site*, labelled ``<primitive>_<n>`` in the order it runs
 (``dot_general_3``). Module outputs are *module sites*, labelled by path.
-
-The program is then evaluated by a small interpreter that binds each primitive
-under whatever transforms are active (``jit``, ``grad``, ``vmap``), applies the
-edits whose selectors match, and keeps the values ``save=`` selects. Replay
-evaluates only the downstream cone of the edited sites, taking the values it
-needs from the saved ones and recomputing the rest from the stored inputs.
+``interpret.py`` evaluates the program.
 
 Layer stacks: a ``scan`` whose body runs modules (``nn.scan``, ``nnx.scan``) is
-kept as a scan, and its body becomes a sub-program evaluated by the same
-interpreter inside ``lax.scan``, with the iteration index in the carry. A site in
-the body stands for every layer at once (saved stacked along axis 0); an edit at
-one layer (``jl.module(path, layer=k)``) is applied where the index equals ``k``,
-so the stack is never unrolled.
+kept as a scan, and its body becomes a sub-program (see ``interpret.py``).
 
 Other control flow: ``while`` and ``cond`` bodies, and scans nested in a scanned
 body, run as single op sites (``remat`` bodies are inlined); a module site inside
@@ -36,11 +27,12 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
-from jaxlens._src.errors import InvalidArgumentError
-from jaxlens._src.sites import SiteInfo, hits, matched_layers
-from jaxlens._src.verbs import FireContext, fire
+from jaxlens._src import runtime
+from jaxlens._src.errors import InvalidArgumentError, SiteError
+from jaxlens._src.sites import SiteInfo, hits, unmatched_error
 
 MARK = "jaxlens:"
+INPUT_MARK = "jlin:"  # a module call's input leaf (save_inputs); not a site of its own
 SCOPE = "jl@"
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
 _REMAT = ("remat2", "checkpoint")
@@ -84,6 +76,9 @@ class Program:
     self.producer: dict[int, int] = {}
     self.data_ids: set[int] = set()  # values that depend on the model inputs
     self.id_label: dict[int, str] = {}
+    # save_inputs: module label -> (treedef of (args, kwargs), [value id or ("static", leaf)])
+    self.input_sites: dict[str, tuple] = {}
+    self.input_marks: dict[str, dict[int, int]] = {}  # call label -> {leaf: value id}
 
   def fresh(self) -> int:
     self.n_ids += 1
@@ -228,9 +223,16 @@ def _label_nodes(prog: Program, counts=None, calls=None, seen=None, layers=None)
       _label_nodes(node.sub, counts, calls, seen, node.params["length"])
     pname = node.prim.name
     marker = node.params.get("name") if pname == "name" else None
+    if isinstance(marker, str) and marker.startswith(INPUT_MARK):
+      # "jlin:<call label>#<leaf>": an identity on a module call's input leaf.
+      call_label, _, leaf = marker[len(INPUT_MARK):].rpartition("#")
+      prog.id_label[node.outs[0]] = f"{call_label}.input[{leaf}]"
+      if layers is None:
+        prog.input_marks.setdefault(call_label, {})[int(leaf)] = node.outs[0]
+      continue
     if isinstance(marker, str) and marker.startswith(MARK):
       first = prog.module_infos[marker[len(MARK):]]
-      key = (first.path, first.method)
+      key = (first.path, first.method, first.output)
       calls[key] = calls.get(key, 0) + 1
       info = dataclasses.replace(first, call=calls[key], layers=layers)
       seen[marker[len(MARK):]] = info
@@ -244,6 +246,14 @@ def _label_nodes(prog: Program, counts=None, calls=None, seen=None, layers=None)
       node.infos[j] = info
       prog.id_label[out] = info.label
   if top:
+    # Inputs by the final labels of their calls (array-valued module calls outside scans).
+    for call_label, (tree, leaves) in list(prog.input_sites.items()):
+      marks = prog.input_marks.get(call_label, {})
+      final = seen.get(call_label)
+      del prog.input_sites[call_label]
+      if final is not None and final.layers is None:
+        prog.input_sites[final.label] = (tree, [marks.get(k, leaf) for k, leaf in
+                                                enumerate(leaves)])
     # Module infos by their final labels; modules hidden in control flow keep theirs.
     kept = {old: info for old, info in prog.module_infos.items()
             if old in prog.hidden and old not in seen}
@@ -252,9 +262,14 @@ def _label_nodes(prog: Program, counts=None, calls=None, seen=None, layers=None)
     prog.module_infos.update(kept)
 
 
-def build_program(module, variables, inputs, kwargs, method, apply_kwargs):
+def build_program(module, variables, inputs, kwargs, method, apply_kwargs, *,
+                  save_inputs: bool = False):
   """Captures ``module.run(variables, inputs, ...)`` (a model call from ``calls``) as a
-  :class:`Program` with its consts and flat input leaves."""
+  :class:`Program` with its consts and flat input leaves.
+
+  With ``save_inputs`` every array leaf of each module call's ``(args, kwargs)`` is
+  marked too (an identity that is not a site), so that the evaluation can return the
+  inputs of the saved module sites; without it the program is unchanged."""
   prog = Program()
   calls: dict[tuple, int] = {}
 
@@ -263,6 +278,14 @@ def build_program(module, variables, inputs, kwargs, method, apply_kwargs):
     key = (path, context.method_name)
     calls[key] = calls.get(key, 0) + 1
     info = SiteInfo(path, context.method_name, calls[key], context.module_type)
+    if save_inputs and path:
+      leaves, tree = jax.tree.flatten((args, kw))
+      marked = [checkpoint_name(x, f"{INPUT_MARK}{info.label}#{k}")
+                if isinstance(x, jax.Array) or hasattr(x, "aval") else x
+                for k, x in enumerate(leaves)]
+      prog.input_sites[info.label] = (tree, [("static", x) if m is x else None
+                                             for x, m in zip(leaves, marked)])
+      args, kw = jax.tree.unflatten(tree, marked)
     if path:
       with jax.named_scope(SCOPE + path):
         out = next_fun(*args, **kw)
@@ -273,6 +296,13 @@ def build_program(module, variables, inputs, kwargs, method, apply_kwargs):
       return checkpoint_name(out, MARK + info.label)
     if path:
       prog.nonarray[info.label] = (info, type(out).__name__)
+      # Each array element of a tuple/list/dict output is a site of its own.
+      marked = {}
+      for k, value in runtime.output_elements(out):
+        one = dataclasses.replace(info, output=k)
+        prog.module_infos[one.label] = one
+        marked[k] = checkpoint_name(value, MARK + one.label)
+      out = runtime.replace_elements(out, marked)
     return out
 
   leaves, in_tree = jax.tree.flatten((variables, inputs))
@@ -305,248 +335,6 @@ def build_program(module, variables, inputs, kwargs, method, apply_kwargs):
   return prog, consts, leaves
 
 
-def _is_float(x) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-class Evaluation:
-  """The values of one evaluation of a program."""
-
-  def __init__(self):
-    self.env: dict[int, Any] = {}
-    self.saved: dict[str, Any] = {}
-    self.saved_infos: dict[str, SiteInfo] = {}
-    self.fired: list[int] = []
-    self.frontier: dict[str, Any] = {}
-    self.recorded: list = []
-    self.hook_asked = False
-    self.saved_layers: dict[str, list[int]] = {}  # scan-body sites: the layers saved
-
-
-def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
-             known: dict | None = None, start_labels=None, releaf=False,
-             frontier_values: dict | None = None, probe=False, layer=None,
-             site_values: dict | None = None, releaf_layers: dict | None = None) -> Evaluation:
-  """Runs the program, applying ``rules`` and keeping the sites ``save`` selects.
-
-  Args:
-    prog: the program.
-    args, consts: the flat input leaves and the program's constants.
-    rules: (selector, edit) pairs applied at every evaluated site they match.
-    save: a selector of the sites to keep, or None.
-    known: label -> value of saved sites, used for values outside the replay cone.
-    start_labels: when given, replay: evaluate only the downstream cone of these
-      labels (and what it needs that is not known).
-    releaf: re-leaf the values entering the cone (differentiable replay).
-    frontier_values: label -> value overriding frontier values (attribution).
-    probe: fire edits without keep_grad checks and record keep_grad site values.
-    layer: inside a scan body, the traced iteration index.
-    site_values: the module sites that already ran (a scan body sees its caller's).
-    releaf_layers: differentiable replay from sites in a scan body: label -> the
-      first layer replayed. At that layer the values entering the body, and the
-      site's own value before the edit, are re-leafed, as the frontier of the same
-      replay on the unrolled stack would be.
-  """
-  ev = Evaluation()
-  ev.fired = [0] * len(rules)
-  env = ev.env
-  for i, a in zip(prog.in_ids, args):
-    env[i] = a
-  for i, c in zip(prog.const_ids, consts):
-    env[i] = c
-
-  run_nodes = range(len(prog.nodes))
-  frontier_ids: set[int] = set()
-  if start_labels is not None:
-    run_nodes, frontier_ids = _replay_plan(prog, start_labels, known or {})
-    # Values read by the nodes that run but produced by none of them come from the
-    # saved sites (the frontier, and saved values the recomputed nodes need).
-    produced = {i for k in run_nodes for i in prog.nodes[k].outs}
-    for k in run_nodes:
-      for i in prog.nodes[k].ins:
-        if isinstance(i, tuple) or i in produced or i in env:
-          continue
-        lbl = prog.id_label.get(i)
-        if known and lbl in known:
-          env[i] = known[lbl]
-  site_values = {} if site_values is None else site_values
-
-  def read(a):
-    if isinstance(a, tuple):
-      return a[1]
-    return env[a]
-
-  frontier_ids &= prog.data_ids
-  if releaf or frontier_values:
-    for i in frontier_ids:
-      if i in env:
-        lbl = prog.id_label[i]
-        if frontier_values is not None and lbl in frontier_values:
-          env[i] = frontier_values[lbl]
-        elif releaf and _is_float(env[i]):
-          env[i] = jax.lax.stop_gradient(env[i])
-        ev.frontier[lbl] = env[i]
-
-  pending_frontier = {i for i in frontier_ids if i not in env}
-  for k in run_nodes:
-    node = prog.nodes[k]
-    invals = [read(a) for a in node.ins]
-    if node.sub is not None:
-      outs = _eval_scan(node, invals, rules, save, ev, site_values, grad_disabled, probe,
-                        releaf_layers)
-    else:
-      out = node.prim.bind(*invals, **node.params)
-      outs = list(out) if node.prim.multiple_results else [out]
-    for j, (i, info) in enumerate(zip(node.outs, node.infos)):
-      val = outs[j]
-      if info is not None and info.layers is not None:
-        if releaf_layers and info.label in releaf_layers and _is_float(val):
-          val = jnp.where(layer == releaf_layers[info.label], jax.lax.stop_gradient(val), val)
-        val = _fire_layers(info, val, rules, save, ev, site_values, grad_disabled, probe, layer)
-      elif info is not None:
-        ctx = FireContext(info.label, info.path, info.module_type, site_values=site_values,
-                          grad_disabled=grad_disabled)
-        for r, (selector, edit) in enumerate(rules):
-          if selector.matches(info):
-            ev.fired[r] += 1
-            if probe:
-              site_value = val
-              ctx.checks = False
-              val = fire(edit, val, ctx)
-              from jaxlens._src.doors import _asks_keep_grad
-              if _asks_keep_grad(edit) or ctx.asked_keep_grad:
-                ev.recorded.append((info.label, site_value))
-            else:
-              val = fire(edit, val, ctx)
-              ev.hook_asked |= ctx.asked_keep_grad
-            ctx.asked_keep_grad = False
-        if info.kind == "module":
-          site_values[info.label] = (info, val)
-        if save is not None and save.matches(info):
-          ev.saved[info.label] = val
-          ev.saved_infos[info.label] = info
-      if i in pending_frontier:
-        lbl = prog.id_label[i]
-        if frontier_values is not None and lbl in frontier_values:
-          val = frontier_values[lbl]
-        elif releaf and _is_float(val):
-          val = jax.lax.stop_gradient(val)
-        ev.frontier[lbl] = val
-      env[i] = val
-  return ev
-
-
-def _fire_layers(info, val, rules, save, ev, site_values, grad_disabled, probe, layer):
-  """Edits and saves a site of a scan body at the layers the rules select.
-
-  The body runs once per layer with ``layer`` the traced iteration index: an edit
-  that selects some layers only is written where the index is one of them (the
-  other layers keep the value and its gradient untouched)."""
-  ctx = FireContext(info.label, info.path, info.module_type, site_values=site_values,
-                    grad_disabled=grad_disabled, layer=layer)
-  for r, (selector, edit) in enumerate(rules):
-    chosen = matched_layers(selector, info)
-    if not chosen:
-      continue
-    ev.fired[r] += 1
-    ctx.static_layer = chosen[0] if len(chosen) == 1 else None
-    ctx.checks = not probe
-    edited = fire(edit, val, ctx)
-    ev.hook_asked |= ctx.asked_keep_grad and not probe
-    ctx.asked_keep_grad = False
-    if len(chosen) < info.layers:
-      mask = jnp.asarray([k in chosen for k in range(info.layers)])
-      edited = jnp.where(mask[layer], edited, val)
-    val = edited
-  if info.kind == "module":
-    site_values[info.label] = (info, val)
-  chosen = None if save is None else matched_layers(save, info)
-  if chosen:
-    ev.saved[info.label] = val
-    ev.saved_infos[info.label] = info
-    ev.saved_layers[info.label] = chosen
-  return val
-
-
-def _eval_scan(node, invals, rules, save, outer: Evaluation, site_values, grad_disabled, probe,
-               releaf_layers=None):
-  """Runs a layer stack as ``lax.scan`` over its body sub-program."""
-  p = node.params
-  nc, ncar, n, rev = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
-  consts, carry, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
-  box: dict = {}
-  body_labels = {i.label for i in node.sub.infos}
-  firsts = [k for lbl, k in (releaf_layers or {}).items() if lbl in body_labels]
-  first = min(firsts) if firsts else None
-
-  def body(c, x):
-    k, carry = c
-    if first is not None:
-      carry = [jnp.where(k == first, jax.lax.stop_gradient(a), a) if _is_float(a) else a
-               for a in carry]
-    sev = evaluate(node.sub, [*consts, *carry, *x], node.sub_consts, rules, save,
-                   grad_disabled=grad_disabled, probe=probe, layer=k,
-                   site_values=dict(site_values), releaf_layers=releaf_layers)
-    outs = [o[1] if isinstance(o, tuple) else sev.env[o] for o in node.sub.out_ids]
-    box["ev"], box["labels"] = sev, list(sev.saved)
-    return (k + (-1 if rev else 1), outs[:ncar]), (outs[ncar:], [sev.saved[lbl]
-                                                                for lbl in box["labels"]])
-
-  start = jnp.asarray(n - 1 if rev else 0, jnp.int32)
-  (_, carry_out), (ys, stacks) = jax.lax.scan(body, (start, list(carry)), list(xs), length=n,
-                                              reverse=rev, unroll=p.get("unroll", 1))
-  sev = box["ev"]
-  for r, count in enumerate(sev.fired):
-    outer.fired[r] += count
-  outer.hook_asked |= sev.hook_asked
-  for lbl, stack in zip(box["labels"], stacks):
-    info, chosen = sev.saved_infos[lbl], sev.saved_layers[lbl]
-    if len(chosen) == n:
-      outer.saved[lbl], outer.saved_infos[lbl] = stack, info
-    else:
-      for k in chosen:
-        one = info.at_layer(k)
-        outer.saved[one.label], outer.saved_infos[one.label] = stack[k], one
-  return [*carry_out, *ys]
-
-
-def _replay_plan(prog: Program, start_labels, known: dict):
-  """The nodes to evaluate for a replay from ``start_labels``, and the frontier ids."""
-  starts = set(start_labels)
-  cone: set[int] = set()
-  tainted: set[int] = set()
-  for k, node in enumerate(prog.nodes):
-    is_start = any(info is not None and info.label in starts for info in node.infos) or (
-        node.sub is not None and any(info.label in starts for info in node.sub.infos))
-    if is_start or any(not isinstance(a, tuple) and a in tainted for a in node.ins):
-      cone.add(k)
-      tainted.update(node.outs)
-  # Values the cone reads from outside it. Only those computed from the model inputs
-  # form the frontier; values computed from the variables alone (a reshaped bias)
-  # stay connected to the parameters downstream of the edit.
-  frontier = set()
-  for k in cone:
-    for a in prog.nodes[k].ins:
-      if not isinstance(a, tuple) and a not in tainted:
-        frontier.add(a)
-  # What must be recomputed: frontier values that are neither inputs nor saved.
-  available = set(prog.in_ids) | set(prog.const_ids)
-  available |= {i for i, lbl in prog.id_label.items() if lbl in known}
-  need = {i for i in frontier if i not in available}
-  extra: set[int] = set()
-  for k in range(len(prog.nodes) - 1, -1, -1):
-    if k in cone:
-      continue
-    node = prog.nodes[k]
-    if any(o in need for o in node.outs):
-      extra.add(k)
-      for a in node.ins:
-        if not isinstance(a, tuple) and a not in available:
-          need.add(a)
-  # Outputs not in the cone come from the original trace; nothing else to run.
-  return sorted(cone | extra), frontier
-
-
 def check_selectable(prog: Program, selector, what: str, *, editing: bool = True):
   """Raises when ``selector`` names a module site that cannot be edited or saved."""
   if editing:
@@ -557,7 +345,7 @@ def check_selectable(prog: Program, selector, what: str, *, editing: bool = True
         raise InvalidArgumentError(
             f"{what}: the site value is a {type_name}, not an array; edits apply to array sites",
             code="site_not_array", site=label,
-            fix="select a submodule whose call returns one array")
+            fix=f"select one element: jl.module({info.path!r}, output=0)")
   if not editing and getattr(selector, "broad", False):
     # "Every site" skips the ones hidden in control flow rather than refusing.
     return
@@ -569,3 +357,18 @@ def check_selectable(prog: Program, selector, what: str, *, editing: bool = True
           "runs as one op site; its value cannot be edited or saved from outside",
           code="unsupported_control_flow", site=label,
           fix=f"select the `{prim}` op site itself, or move the module out of the {prim}")
+
+
+def save_miss(prog: Program, selector) -> Exception:
+  """The error for a ``save=`` selector that selected nothing: names what did run.
+
+  A module that ran but returned a non-array (a tuple, a dict) is named as such,
+  with the spelling that selects one of its elements.
+  """
+  for label, (info, type_name) in prog.nonarray.items():
+    if selector.matches(info):
+      return SiteError(
+          f"save=: the module {label!r} ran but returned a {type_name}, not an array; "
+          "select one element of its output", code="site_not_array", site=repr(selector),
+          fix=f"jl.module({info.path!r}, output=0)")
+  return unmatched_error(selector, prog.infos, "save=")

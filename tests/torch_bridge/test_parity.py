@@ -18,10 +18,13 @@ import torch
 
 import jaxlens as jl
 import torch_bridge
-from jaxlens._src import matrix
+from jaxlens import contract as matrix
 from jaxlens._src import selections
 from torch_bridge import _matrix
 from torch_bridge import reference as ref
+
+# The matrix cells are cached per process: the files reading them share one xdist worker.
+pytestmark = pytest.mark.xdist_group("matrix")
 
 ROWS = {r.name: r for r in matrix.ROWS}
 

@@ -26,8 +26,11 @@ import torchlens as tl
 from torchlens import intervention as ti
 from torchlens.options import CaptureOptions, InterventionOptions, ReplayOptions
 
-from jaxlens._src import matrix
+from jaxlens import contract as matrix
 from torch_bridge import _matrix
+
+# The matrix cells are cached per process: the files reading them share one xdist worker.
+pytestmark = pytest.mark.xdist_group("matrix")
 
 SITE = tl.module("0")
 LABEL = "linear_1_1"  # the recorded label of the first Linear's output (selections need it)

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import jaxlens as jl
-from jaxlens._src import verbs
 from torch_bridge import _matrix, _portable
 from torch_bridge import reference as ref
 
@@ -107,7 +106,7 @@ def test_a_module_that_did_not_run():
 def test_the_spec_loader_refuses_unknown_verbs_and_values():
   conv = _portable._Converter({"0": "layers_0"})
   with pytest.raises(_portable.TorchSpecError, match=r"\[verb_not_in_reference\].*'nope'"):
-    conv.edit(verbs.Edit("nope", None, {}), "rule 0")
+    conv.edit(jl.intervention.Edit("nope", {}), "rule 0")
   with pytest.raises(_portable.TorchSpecError, match=r"\[verb_not_in_reference\].*object"):
     conv.value(object(), "rule 0")
 
