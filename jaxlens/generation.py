@@ -44,7 +44,8 @@ import numpy as np
 from jaxlens._src.doors import Spec, as_spec, when
 from jaxlens._src.errors import InvalidArgumentError, ShapeError
 from jaxlens._src.sites import as_selector
-from jaxlens._src.verbs import Edit, as_edit, fire, hook
+from jaxlens._src.edit import Edit, fire, register
+from jaxlens._src.verbs import as_edit, hook
 
 __all__ = ["Generation", "at_steps", "generate", "left_pad"]
 
@@ -80,8 +81,11 @@ def at_steps(steps, edit) -> Edit:
     raise InvalidArgumentError(f"at_steps takes integer call indices, got {steps!r}",
                                code="invalid_argument", fix="jl.at_steps([0, 3], edit)")
   inner = as_edit(edit)
-  return Edit("at_steps", _at_steps, {"steps": jnp.asarray(steps, jnp.int32), "edit": inner},
-              (), keeps=inner.keeps)
+  return Edit("at_steps", {"steps": jnp.asarray(steps, jnp.int32), "edit": inner}, (),
+              keeps=inner.keeps)
+
+
+register("at_steps", _at_steps, at_steps)
 
 
 @flax.struct.dataclass
