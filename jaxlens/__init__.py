@@ -14,6 +14,9 @@ import types as _types
 
 from jaxlens import intervention as intervention
 from jaxlens import sweep as sweep
+from jaxlens import generation as generation
+from jaxlens.generation import at_steps as at_steps
+from jaxlens.generation import generate as generate
 from jaxlens._src.dependence import depends_on as depends_on
 from jaxlens._src.doors import Spec as Spec
 from jaxlens._src.doors import SpecReport as SpecReport
@@ -60,6 +63,7 @@ __all__ = sorted({
     "load_spec", "module", "module_sites", "no_grad", "save_spec", "sweep", "trace", "when",
     "Named", "NamedNNX", "named",
     "SiteGrads", "attribution_patching", "site_grads", "store",
+    "generation", "generate", "at_steps",
 })
 
 

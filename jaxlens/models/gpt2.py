@@ -62,12 +62,17 @@ def _norm(cfg, name):
 
 
 class GPT2Attention(nn.Module):
-  """Causal multi-head self-attention."""
+  """Causal multi-head self-attention.
+
+  ``mask``, when given, is the boolean attention mask (broadcastable to ``(batch, heads, q,
+  k)``) used instead of the causal and padding one; the causal-cone sweep passes it.
+  """
 
   config: GPT2Config
 
   @nn.compact
-  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None):
+  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None,
+               mask=None):
     cfg = self.config
     batch, seq, _ = x.shape
     hd = cfg.d_model // cfg.n_heads
@@ -77,12 +82,15 @@ class GPT2Attention(nn.Module):
                                                                         hd), name)
 
     q, k, v = heads("q"), heads("k"), heads("v")
-    k_positions = positions
+    q_positions = k_positions = positions
     if decode:
       k, v, initialised = cached_keys_values(self, k, v, cache_index)
       if initialised:
-        k_positions = jnp.arange(k.shape[1])
-    mask = attention_mask(positions, k_positions, causal=True, key_mask=key_mask)
+        # Causality in the cache is by slot (a query at slot cache_index + i sees the slots up
+        # to its own); positions, which left padding shifts per row, only embed or rotate.
+        q_positions, k_positions = cache_index + jnp.arange(seq), jnp.arange(k.shape[1])
+    if mask is None:
+      mask = attention_mask(q_positions, k_positions, causal=True, key_mask=key_mask)
     z = attend(q, k, v, mask, dtype=cfg.dtype)
     return _dense(cfg, cfg.d_model, "c_proj")(z.reshape(batch, seq, cfg.d_model))
 
@@ -106,11 +114,12 @@ class GPT2Block(nn.Module):
   config: GPT2Config
 
   @nn.compact
-  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None):
+  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None,
+               mask=None):
     cfg = self.config
     x = named(x, "resid_pre")
     a = GPT2Attention(cfg, name="attn")(_norm(cfg, "ln_1")(x), positions, key_mask, decode,
-                                        cache_index)
+                                        cache_index, mask)
     x = named(x + named(a, "attn_out"), "resid_mid")
     m = named(GPT2MLP(cfg, name="mlp")(_norm(cfg, "ln_2")(x)), "mlp_out")
     return named(x + m, "resid_post")

@@ -89,12 +89,17 @@ def rotary(x, positions, base: float):
 
 
 class LlamaAttention(nn.Module):
-  """Grouped-query self-attention with rotary embeddings; ``q_proj .. o_proj`` as in HF."""
+  """Grouped-query self-attention with rotary embeddings; ``q_proj .. o_proj`` as in HF.
+
+  ``mask``, when given, is the boolean attention mask (broadcastable to ``(batch, heads, q,
+  k)``) used instead of the causal and padding one; the causal-cone sweep passes it.
+  """
 
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None):
+  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None,
+               mask=None):
     cfg = self.config
     batch, seq, _ = x.shape
 
@@ -106,12 +111,15 @@ class LlamaAttention(nn.Module):
     q = named(rotary(proj(cfg.n_heads, "q_proj"), positions, cfg.rope_base), "q")
     k = named(rotary(proj(cfg.n_kv_heads, "k_proj"), positions, cfg.rope_base), "k")
     v = named(proj(cfg.n_kv_heads, "v_proj"), "v")
-    k_positions = positions
+    q_positions = k_positions = positions
     if decode:
       k, v, initialised = cached_keys_values(self, k, v, cache_index)
       if initialised:
-        k_positions = jnp.arange(k.shape[1])
-    mask = attention_mask(positions, k_positions, causal=True, key_mask=key_mask)
+        # Causality in the cache is by slot (a query at slot cache_index + i sees the slots up
+        # to its own); positions, which left padding shifts per row, only embed or rotate.
+        q_positions, k_positions = cache_index + jnp.arange(seq), jnp.arange(k.shape[1])
+    if mask is None:
+      mask = attention_mask(q_positions, k_positions, causal=True, key_mask=key_mask)
     z = attend(q, k, v, mask, dtype=cfg.dtype)
     return nn.Dense(cfg.d_model, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype,
                     kernel_init=_INIT, name="o_proj")(z.reshape(batch, seq, -1))
@@ -141,11 +149,13 @@ class LlamaBlock(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None):
+  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None,
+               mask=None):
     cfg = self.config
     x = named(x, "resid_pre")
     h = RMSNorm(cfg.norm_eps, cfg.dtype, name="ln_1")(x)
-    a = named(LlamaAttention(cfg, name="attn")(h, positions, key_mask, decode, cache_index),
+    a = named(LlamaAttention(cfg, name="attn")(h, positions, key_mask, decode, cache_index,
+                                              mask),
               "attn_out")
     x = named(x + a, "resid_mid")
     h = RMSNorm(cfg.norm_eps, cfg.dtype, name="ln_2")(x)

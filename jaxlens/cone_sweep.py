@@ -1,0 +1,219 @@
+"""Causal-cone patching sweeps: each cell recomputes only what its patch can reach.
+
+In a causal decoder, patching the residual stream of layer ``k`` at position ``p`` changes
+nothing at positions before ``p``, and nothing in layers up to ``k``. The cell ``(k, p)`` of a
+sweep therefore needs only layers after ``k`` at positions ``p ..`` (the cone); everything else,
+the earlier positions' keys and values included, is the corrupt run's.
+
+:func:`cone_sweep` computes the whole grid in one jitted call with that arithmetic and no more:
+
+* the corrupt run is computed once (its residual stream, keys and values, and logits) and the
+  clean run once (the patched sites);
+* the cells of one layer are *packed*: for the positions ``p_1 .. p_n`` the packed sequence
+  holds positions ``p_1 .. S-1``, then ``p_2 .. S-1``, ... (``sum(S - p_j)`` tokens), and one
+  attention mask lets each packed token see the corrupt keys before its cell's position and its
+  own cell's keys up to itself;
+* the layers run once each in order, on every cell that has started by then (the cells patched
+  at or below that layer), batched.
+
+A cell at layer ``k`` thus costs ``(L - 1 - k) * (S - p)`` token-layers, where a sweep that
+replays the patched site's downstream cone (:func:`jaxlens.sweep.patching_sweep`) spends
+``(L - 1 - k) * S``; on 16 positions that is 136 token-layers per layer instead of 256.
+Results equal :func:`jaxlens.sweep.patching_sweep` on the sites ``blocks_{k}/resid_post``
+(or ``resid_pre``), up to float rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlens._src.errors import InvalidArgumentError, ShapeError
+from jaxlens._src.sites import module
+from jaxlens._src.tracing import trace
+
+__all__ = ["cone_sweep"]
+
+_SITES = ("resid_post", "resid_pre")
+
+
+def _family(model):
+  """The block class, the final norm and the unembedding of a zoo decoder."""
+  from jaxlens.models._layers import RMSNorm
+  from jaxlens.models.gpt2 import GPT2, GPT2Block
+  from jaxlens.models.llama import Llama, LlamaBlock
+  cfg = getattr(model, "config", None)
+  if isinstance(model, Llama):
+    block, norm = LlamaBlock, RMSNorm(cfg.norm_eps, cfg.dtype)
+  elif isinstance(model, GPT2):
+    block = GPT2Block
+    norm = nn.LayerNorm(cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype)
+  else:
+    raise InvalidArgumentError(
+        f"cone_sweep runs the zoo's causal decoders (Llama, GPT2), got {type(model).__name__}",
+        code="invalid_argument", fix="jl.sweep.patching_sweep(...) for other models")
+
+  def final(params, x):
+    x = norm.apply({"params": params["ln_final"]}, x)
+    if cfg.tie_embeddings:
+      embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype)
+      return embed.apply({"params": params["embed"]}, x, method="attend")
+    head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype)
+    return head.apply({"params": params["lm_head"]}, x)
+
+  return block(cfg), final, cfg.n_layers
+
+
+def _layout(positions, seq):
+  """The packed cells: per packed token its cell's position and its own; the mask; and, per
+  cell, where its tokens start in the packed sequence."""
+  cell_pos, tok_pos, starts = [], [], []
+  for p in positions:
+    starts.append(len(tok_pos))
+    cell_pos += [p] * (seq - p)
+    tok_pos += list(range(p, seq))
+  cell_pos, tok_pos = np.asarray(cell_pos), np.asarray(tok_pos)
+  corrupt_keys = np.arange(seq)[None, :] < cell_pos[:, None]
+  cell_ids = np.repeat(np.arange(len(positions)), [seq - p for p in positions])
+  packed_keys = (cell_ids[None, :] == cell_ids[:, None]) & (tok_pos[None, :] <= tok_pos[:, None])
+  mask = np.concatenate([corrupt_keys, packed_keys], axis=1)[None, None]
+  # Full logits of the cell at positions[j]: column q < p from the corrupt run, column q >= p
+  # from the packed tokens (index seq + starts[j] + q - p of [corrupt | packed]).
+  gather = np.asarray([[q if q < p else seq + s + q - p for q in range(seq)]
+                       for p, s in zip(positions, starts)])
+  return cell_pos, tok_pos, mask, gather
+
+
+@functools.partial(jax.jit, static_argnames=("model", "metric", "layers", "positions", "site",
+                                             "batch_size"))
+def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, batch_size):
+  block, final, n_layers = _family(model)
+  params = variables["params"]
+  batch, seq = corrupt.shape
+  cell_pos, tok_pos, mask, gather = _layout(positions, seq)
+  n_tok = len(tok_pos)
+
+  base = trace(model, variables, corrupt, keep_inputs=False, save=[
+      module(f"blocks_{j}/{name}") for j in range(n_layers)
+      for name in ("resid_pre", "attn/k", "attn/v")] + [module(f"blocks_{n_layers - 1}")])
+  donor = trace(model, variables, clean, keep_inputs=False,
+                save=[module(f"blocks_{k}/{site}") for k in sorted(set(layers))])
+
+  # The residual stream entering block j (j = n_layers: the last block's output).
+  def stream(j):
+    return base[f"blocks_{j}/resid_pre"].out if j < n_layers else base[f"blocks_{n_layers - 1}"].out
+
+  first = np.asarray(tok_pos == cell_pos)        # the patched token of each packed cell
+
+  def start_state(k):
+    # Packed tokens of every cell of layer k, read from the corrupt stream, the patched
+    # position of each cell from the clean run.
+    j = k + 1 if site == "resid_post" else k
+    corrupt_in = stream(j)[:, tok_pos]
+    patched = donor[f"blocks_{k}/{site}"].out[:, tok_pos]
+    return jnp.where(first[None, :, None], patched, corrupt_in)
+
+  starts = [k + 1 if site == "resid_post" else k for k in layers]
+  order = sorted(range(len(layers)), key=lambda i: starts[i])
+  mask = jnp.asarray(mask)
+  packed_positions = jnp.asarray(tok_pos)[None]
+  state, joined = None, 0
+  for j in range(n_layers):
+    new = [i for i in order[joined:] if starts[i] == j]
+    if new:
+      fresh = jnp.stack([start_state(layers[i]) for i in new])
+      state = fresh if state is None else jnp.concatenate([state, fresh])
+      joined += len(new)
+    if state is None:
+      continue
+    cells = state.shape[0]
+    k, v = base[f"blocks_{j}/attn/k"].out, base[f"blocks_{j}/attn/v"].out
+
+    def cache_of(c, cells=cells):
+      full = jnp.concatenate([c, jnp.zeros((batch, n_tok) + c.shape[2:], c.dtype)], axis=1)
+      return jnp.broadcast_to(full, (cells,) + full.shape).reshape((cells * batch,) + full.shape[1:])
+
+    cache = {"attn": {"cached_key": cache_of(k), "cached_value": cache_of(v)}}
+    x = state.reshape((cells * batch, n_tok, state.shape[-1]))
+    out, _ = block.apply({"params": params[f"blocks_{j}"], "cache": cache}, x, packed_positions,
+                         None, True, jnp.int32(seq), mask, mutable=["cache"])
+    state = out.reshape(state.shape)
+  rest = [i for i in order[joined:]]                       # resid_post of the last block
+  if rest:
+    fresh = jnp.stack([start_state(layers[i]) for i in rest])
+    state = fresh if state is None else jnp.concatenate([state, fresh])
+  corrupt_logits = base.output
+  gather = jnp.asarray(gather)
+
+  def cell_metrics(x):
+    both = jnp.concatenate([corrupt_logits, final(params, x)], axis=1)
+    full = jnp.take(both, gather, axis=1)                  # (batch, positions, seq, vocab)
+    values = jax.vmap(metric, in_axes=1)(full)
+    if values.shape != (len(positions),):
+      raise ShapeError(f"cone_sweep: metric returned shape {values.shape[1:]}, expected a "
+                       "scalar", code="metric_not_scalar",
+                       fix="reduce the metric over the batch: .mean()")
+    return values
+
+  grid = jax.lax.map(cell_metrics, state, batch_size=batch_size)
+  return grid[np.argsort(order)]
+
+
+def cone_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any], *,
+               layers: Sequence[int] | None = None, positions: Sequence[int] | None = None,
+               site: str = "resid_post", batch_size: int | None = 1):
+  """Patches the clean residual stream into the corrupt run at every (layer, position).
+
+  Cell ``[i, j]`` is ``metric(logits)`` for the corrupt run with ``blocks_{layers[i]}/{site}``
+  at position ``positions[j]`` replaced by its value in the clean run: what
+  ``jl.sweep.patching_sweep(model, variables, clean, corrupt, metric,
+  sites=[f"blocks_{k}/{site}" for k in layers], positions=positions)`` gives, computed
+  recomputing only the cone of each cell (see the module docstring), in one jitted call.
+
+  Args:
+    model: an unbound causal decoder of the zoo (:class:`jaxlens.models.Llama`,
+      :class:`jaxlens.models.GPT2`).
+    variables: its variables.
+    clean, corrupt: int ``(batch, seq)`` token ids of one shape (no padding).
+    metric: a function of the logits ``(batch, seq, vocab)`` returning a scalar; hashable (a
+      module-level function avoids a recompile per call).
+    layers: the layers (default: all).
+    positions: the positions (default: all).
+    site: ``"resid_post"`` (a block's output) or ``"resid_pre"`` (its input).
+    batch_size: how many layers' cells the unembedding and metric handle at once (default 1,
+      which bounds the memory of the logits to one layer's cells; None: all).
+
+  Returns:
+    A float array ``(len(layers), len(positions))``.
+
+  Raises:
+    InvalidArgumentError: ``invalid_argument`` (not a zoo decoder, an unknown ``site``),
+      ``index_out_of_range`` (a layer or position outside the model or sequence);
+      :class:`ShapeError` ``shape_mismatch`` or ``metric_not_scalar``.
+  """
+  _family(model)
+  n_layers = model.config.n_layers
+  if site not in _SITES:
+    raise InvalidArgumentError(f"cone_sweep patches the residual stream, got site={site!r}",
+                               code="invalid_argument", fix='site="resid_post" or "resid_pre"')
+  if jnp.shape(clean) != jnp.shape(corrupt) or jnp.ndim(clean) != 2:
+    raise ShapeError(f"cone_sweep: clean {jnp.shape(clean)} and corrupt {jnp.shape(corrupt)} "
+                     "must be token ids of one shape (batch, seq)", code="shape_mismatch",
+                     fix="pad or crop the two inputs to one shape")
+  seq = jnp.shape(clean)[1]
+  layers = tuple(range(n_layers)) if layers is None else tuple(int(k) for k in layers)
+  positions = tuple(range(seq)) if positions is None else tuple(int(p) for p in positions)
+  for name, values, bound in (("layers", layers, n_layers), ("positions", positions, seq)):
+    bad = [x for x in values if not 0 <= x < bound]
+    if bad or not values:
+      raise InvalidArgumentError(f"cone_sweep: {name} {bad or '()'} outside [0, {bound})",
+                                 code="index_out_of_range", fix=f"{name} in [0, {bound})",
+                                 received=str(bad))
+  return _cone(model, variables, jnp.asarray(clean), jnp.asarray(corrupt), metric=metric,
+               layers=layers, positions=positions, site=site, batch_size=batch_size)
