@@ -215,7 +215,8 @@ class Trace(Donor):
   def __repr__(self) -> str:
     shapes = {k: tuple(jnp.shape(v)) for k, v in self.values.items()}
     stale = ", stale" if self.stale else ""
-    return f"Trace(output={tuple(jnp.shape(self.output))}, sites={shapes}{stale})"
+    out = jax.tree.map(lambda a: tuple(jnp.shape(a)), self.output)
+    return f"Trace(output={out}, sites={shapes}{stale})"
 
   # -- doors --------------------------------------------------------------
 
