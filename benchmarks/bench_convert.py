@@ -6,7 +6,7 @@ on the CPU), in one process:
 * conversion time: ``torch.export`` + grouping + building the Flax model (median of
   ``--repeats`` conversions), next to the torch eager forward it replaces;
 * the converted model's jitted forward against the torch eager forward of the same model on
-  the same inputs (ratio of medians; torch uses its default intra-op threads);
+  the same inputs (ratio of medians; torch with ``--torch-threads``, default 1);
 * the converted GPT-2's jitted forward against the zoo's hand-written Flax GPT-2
   (jaxlens.models, loaded from the same Hugging Face weights; target <= 1.1).
 
@@ -44,6 +44,9 @@ def parse_args(argv=None):
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON result path ('' to skip)")
+  p.add_argument("--torch-threads", type=int, default=1,
+                 help="torch intra-op threads (1: no spinning threads fighting XLA's on a "
+                      "shared machine)")
   return p.parse_args(argv)
 
 
@@ -93,6 +96,7 @@ def measure(name, model, inputs, repeats, warmup):
 def main(argv=None) -> dict:
   args = parse_args(argv)
   warnings.filterwarnings("ignore")
+  torch.set_num_threads(args.torch_threads)
   rows, figures = [], {}
   for name, make in (("gpt2", gpt2_model), ("resnet18", resnet_model)):
     model, inputs = make()

@@ -96,15 +96,10 @@ def _selectors(sites) -> list:
   return out
 
 
-def _resolve(model, variables, inputs, selectors, method, apply_kwargs, edits=()):
+def _resolve(run_trace, selectors):
   """``{label: ShapeDtypeStruct}`` of the sites ``selectors`` pick (abstract evaluation)."""
-  import jaxlens as jl
-
   # Abstract evaluation: shapes, dtypes and the site infos, no computation.
-  t_abstract = jax.eval_shape(
-      lambda v, *x: jl.trace(model, v, *x, intervene=list(edits), save=selectors,
-                             keep_inputs=False, method=method, **apply_kwargs),
-      variables, *inputs)
+  t_abstract = jax.eval_shape(lambda: run_trace([], selectors))
   values = t_abstract.values
   layered = []
   for label_, info in t_abstract.infos.items():
@@ -142,7 +137,8 @@ def site_grads(model, variables, *inputs, metric: Callable[[Any], Any],
 
   Returns:
     A :class:`SiteGrads`: ``.value``, ``.grad[label]``, ``.out[label]``, and
-    ``g[label].grad`` / ``g[label].out``.
+    ``g[label].grad`` / ``g[label].out``. ``trace.grad(metric, sites=...)`` is the
+    same on a trace's model, inputs and edits.
 
   Raises:
     InvalidArgumentError: ``invalid_argument`` (no sites), ``site_not_float``,
@@ -151,16 +147,25 @@ def site_grads(model, variables, *inputs, metric: Callable[[Any], Any],
       ``metric_not_scalar``.
   """
   import jaxlens as jl
+
+  def run_trace(spec, save):
+    return jl.trace(model, variables, *inputs, intervene=spec, save=save, keep_inputs=False,
+                    method=method, **apply_kwargs)
+
+  return grads_at_sites(run_trace, metric, sites, intervene)
+
+
+def grads_at_sites(run_trace, metric, sites, intervene=None) -> SiteGrads:
+  """:func:`site_grads` over ``run_trace(spec list, save selectors) -> Trace``, a model call."""
+  import jaxlens as jl
   selectors = _selectors(sites)
   edits = [] if intervene is None else (list(intervene) if isinstance(intervene, (list, tuple))
                                         else [intervene])
-  shapes = _resolve(model, variables, inputs, selectors, method, apply_kwargs, edits)
+  shapes = _resolve(lambda spec, save: run_trace(edits + spec, save), selectors)
 
   def run(deltas):
     spec = edits + [jl.when(jl.label(k), jl.add(d)) for k, d in deltas.items()]
-    t = jl.trace(model, variables, *inputs, intervene=spec,
-                 save=[jl.label(k) for k in deltas], keep_inputs=False, method=method,
-                 **apply_kwargs)
+    t = run_trace(spec, [jl.label(k) for k in deltas])
     value = jnp.asarray(metric(t.output))
     if value.shape != ():
       raise ShapeError(f"site_grads: metric returned shape {value.shape}, expected a scalar",

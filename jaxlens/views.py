@@ -39,7 +39,7 @@ from typing import Any
 
 from jaxlens._optional import require
 
-__all__ = ["register", "show", "to_html", "view"]
+__all__ = ["register", "render", "show", "to_html", "view"]
 
 KEEP = "#c9efc9"  # written by an edit that keeps the gradient
 CUT = "#f6c5bd"  # written by an edit that cuts it
@@ -407,7 +407,7 @@ def _render_edit(edit, path, subtree_renderer):
   for k, v in getattr(edit, "static", ()):
     if v is not None:
       items.append((k, v))
-  mark = "keep_grad(" if getattr(edit, "keep_grad", False) else ""
+  mark = "jl.keep_grad(" if getattr(edit, "keep_grad", False) else ""
   comment = ("keeps the gradient" if keeps else "cuts the gradient") + (
       "; keep_grad: checked when it fires" if mark else "")
   prefix = f"{mark}jl.{getattr(edit, 'name', type(edit).__name__)}("
@@ -465,6 +465,12 @@ def _handler(node, path, subtree_renderer):
   if isinstance(node, SiteView):
     return _render_site(node, path, subtree_renderer)
   return NotImplemented
+
+
+def render(obj, path, subtree_renderer):
+  """The treescope rendering of a jaxlens object (what its ``__treescope_repr__`` returns)."""
+  register()
+  return _handler(obj, path, subtree_renderer)
 
 
 _registered = False

@@ -106,3 +106,37 @@ def test_site_grads_refuses_what_it_cannot_differentiate(linear):
     g["layers_1"]
   with pytest.raises(jl.ShapeError, match="shape_mismatch"):
     jl.attribution_patching(model, v, clean, corrupt[:, :2], metric, sites=["layers_0"])
+
+
+def test_trace_grad_is_site_grads_under_the_trace_edits(linear):
+  model, v, clean, _ = linear
+  live = jl.when(jl.module("layers_1"), jl.scale(0.5))
+  t = jl.trace(model, v, clean, intervene=live)
+  g = t.grad(metric, sites=["layers_0"])
+  want = jl.site_grads(model, v, clean, metric=metric, sites=["layers_0"], intervene=live)
+  plain = jl.site_grads(model, v, clean, metric=metric, sites=["layers_0"])
+  np.testing.assert_allclose(g["layers_0"].grad, want["layers_0"].grad, rtol=1e-12)
+  assert not np.allclose(g["layers_0"].grad, plain["layers_0"].grad)  # the edit is live
+  lean = jl.trace(model, v, clean, keep_inputs=False)
+  with pytest.raises(jl.InvalidArgumentError, match="trace_without_inputs"):
+    lean.grad(metric, sites=["layers_0"])
+
+
+def test_site_inputs_are_the_call_arguments(linear):
+  model, v, clean, _ = linear
+  t = jl.trace(model, v, clean, save_inputs=True)
+  np.testing.assert_array_equal(t["layers_0"].input[0][0], clean)
+  np.testing.assert_allclose(t["layers_1"].input[0][0], t["layers_0"].out)
+  np.testing.assert_allclose(t["layers_2"].input[0][0],
+                             t["layers_1"].out + t["layers_0"].out)
+  assert t["layers_2"].input[1] == {}
+  # Without save_inputs the program and its op labels are unchanged.
+  plain = jl.trace(model, v, clean, save=jl.all_sites())
+  marked = jl.trace(model, v, clean, save=jl.all_sites(), save_inputs=True)
+  assert plain.labels == marked.labels and jl.trace(model, v, clean)["layers_0"].input is None
+  # Under jit, and after a replay that changes what layers_2 receives.
+  tj = jax.jit(lambda v, x: jl.trace(model, v, x, save_inputs=True))(v, clean)
+  np.testing.assert_allclose(tj["layers_1"].input[0][0], t["layers_1"].input[0][0])
+  r = t.fork().do(jl.module("layers_1"), jl.zero_ablate())
+  np.testing.assert_allclose(r["layers_2"].input[0][0], t["layers_0"].out)
+  np.testing.assert_allclose(r["layers_1"].input[0][0], t["layers_0"].out)

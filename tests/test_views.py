@@ -69,7 +69,7 @@ def test_treescope_renders_traces_specs_edits_and_selectors(traces):
   fired = treescope.render_to_text(views.view(jl.when("ln_f", jl.scale(2.0)), trace=replayed))
   assert "# fired at ln_f" in fired
   steer = treescope.render_to_text(ji.keep_grad(jl.steer(jnp.ones(3), 2.0)))
-  assert steer.startswith("keep_grad(jl.steer(") and "keep_grad: checked when it fires" in steer
+  assert steer.startswith("jl.keep_grad(jl.steer(") and "keep_grad: checked when it fires" in steer
   differentiable = replayed.do(jl.module("block_1"), jl.scale(1.0),
                                intervention=jl.InterventionOptions(differentiable=True))
   assert "frontier={" in treescope.render_to_text(differentiable)
@@ -84,10 +84,28 @@ def test_repr_of_a_trace_whose_model_returns_a_pytree():
       h = nn.Dense(3, name="dense")(x)
       return {"h": h, "y": (h.sum(-1), x)}
 
+  class Pair(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(3, name="dense")(x)
+      return h, h.sum(-1)
+
   x = jnp.ones((2, 4))
   t = jl.trace(Two(), Two().init(jax.random.key(0), x), x)
-  assert "dense" in repr(t) and "(2, 3)" in repr(t)
+  assert repr(t) == ("Trace(output={'h': (2, 3), 'y': ((2,), (2, 4))}, "
+                     "sites={'dense': (2, 3)})")
   assert "dense: Dense {" in treescope.render_to_text(t)
+  pair = jl.trace(Pair(), Pair().init(jax.random.key(0), x), x)  # np.shape of it raised
+  assert repr(pair).startswith("Trace(output=((2, 3), (2,)), ")
+  # Without the handlers jaxlens.views registers, treescope finds the view through the
+  # objects' own __treescope_repr__.
+  registry = treescope.type_registries.TREESCOPE_HANDLER_REGISTRY
+  ours = {k: registry.pop(k) for k in list(registry) if registry[k] is views._handler}
+  try:
+    assert treescope.render_to_text(t).startswith("jl.Trace(")
+    assert treescope.render_to_text(jl.scale(0.5)).endswith("# keeps the gradient")
+  finally:
+    registry.update(ours)
 
 
 # Copies the text treescope rendered (inside its shadow DOM) into the page, for --dump-dom.

@@ -45,6 +45,7 @@ class Evaluation:
     self.firing = runtime.Firing(n_rules, probe)
     self.frontier: dict[str, Any] = {}
     self.saved_layers: dict[str, list[int]] = {}  # scan-body sites: the layers saved
+    self.saved_inputs: dict[str, Any] = {}  # label -> (args, kwargs) of a saved module call
 
   @property
   def fired(self) -> list[int]:
@@ -143,6 +144,13 @@ def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
           val = jax.lax.stop_gradient(val)
         ev.frontier[lbl] = val
       env[i] = val
+  for lbl in ev.saved:
+    # The inputs of a saved module call, where this evaluation computed them.
+    tree, leaves = prog.input_sites.get(lbl, (None, None))
+    if tree is not None and all(isinstance(a, tuple) or (a is not None and a in env)
+                                for a in leaves):
+      ev.saved_inputs[lbl] = jax.tree.unflatten(
+          tree, [a[1] if isinstance(a, tuple) else env[a] for a in leaves])
   return ev
 
 
@@ -291,13 +299,13 @@ class Captured:
 
 
 def capture(call, variables, inputs, kwargs, rules, save, *, save_given, method,
-            apply_kwargs) -> Captured:
+            apply_kwargs, save_inputs: bool = False) -> Captured:
   """Builds the program of a model call, checks the rules against it, and evaluates it."""
   disabled = runtime.grad_disabled()
   if disabled:
     variables, inputs = runtime.stop(variables), runtime.stop(inputs)
   prog, consts, args = program.build_program(call, variables, inputs, kwargs, method,
-                                             apply_kwargs)
+                                             apply_kwargs, save_inputs=save_inputs)
   for selector, _ in rules:
     program.check_selectable(prog, selector, "intervene=")
   if save_given:

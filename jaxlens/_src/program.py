@@ -32,6 +32,7 @@ from jaxlens._src.errors import InvalidArgumentError, SiteError
 from jaxlens._src.sites import SiteInfo, hits, unmatched_error
 
 MARK = "jaxlens:"
+INPUT_MARK = "jlin:"  # a module call's input leaf (save_inputs); not a site of its own
 SCOPE = "jl@"
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
 _REMAT = ("remat2", "checkpoint")
@@ -75,6 +76,9 @@ class Program:
     self.producer: dict[int, int] = {}
     self.data_ids: set[int] = set()  # values that depend on the model inputs
     self.id_label: dict[int, str] = {}
+    # save_inputs: module label -> (treedef of (args, kwargs), [value id or ("static", leaf)])
+    self.input_sites: dict[str, tuple] = {}
+    self.input_marks: dict[str, dict[int, int]] = {}  # call label -> {leaf: value id}
 
   def fresh(self) -> int:
     self.n_ids += 1
@@ -219,6 +223,13 @@ def _label_nodes(prog: Program, counts=None, calls=None, seen=None, layers=None)
       _label_nodes(node.sub, counts, calls, seen, node.params["length"])
     pname = node.prim.name
     marker = node.params.get("name") if pname == "name" else None
+    if isinstance(marker, str) and marker.startswith(INPUT_MARK):
+      # "jlin:<call label>#<leaf>": an identity on a module call's input leaf.
+      call_label, _, leaf = marker[len(INPUT_MARK):].rpartition("#")
+      prog.id_label[node.outs[0]] = f"{call_label}.input[{leaf}]"
+      if layers is None:
+        prog.input_marks.setdefault(call_label, {})[int(leaf)] = node.outs[0]
+      continue
     if isinstance(marker, str) and marker.startswith(MARK):
       first = prog.module_infos[marker[len(MARK):]]
       key = (first.path, first.method, first.output)
@@ -235,6 +246,14 @@ def _label_nodes(prog: Program, counts=None, calls=None, seen=None, layers=None)
       node.infos[j] = info
       prog.id_label[out] = info.label
   if top:
+    # Inputs by the final labels of their calls (array-valued module calls outside scans).
+    for call_label, (tree, leaves) in list(prog.input_sites.items()):
+      marks = prog.input_marks.get(call_label, {})
+      final = seen.get(call_label)
+      del prog.input_sites[call_label]
+      if final is not None and final.layers is None:
+        prog.input_sites[final.label] = (tree, [marks.get(k, leaf) for k, leaf in
+                                                enumerate(leaves)])
     # Module infos by their final labels; modules hidden in control flow keep theirs.
     kept = {old: info for old, info in prog.module_infos.items()
             if old in prog.hidden and old not in seen}
@@ -243,9 +262,14 @@ def _label_nodes(prog: Program, counts=None, calls=None, seen=None, layers=None)
     prog.module_infos.update(kept)
 
 
-def build_program(module, variables, inputs, kwargs, method, apply_kwargs):
+def build_program(module, variables, inputs, kwargs, method, apply_kwargs, *,
+                  save_inputs: bool = False):
   """Captures ``module.run(variables, inputs, ...)`` (a model call from ``calls``) as a
-  :class:`Program` with its consts and flat input leaves."""
+  :class:`Program` with its consts and flat input leaves.
+
+  With ``save_inputs`` every array leaf of each module call's ``(args, kwargs)`` is
+  marked too (an identity that is not a site), so that the evaluation can return the
+  inputs of the saved module sites; without it the program is unchanged."""
   prog = Program()
   calls: dict[tuple, int] = {}
 
@@ -254,6 +278,14 @@ def build_program(module, variables, inputs, kwargs, method, apply_kwargs):
     key = (path, context.method_name)
     calls[key] = calls.get(key, 0) + 1
     info = SiteInfo(path, context.method_name, calls[key], context.module_type)
+    if save_inputs and path:
+      leaves, tree = jax.tree.flatten((args, kw))
+      marked = [checkpoint_name(x, f"{INPUT_MARK}{info.label}#{k}")
+                if isinstance(x, jax.Array) or hasattr(x, "aval") else x
+                for k, x in enumerate(leaves)]
+      prog.input_sites[info.label] = (tree, [("static", x) if m is x else None
+                                             for x, m in zip(leaves, marked)])
+      args, kw = jax.tree.unflatten(tree, marked)
     if path:
       with jax.named_scope(SCOPE + path):
         out = next_fun(*args, **kw)

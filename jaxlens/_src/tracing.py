@@ -52,11 +52,14 @@ class InterventionOptions:
 
 @dataclasses.dataclass(frozen=True)
 class SiteValue:
-  """One saved site: ``.out`` is its value, ``.label`` its label."""
+  """One saved site: ``.out`` is its value, ``.label`` its label, and ``.input`` the
+  ``(args, kwargs)`` its module was called with (traces captured with ``save_inputs=True``;
+  else ``None``)."""
 
   label: str
   out: Any
   info: SiteInfo | None = None
+  input: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,8 @@ class _Static:
   keep_inputs: bool = True
   module: Any = None
   call: Any = None  # (method, apply_kwargs items, model kwargs items)
+  input_labels: tuple = ()
+  save_inputs: bool = False
 
 
 def _id_eq(a, b):
@@ -93,8 +98,10 @@ class Trace(Donor):
   def __init__(self, output, values: dict, infos: dict, *, program=None, args=(), consts=(),
                spec: Spec | None = None, staged: Spec | None = None, save=None,
                frontier: dict | None = None, replay_starts=None, stale=False, module=None,
-               call=None, replay_layers=(), keep_inputs=True):
+               call=None, replay_layers=(), keep_inputs=True, inputs=None, save_inputs=False):
     self.output = output
+    self.inputs = dict(inputs or {})  # label -> (args, kwargs) of the saved module calls
+    self._save_inputs = save_inputs
     self.values = dict(values)
     self.infos = dict(infos)
     self._program = program
@@ -116,22 +123,26 @@ class Trace(Donor):
   def tree_flatten(self):
     labels = tuple(self.values)
     flabels = tuple(self.frontier)
+    ilabels = tuple(self.inputs)
     children = (self.output, tuple(self.values[k] for k in labels), self._args, self._consts,
-                self._spec, self._staged, tuple(self.frontier[k] for k in flabels))
+                self._spec, self._staged, tuple(self.frontier[k] for k in flabels),
+                tuple(self.inputs[k] for k in ilabels))
     aux = _Static(labels, tuple(self.infos.get(k) for k in labels), _Ident(self._program),
                   self._save, flabels, self._replay_starts, self._replay_layers, self.stale,
-                  self._keep_inputs, _Ident(self._module), self._call)
+                  self._keep_inputs, _Ident(self._module), self._call, ilabels,
+                  self._save_inputs)
     return children, aux
 
   @classmethod
   def tree_unflatten(cls, aux: "_Static", children):
-    output, vals, args, consts, spec, staged, fvals = children
+    output, vals, args, consts, spec, staged, fvals, ivals = children
     return cls(output, dict(zip(aux.labels, vals)), dict(zip(aux.labels, aux.infos)),
                program=aux.program.obj, args=args, consts=consts, spec=spec, staged=staged,
                save=aux.save, frontier=dict(zip(aux.frontier_labels, fvals)),
                replay_starts=aux.replay_starts, replay_layers=aux.replay_layers,
                stale=aux.stale, keep_inputs=aux.keep_inputs, module=aux.module.obj,
-               call=aux.call)
+               call=aux.call, inputs=dict(zip(aux.input_labels, ivals)),
+               save_inputs=aux.save_inputs)
 
   # -- reading ------------------------------------------------------------
 
@@ -165,7 +176,7 @@ class Trace(Donor):
 
   def __getitem__(self, key) -> SiteValue:
     if isinstance(key, str) and key in self.values:
-      return SiteValue(key, self.values[key], self.infos.get(key))
+      return SiteValue(key, self.values[key], self.infos.get(key), self.inputs.get(key))
     if isinstance(key, str) and key == OUTPUT_LABEL:
       return SiteValue(OUTPUT_LABEL, self.output)
     selector = as_selector(key)
@@ -183,7 +194,8 @@ class Trace(Donor):
       raise SiteError(f"{selector!r} matches {len(hits)} saved sites: {hits}",
                       code="ambiguous_site", site=repr(selector), candidates=hits,
                       fix=f"index by one label, e.g. trace[{hits[0]!r}]")
-    return SiteValue(hits[0], self.values[hits[0]], self.infos[hits[0]])
+    return SiteValue(hits[0], self.values[hits[0]], self.infos[hits[0]],
+                     self.inputs.get(hits[0]))
 
   def value_for_donor(self, label: str, verb: str, *, layer=None, static_layer=None):
     """The value this trace saved at ``label``, for a verb that reads it as a donor.
@@ -213,10 +225,42 @@ class Trace(Donor):
     return self[site].out
 
   def __repr__(self) -> str:
-    shapes = {k: tuple(jnp.shape(v)) for k, v in self.values.items()}
+    shape = lambda v: tuple(jnp.shape(v))
+    shapes = {k: shape(v) for k, v in self.values.items()}
     stale = ", stale" if self.stale else ""
-    out = jax.tree.map(lambda a: tuple(jnp.shape(a)), self.output)
-    return f"Trace(output={out}, sites={shapes}{stale})"
+    # The output may be any pytree (a dict, a tuple of arrays): its leaves' shapes.
+    return f"Trace(output={jax.tree.map(shape, self.output)}, sites={shapes}{stale})"
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    from jaxlens import views  # treescope's notebook view: the site tree, edits, replay
+    return views.render(self, path, subtree_renderer)
+
+  def to_html(self, path=None, **kwargs) -> str:
+    """A standalone HTML page of this trace's view (:func:`jaxlens.views.to_html`)."""
+    from jaxlens import views
+    return views.to_html(self, path, **kwargs)
+
+  def grad(self, metric, *, sites):
+    """The gradient of ``metric(output)`` at each of ``sites``, from one backward pass.
+
+    The model is rerun from this trace's variables and inputs with this trace's edits
+    live; see :func:`jaxlens.site_grads` (this is its ``trace.grad`` spelling, as
+    ``.grad`` in nnsight and torchlens).
+    """
+    from jaxlens.attribution import grads_at_sites
+    prog = self._need_program("grad")
+    variables, inputs = jax.tree.unflatten(prog.in_tree, self._args)
+    method, apply_kwargs, kwargs = self._call
+
+    def run_trace(spec, save):
+      selector = None
+      for s in save:
+        selector = as_selector(s) if selector is None else selector | as_selector(s)
+      return _capture(self._module, variables, inputs, dict(kwargs), as_spec(spec), selector,
+                      save_given=True, method=method, apply_kwargs=dict(apply_kwargs),
+                      keep_inputs=False)
+
+    return grads_at_sites(run_trace, metric, sites, list(self._spec.rules and [self._spec]))
 
   # -- doors --------------------------------------------------------------
 
@@ -303,7 +347,8 @@ class Trace(Donor):
                   frontier=self.frontier, replay_starts=self._replay_starts,
                   replay_layers=self._replay_layers, stale=self.stale,
                   keep_inputs=self._keep_inputs,
-                  module=self._module, call=self._call)
+                  module=self._module, call=self._call, inputs=self.inputs,
+                  save_inputs=self._save_inputs)
     output = changes.pop("output", self.output)
     values = changes.pop("values", self.values)
     infos = changes.pop("infos", self.infos)
@@ -358,7 +403,9 @@ class Trace(Donor):
                             releaf_layers=first_layers if differentiable else None)
     values = dict(self.values)
     values.update(ev.saved)
-    return self._with(output=interpret.program_output(prog, ev, self.output), values=values,
+    inputs = dict(self.inputs)
+    inputs.update(ev.saved_inputs)
+    return self._with(inputs=inputs, output=interpret.program_output(prog, ev, self.output), values=values,
                       spec=spec,
                       staged=Spec(()), stale=False,
                       frontier=ev.frontier if differentiable else {},
@@ -385,7 +432,7 @@ class Trace(Donor):
     method, apply_kwargs, kwargs = self._call
     return _capture(module, variables, inputs, dict(kwargs), self._spec + new, self._save,
                     save_given=False, method=method, apply_kwargs=dict(apply_kwargs),
-                    keep_inputs=self._keep_inputs)
+                    keep_inputs=self._keep_inputs, save_inputs=self._save_inputs)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -402,20 +449,21 @@ class _Ident:
 
 
 def _capture(call, variables, inputs, kwargs, spec: Spec, save, *, save_given, method,
-             apply_kwargs, keep_inputs=True) -> Trace:
+             apply_kwargs, keep_inputs=True, save_inputs=False) -> Trace:
   run = interpret.capture(call, variables, inputs, kwargs, spec.rules, save,
-                          save_given=save_given, method=method, apply_kwargs=apply_kwargs)
+                          save_given=save_given, method=method, apply_kwargs=apply_kwargs,
+                          save_inputs=save_inputs)
   ev, args, consts = run.evaluation, run.args, run.consts
   kw = (method, tuple(sorted(apply_kwargs.items())), tuple(sorted(kwargs.items())))
   if not keep_inputs:
     args, consts = (), ()
   return Trace(run.output, ev.saved, ev.saved_infos, program=run.program, args=args,
                consts=consts, spec=spec, save=save, module=call, call=kw,
-               keep_inputs=keep_inputs)
+               keep_inputs=keep_inputs, inputs=ev.saved_inputs, save_inputs=save_inputs)
 
 
 def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: bool = True,
-          **apply_kwargs) -> Trace:
+          save_inputs: bool = False, **apply_kwargs) -> Trace:
   """Runs ``model`` with edits live and returns a :class:`Trace`.
 
   Spellings:
@@ -436,6 +484,9 @@ def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: boo
       ``False`` gives a Trace of the output and saved values only: returned from
       ``jax.jit`` it costs no copies of the variables (jit copies every input it
       returns), and replay raises ``trace_without_inputs``.
+    save_inputs: also keep, for each saved module site, the ``(args, kwargs)`` its
+      module was called with (``trace[site].input``, as torchlens and nnsight's
+      ``.input``); replay and rerun keep them up to date.
     **apply_kwargs: ``rngs=``/``mutable=`` for ``Module.apply``; other keywords go
       to the model call.
 
@@ -472,6 +523,9 @@ def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: boo
   if not isinstance(keep_inputs, bool):
     raise InvalidArgumentError(f"keep_inputs must be True or False, got {keep_inputs!r}",
                                code="invalid_argument", fix="jl.trace(..., keep_inputs=False)")
+  if not isinstance(save_inputs, bool):
+    raise InvalidArgumentError(f"save_inputs must be True or False, got {save_inputs!r}",
+                               code="invalid_argument", fix="jl.trace(..., save_inputs=True)")
   return _capture(module, variables, tuple(args), model_kwargs, as_spec(intervene), selector,
                   save_given=save_given, method=method, apply_kwargs=apply_kwargs,
-                  keep_inputs=keep_inputs)
+                  keep_inputs=keep_inputs, save_inputs=save_inputs)

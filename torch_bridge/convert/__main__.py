@@ -33,7 +33,7 @@ errors `max|jax - torch| / max|torch|`:
   (`torch_bridge.reference`, plain forward hooks) on the original model: the edited output,
   and the gradient of a fixed random projection of it with respect to the model's first
   parameter (upstream of the site). `patch_from` takes a donor trace of other inputs;
-  `units([0, 2])` selects two features of the site.
+  `units([0, 1])` selects two features of the site.
 
 Targets: float64 <= 1e-10, float32 <= 1e-5. Llama's float64 figures are bounded near 1e-7
 because transformers computes its rotary embedding in float32 even in a float64 model, and

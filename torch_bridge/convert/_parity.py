@@ -31,7 +31,7 @@ from torch_bridge.convert._arrays import to_jax
 
 __all__ = ["EDITS", "Result", "check", "first_leaf"]
 
-UNITS = [0, 2]
+UNITS = [0, 1]
 
 
 def _edits(jdonor, tdonor):
@@ -43,13 +43,13 @@ def _edits(jdonor, tdonor):
      lambda s: ref.when(s, ref.zero_ablate())),
     ("patch_from(donor)", "cutting", lambda s: jl.when(jl.module(s), jl.patch_from(jdonor)),
      lambda s: ref.when(s, ref.patch_from(tdonor))),
-    ("units([0, 2]) zero_ablate", "selection",
+    ("units([0, 1]) zero_ablate", "selection",
      lambda s: jl.when(jl.units(jl.module(s), jnp.asarray(UNITS)), jl.zero_ablate()),
      lambda s: ref.when(ref.units(s, UNITS), ref.zero_ablate())),
   ]
 
 
-EDITS = ("scale(0.5)", "zero_ablate", "patch_from(donor)", "units([0, 2]) zero_ablate")
+EDITS = ("scale(0.5)", "zero_ablate", "patch_from(donor)", "units([0, 1]) zero_ablate")
 
 
 @dataclasses.dataclass
