@@ -116,10 +116,6 @@ class Site:
     labels = sorted({s.label for s in seen})
     return f"{self!r} matched no site of this run", labels[:10]
 
-  def __treescope_repr__(self, path, subtree_renderer):
-    from jaxlens import views  # treescope's notebook view
-    return views.render(self, path, subtree_renderer)
-
   def to_json(self) -> dict:
     """The selector's saved form: ``{"kind": ..., field: value, ...}``."""
     out = {"kind": self.kind}
