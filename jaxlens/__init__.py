@@ -49,6 +49,7 @@ from jaxlens.intervention import *  # noqa: F403 (every edit builder; tests/test
 from jaxlens.intervention import __all__ as _intervention_all
 # Built on the names above: gradients at sites and the activation store.
 from jaxlens import store as store
+from jaxlens import views as views  # attaches the notebook views to Trace, Spec, Edit, Site
 from jaxlens.attribution import SiteGrads as SiteGrads
 from jaxlens.attribution import attribution_patching as attribution_patching
 from jaxlens.attribution import site_grads as site_grads

@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxlens._src import tracing as _tracing
 from jaxlens._src.errors import InvalidArgumentError, ShapeError, SiteError
 
 __all__ = ["SiteGrad", "SiteGrads", "attribution_patching", "site_grads"]
@@ -221,3 +222,32 @@ def attribution_patching(model, variables, clean, corrupt, metric: Callable[[Any
     rows.append(per_position if positions is None
                 else per_position[jnp.asarray(list(positions), jnp.int32)])
   return jnp.stack(rows)
+
+
+def _trace_grad(self, metric, *, sites):
+  """The gradient of ``metric(output)`` at each of ``sites``, from one backward pass.
+
+  The model is rerun from this trace's variables and inputs with this trace's edits
+  live; see :func:`jaxlens.site_grads` (this is its ``trace.grad`` spelling, as
+  ``.grad`` in nnsight and torchlens).
+  """
+  prog = self._need_program("grad")
+  variables, inputs = jax.tree.unflatten(prog.in_tree, self._args)
+  method, apply_kwargs, kwargs = self._call
+
+  def run_trace(spec, save):
+    selector = None
+    for s in save:
+      one = _tracing.as_selector(s)
+      selector = one if selector is None else selector | one
+    return _tracing._capture(self._module, variables, inputs, dict(kwargs),
+                             _tracing.as_spec(spec), selector, save_given=True, method=method,
+                             apply_kwargs=dict(apply_kwargs), keep_inputs=False)
+
+  return grads_at_sites(run_trace, metric, sites, list(self._spec.rules and [self._spec]))
+
+
+# trace.grad(metric, sites=...): attached here, above the core (which does not import this
+# module), as the nnsight/torchlens spelling of site_grads.
+_trace_grad.__name__ = "grad"
+_tracing.Trace.grad = _trace_grad

@@ -38,6 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from jaxlens._optional import require
+from jaxlens._src.doors import Spec as _Spec
+from jaxlens._src.edit import Edit as _Edit
+from jaxlens._src.sites import Site as _Site
+from jaxlens._src.tracing import Trace as _Trace
 
 __all__ = ["register", "render", "show", "to_html", "view"]
 
@@ -542,3 +546,21 @@ def to_html(obj, path=None, *, title: str | None = None, trace=None) -> str:
     Path(path).write_text(page, encoding="utf-8")
   return page
 
+
+def _treescope_repr(self, path, subtree_renderer):
+  """treescope's notebook view of this object (:func:`render`)."""
+  return render(self, path, subtree_renderer)
+
+
+def _to_html(self, path=None, **kwargs) -> str:
+  """A standalone HTML page of this object's view (:func:`jaxlens.views.to_html`)."""
+  return to_html(self, path, **kwargs)
+
+
+# The views attach themselves to the core's types: the core (jaxlens/_src) does not import
+# this tool (tests/test_layers.py); ``import jaxlens`` imports this module.
+for _cls in (_Trace, _Spec, _Edit, _Site):
+  _cls.__treescope_repr__ = _treescope_repr
+_to_html.__name__ = "to_html"
+_Trace.to_html = _to_html
+_Spec.to_html = _to_html

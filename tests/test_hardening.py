@@ -113,3 +113,24 @@ def test_save_of_an_empty_list_and_an_unknown_method(setup):
     jl.trace(model, variables, x, save=[])
   with pytest.raises(jl.InvalidArgumentError, match=r"\[invalid_argument\]"):
     jl.trace(model, variables, x, method="nope")
+
+
+def test_a_printed_label_works_as_a_module_path():
+  assert jl.module("a/b:2") == jl.module("a/b", call=2)
+  assert jl.module("layers_[01]").path == "layers_[01]"  # a glob, not a layer
+  assert jl.module("layer#0") == jl.module("layer", output=0)
+
+
+def test_repr_of_a_trace_whose_model_returns_a_pytree():
+  import flax.linen as nn
+
+  class Two(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(2)(x)
+      return {"a": h, "b": (h, h)}
+
+  x = jnp.ones((1, 3))
+  model = Two()
+  t = jl.trace(model, model.init(jax.random.key(0), x), x)
+  assert "'a': (1, 2)" in repr(t)

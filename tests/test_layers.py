@@ -15,8 +15,9 @@ SRC = Path(__file__).resolve().parent.parent / "jaxlens" / "_src"
 FLOORS = {
     # 0: typed errors; structural dependence on jaxprs.
     "errors": 0, "dependence": 0,
-    # 1: site infos and selectors; how a door calls a linen or NNX model.
-    "sites": 1, "model_calls": 1,
+    # 1: site infos and selectors; how a door calls a linen or NNX model; named values
+    # (identity modules whose call is a site).
+    "sites": 1, "model_calls": 1, "named": 1,
     # 2: the edit type, firing, the keep_grad check, donors, the verb registry.
     "edit": 2,
     # 3: forward verbs (and gate, keep_grad, compose, hook); backward verbs.

@@ -345,11 +345,3 @@ def test_gguf_undoes_the_rotary_permutation_and_refuses_bad_files(llama, tmp_pat
     load_gguf(tmp_path / "other.gguf")
   with pytest.raises(LoadError, match=r"\[file_not_found\]"):
     load_gguf(tmp_path / "none.gguf")
-
-
-def test_docstring_examples():
-  import doctest
-
-  from jaxlens._src import named
-  failures, tried = doctest.testmod(named, verbose=False)
-  assert tried > 0 and failures == 0

@@ -53,15 +53,6 @@ class Spec:
   def __repr__(self) -> str:
     return " + ".join(_show_rule(s, e) for s, e in self.rules) or "Spec()"
 
-  def __treescope_repr__(self, path, subtree_renderer):
-    from jaxlens import views  # treescope's notebook view
-    return views.render(self, path, subtree_renderer)
-
-  def to_html(self, path=None, **kwargs) -> str:
-    """A standalone HTML page of this spec's view (:func:`jaxlens.views.to_html`)."""
-    from jaxlens import views
-    return views.to_html(self, path, **kwargs)
-
   def save(self, path):
     """Saves this spec to a directory (portable JSON + npz, hashed, atomic)."""
     return save_spec(self, path)

@@ -211,10 +211,6 @@ class Edit:
       text = f"jl.{self.name}({show_arguments(verb, self.arguments)})"
     return f"jl.keep_grad({text})" if self.keep_grad else text
 
-  def __treescope_repr__(self, path, subtree_renderer):
-    from jaxlens import views  # treescope's notebook view
-    return views.render(self, path, subtree_renderer)
-
 
 def show_value(v) -> str:
   """A readable, where possible re-typable, form of an argument value."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import re
 from typing import Iterable
 
 from jaxlens._src.errors import InvalidArgumentError, SiteError, SpecFormatError
@@ -22,6 +23,8 @@ __all__ = ["Site", "SiteInfo", "module", "func", "label", "in_module", "all_site
            "module_sites", "as_selector"]
 
 OUTPUT_LABEL = "output"
+# (A "[k]" layer suffix is not read here: "layers_[01]" is a glob; jl.label takes it.)
+_LABEL = re.compile(r"^(?P<path>[^:#]*?)(?::(?P<call>\d+))?(?:#(?P<output>\w+))?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +115,6 @@ class Site:
     """A sentence on why nothing matched and the closest existing labels."""
     labels = sorted({s.label for s in seen})
     return f"{self!r} matched no site of this run", labels[:10]
-
-  def __treescope_repr__(self, path, subtree_renderer):
-    from jaxlens import views  # treescope's notebook view
-    return views.render(self, path, subtree_renderer)
 
   def to_json(self) -> dict:
     """The selector's saved form: ``{"kind": ..., field: value, ...}``."""
@@ -389,6 +388,15 @@ def module(path: str, *, method: str = "__call__", call: int | None = None,
         f"jl.module expects a module path string, got {type(path).__name__}",
         code="invalid_site", fix='jl.module("layers_0")')
   path = path.strip("/")
+  # A label the trace printed ("path:2", "path#0") names the same site.
+  found = _LABEL.match(path)
+  if found and any(found.group(g) is not None for g in ("call", "output")):
+    path = found.group("path")
+    if found.group("call") is not None and call is None:
+      call = int(found.group("call"))
+    if found.group("output") is not None and output is None:
+      o = found.group("output")
+      output = int(o) if o.isdigit() else o
   if call is not None and (not isinstance(call, int) or call < 1):
     raise InvalidArgumentError(f"call must be a positive int, got {call!r}",
                                code="invalid_site", site=path,

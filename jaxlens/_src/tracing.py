@@ -231,37 +231,6 @@ class Trace(Donor):
     # The output may be any pytree (a dict, a tuple of arrays): its leaves' shapes.
     return f"Trace(output={jax.tree.map(shape, self.output)}, sites={shapes}{stale})"
 
-  def __treescope_repr__(self, path, subtree_renderer):
-    from jaxlens import views  # treescope's notebook view: the site tree, edits, replay
-    return views.render(self, path, subtree_renderer)
-
-  def to_html(self, path=None, **kwargs) -> str:
-    """A standalone HTML page of this trace's view (:func:`jaxlens.views.to_html`)."""
-    from jaxlens import views
-    return views.to_html(self, path, **kwargs)
-
-  def grad(self, metric, *, sites):
-    """The gradient of ``metric(output)`` at each of ``sites``, from one backward pass.
-
-    The model is rerun from this trace's variables and inputs with this trace's edits
-    live; see :func:`jaxlens.site_grads` (this is its ``trace.grad`` spelling, as
-    ``.grad`` in nnsight and torchlens).
-    """
-    from jaxlens.attribution import grads_at_sites
-    prog = self._need_program("grad")
-    variables, inputs = jax.tree.unflatten(prog.in_tree, self._args)
-    method, apply_kwargs, kwargs = self._call
-
-    def run_trace(spec, save):
-      selector = None
-      for s in save:
-        selector = as_selector(s) if selector is None else selector | as_selector(s)
-      return _capture(self._module, variables, inputs, dict(kwargs), as_spec(spec), selector,
-                      save_given=True, method=method, apply_kwargs=dict(apply_kwargs),
-                      keep_inputs=False)
-
-    return grads_at_sites(run_trace, metric, sites, list(self._spec.rules and [self._spec]))
-
   # -- doors --------------------------------------------------------------
 
   def fork(self) -> "Trace":
