@@ -48,9 +48,12 @@ from jaxlens._src.verbs import steer as steer
 from jaxlens._src.verbs import swap_with as swap_with
 from jaxlens._src.verbs import zero_ablate as zero_ablate
 
+# Defined beside the decode loop, above the core (it reads the generation step).
+from jaxlens.generation import at_steps as at_steps  # noqa: E402
+
 __all__ = [
     "Edit", "FireContext", "InterventionDecision", "InterventionOptions", "Population",
-    "Selection", "add", "add_noise", "at_positions", "backward_hook", "clamp", "compose", "gate",
+    "Selection", "add", "add_noise", "at_positions", "at_steps", "backward_hook", "clamp", "compose", "gate",
     "grad_clip", "grad_scale", "grad_zero", "hook", "keep_grad", "mean_ablate", "orthonormal",
     "patch_from", "permute_batch", "population", "project_onto", "project_out", "replace_with",
     "resample_rows_from", "scale", "scramble_elements", "set_affine_coordinates",
