@@ -9,8 +9,14 @@ import jax.numpy as jnp
 
 from jaxlens import models
 
-__all__ = ["add_model_args", "add_run_args", "build_gpt", "model_config", "model_overrides",
-           "parser"]
+__all__ = [
+  "add_model_args",
+  "add_run_args",
+  "build_gpt",
+  "model_config",
+  "model_overrides",
+  "parser",
+]
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -42,8 +48,12 @@ def parser(doc: str, *, repeats: int, out: str) -> argparse.ArgumentParser:
 def model_overrides(args) -> dict:
   """The ``GPT`` fields the command line overrides."""
   overrides = {}
-  for flag, field in (("layers", "n_layers"), ("d_model", "d_model"), ("heads", "n_heads"),
-                      ("seq", "max_len")):
+  for flag, field in (
+    ("layers", "n_layers"),
+    ("d_model", "d_model"),
+    ("heads", "n_heads"),
+    ("seq", "max_len"),
+  ):
     if getattr(args, flag) is not None:
       overrides[field] = getattr(args, flag)
   if "d_model" in overrides and "n_heads" not in overrides:
@@ -55,12 +65,20 @@ def model_overrides(args) -> dict:
 
 def build_gpt(args, *, dtype=jnp.float32):
   """``(model, variables, tokens)`` of the size and overrides on the command line."""
-  return models.init_gpt(jax.random.key(args.seed), args.size, batch=args.batch, dtype=dtype,
-                         **model_overrides(args))
+  return models.init_gpt(
+    jax.random.key(args.seed), args.size, batch=args.batch, dtype=dtype, **model_overrides(args)
+  )
 
 
 def model_config(args, model) -> dict:
   """The shape of the benchmarked model, for the result's ``config``."""
-  return {"size": args.size, "batch": args.batch, "seq": model.max_len,
-          "n_layers": model.n_layers, "d_model": model.d_model, "n_heads": model.n_heads,
-          "vocab_size": model.vocab_size, "dtype": "float32"}
+  return {
+    "size": args.size,
+    "batch": args.batch,
+    "seq": model.max_len,
+    "n_layers": model.n_layers,
+    "d_model": model.d_model,
+    "n_heads": model.n_heads,
+    "vocab_size": model.vocab_size,
+    "dtype": "float32",
+  }

@@ -24,8 +24,20 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-__all__ = ["aot_times", "block", "canonical_hlo", "env_info", "interleaved", "max_abs_diff",
-           "median", "memory_bytes", "ratio", "row", "timed", "write_json"]
+__all__ = [
+  "aot_times",
+  "block",
+  "canonical_hlo",
+  "env_info",
+  "interleaved",
+  "max_abs_diff",
+  "median",
+  "memory_bytes",
+  "ratio",
+  "row",
+  "timed",
+  "write_json",
+]
 
 
 def block(out):
@@ -40,8 +52,9 @@ def timed(fn: Callable, *args) -> tuple[float, Any]:
   return time.perf_counter() - t0, out
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], repeats: int,
-                warmup: int = 1) -> dict[str, list[float]]:
+def interleaved(
+  fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
+) -> dict[str, list[float]]:
   """Times zero-argument callables alternately; returns each one's call times.
 
   Args:
@@ -60,7 +73,7 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeats: int,
       block(fns[name]())
   times: dict[str, list[float]] = {name: [] for name in names}
   for r in range(repeats):
-    for name in (names if r % 2 == 0 else names[::-1]):
+    for name in names if r % 2 == 0 else names[::-1]:
       dt, _ = timed(fns[name])
       times[name].append(dt)
   return times
@@ -76,9 +89,15 @@ def ratio(a, b) -> float | None:
 
 def max_abs_diff(a, b) -> float:
   """The largest absolute difference between two pytrees of arrays (jax, numpy) alike."""
-  diffs = jax.tree.leaves(jax.tree.map(
-      lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)),
-                                initial=0.0)), a, b))
+  diffs = jax.tree.leaves(
+    jax.tree.map(
+      lambda x, y: float(
+        np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)), initial=0.0)
+      ),
+      a,
+      b,
+    )
+  )
   return max(diffs) if diffs else 0.0
 
 
@@ -109,13 +128,15 @@ def canonical_hlo(text: str) -> str:
   names values after the JAX primitive that made them, so the same program can name
   one value ``%mul.3`` and ``%broadcast.7``).
   """
-  keep = [re.sub(r"[\w.\-]+: ", "", ln) if ln.startswith("ENTRY") else ln
-          for ln in text.splitlines() if ln.startswith(("%", "ENTRY", " ", "}"))]
+  keep = [
+    re.sub(r"[\w.\-]+: ", "", ln) if ln.startswith("ENTRY") else ln
+    for ln in text.splitlines()
+    if ln.startswith(("%", "ENTRY", " ", "}"))
+  ]
   text = "\n".join(keep)
   text = re.sub(r",?\s*metadata=\{[^}]*\}", "", text)
   names: dict[str, str] = {}
-  return re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"),
-                text)
+  return re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), text)
 
 
 def memory_bytes(compiled) -> dict[str, int]:
@@ -128,21 +149,31 @@ def memory_bytes(compiled) -> dict[str, int]:
   """
   m = compiled.memory_analysis()
   sizes = {
-      "argument": int(m.argument_size_in_bytes),
-      "output": int(m.output_size_in_bytes),
-      "temp": int(m.temp_size_in_bytes),
-      "alias": int(m.alias_size_in_bytes),
-      "generated_code": int(m.generated_code_size_in_bytes),
+    "argument": int(m.argument_size_in_bytes),
+    "output": int(m.output_size_in_bytes),
+    "temp": int(m.temp_size_in_bytes),
+    "alias": int(m.alias_size_in_bytes),
+    "generated_code": int(m.generated_code_size_in_bytes),
   }
   sizes["temp_plus_output"] = sizes["temp"] + sizes["output"] - sizes["alias"]
   sizes["peak"] = sizes["argument"] + sizes["temp_plus_output"]
   return sizes
 
 
-def row(key: str, measure: str, value: float | None, *, target: tuple[str, float] | None = None,
-        kind: str = "ratio", candidate: str = "", baseline: str = "",
-        candidate_value: float | None = None, baseline_value: float | None = None,
-        unit: str = "s", note: str = "") -> dict:
+def row(
+  key: str,
+  measure: str,
+  value: float | None,
+  *,
+  target: tuple[str, float] | None = None,
+  kind: str = "ratio",
+  candidate: str = "",
+  baseline: str = "",
+  candidate_value: float | None = None,
+  baseline_value: float | None = None,
+  unit: str = "s",
+  note: str = "",
+) -> dict:
   """One figure of the performance table.
 
   Args:
@@ -165,22 +196,38 @@ def row(key: str, measure: str, value: float | None, *, target: tuple[str, float
   if target is not None and value is not None:
     op, bound = target
     met = bool(value <= bound) if op == "<=" else bool(value >= bound)
-  return {"key": key, "measure": measure, "value": value, "kind": kind,
-          "target": None if target is None else list(target), "met": met,
-          "candidate": candidate, "baseline": baseline, "candidate_value": candidate_value,
-          "baseline_value": baseline_value, "unit": unit, "note": note}
+  return {
+    "key": key,
+    "measure": measure,
+    "value": value,
+    "kind": kind,
+    "target": None if target is None else list(target),
+    "met": met,
+    "candidate": candidate,
+    "baseline": baseline,
+    "candidate_value": candidate_value,
+    "baseline_value": baseline_value,
+    "unit": unit,
+    "note": note,
+  }
 
 
 def env_info() -> dict:
   """The software and machine a result was measured on."""
   import flax
+
   return {
-      "jax": jax.__version__, "flax": flax.__version__, "python": platform.python_version(),
-      "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-      "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
-      "machine": f"{platform.system()} {platform.machine()}",
-      "processor": _processor_name(), "x64": bool(jax.config.jax_enable_x64),
-      "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    "jax": jax.__version__,
+    "flax": flax.__version__,
+    "python": platform.python_version(),
+    "backend": jax.default_backend(),
+    "device": jax.devices()[0].device_kind,
+    "device_count": jax.device_count(),
+    "cpu_count": os.cpu_count(),
+    "machine": f"{platform.system()} {platform.machine()}",
+    "processor": _processor_name(),
+    "x64": bool(jax.config.jax_enable_x64),
+    "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
   }
 
 

@@ -40,13 +40,18 @@ MAGNITUDE = 2.0
 
 def parse_args(argv=None):
   p = _setup.parser(__doc__, repeats=3, out=str(DEFAULT_OUT))
-  p.add_argument("--no-warm", dest="warm", action="store_false",
-                 help="skip the untimed compile of each variant before the timed ones")
+  p.add_argument(
+    "--no-warm",
+    dest="warm",
+    action="store_false",
+    help="skip the untimed compile of each variant before the timed ones",
+  )
   return p.parse_args(argv)
 
 
 def make_variants(model, site: str) -> dict:
   """name -> a factory returning a new function of ``(variables, tokens, direction)``."""
+
   def spec(direction):
     return jl.when(jl.module(site), jl.steer(direction, MAGNITUDE, feature_axis=-1))
 
@@ -65,8 +70,13 @@ def make_variants(model, site: str) -> dict:
   def live_step():
     return jax.value_and_grad(lambda v, x, d: loss_from_logits(spec(d).bind(model)(v, x), x))
 
-  return {"plain_forward": plain_forward, "live_forward": live_forward,
-          "trace_forward": trace_forward, "plain_step": plain_step, "live_step": live_step}
+  return {
+    "plain_forward": plain_forward,
+    "live_forward": live_forward,
+    "trace_forward": trace_forward,
+    "plain_step": plain_step,
+    "live_step": live_step,
+  }
 
 
 def main(argv=None) -> dict:
@@ -86,40 +96,68 @@ def main(argv=None) -> dict:
   comp = {name: [] for name in variants}
   names = list(variants)
   for r in range(args.repeats):
-    for name in (names if r % 2 == 0 else names[::-1]):
+    for name in names if r % 2 == 0 else names[::-1]:
       lt, ct, _, _ = aot_times(variants[name], call_args)
       lower[name].append(lt)
       comp[name].append(ct)
   total = {n: median(lower[n]) + median(comp[n]) for n in names}
 
   def compile_row(key, measure, cand, base):
-    return row(key, measure, ratio(total[cand], total[base]), candidate=cand, baseline=base,
-               candidate_value=total[cand], baseline_value=total[base])
+    return row(
+      key,
+      measure,
+      ratio(total[cand], total[base]),
+      candidate=cand,
+      baseline=base,
+      candidate_value=total[cand],
+      baseline_value=total[base],
+    )
+
   rows = [
-      compile_row("compile_live_forward", "trace+lower+compile: forward with a live edit / plain",
-                  "live_forward", "plain_forward"),
-      compile_row("compile_trace_forward",
-                  "trace+lower+compile: jl.trace with an edit (all sites saved) / plain",
-                  "trace_forward", "plain_forward"),
-      compile_row("compile_live_step",
-                  "trace+lower+compile: train step with a live edit / plain step",
-                  "live_step", "plain_step"),
+    compile_row(
+      "compile_live_forward",
+      "trace+lower+compile: forward with a live edit / plain",
+      "live_forward",
+      "plain_forward",
+    ),
+    compile_row(
+      "compile_trace_forward",
+      "trace+lower+compile: jl.trace with an edit (all sites saved) / plain",
+      "trace_forward",
+      "plain_forward",
+    ),
+    compile_row(
+      "compile_live_step",
+      "trace+lower+compile: train step with a live edit / plain step",
+      "live_step",
+      "plain_step",
+    ),
   ]
   result = {
-      "benchmark": "compile",
-      "title": "compile time of an intervened model vs the plain model",
-      "config": {**_setup.model_config(args, model), "repeats": args.repeats, "site": site,
-                 "edit": f"jl.steer(direction, {MAGNITUDE}, feature_axis=-1)"},
-      "env": env_info(),
-      "rows": rows,
-      "trace_lower_s": {n: {"median": median(lower[n]), "all": lower[n]} for n in names},
-      "compile_s": {n: {"median": median(comp[n]), "all": comp[n]} for n in names},
-      "total_s": total,
-      "ratios": {
-          f"{cand}_over_{base}": {"trace_lower": ratio(median(lower[cand]), median(lower[base])),
-                                  "compile": ratio(median(comp[cand]), median(comp[base]))}
-          for cand, base in (("live_forward", "plain_forward"),
-                             ("trace_forward", "plain_forward"), ("live_step", "plain_step"))},
+    "benchmark": "compile",
+    "title": "compile time of an intervened model vs the plain model",
+    "config": {
+      **_setup.model_config(args, model),
+      "repeats": args.repeats,
+      "site": site,
+      "edit": f"jl.steer(direction, {MAGNITUDE}, feature_axis=-1)",
+    },
+    "env": env_info(),
+    "rows": rows,
+    "trace_lower_s": {n: {"median": median(lower[n]), "all": lower[n]} for n in names},
+    "compile_s": {n: {"median": median(comp[n]), "all": comp[n]} for n in names},
+    "total_s": total,
+    "ratios": {
+      f"{cand}_over_{base}": {
+        "trace_lower": ratio(median(lower[cand]), median(lower[base])),
+        "compile": ratio(median(comp[cand]), median(comp[base])),
+      }
+      for cand, base in (
+        ("live_forward", "plain_forward"),
+        ("trace_forward", "plain_forward"),
+        ("live_step", "plain_step"),
+      )
+    },
   }
   return report(result, format_table(result), args.out)
 
@@ -127,8 +165,9 @@ def main(argv=None) -> dict:
 def format_table(r: dict) -> str:
   lines = [r["title"], "", "| variant | trace+lower | XLA compile |", "|---|---|---|"]
   for n in r["total_s"]:
-    lines.append(f"| {n} | {r['trace_lower_s'][n]['median']:.3f} s | "
-                 f"{r['compile_s'][n]['median']:.3f} s |")
+    lines.append(
+      f"| {n} | {r['trace_lower_s'][n]['median']:.3f} s | {r['compile_s'][n]['median']:.3f} s |"
+    )
   lines += ["", "| measure | ratio |", "|---|---|"]
   lines += [f"| {rw['measure']} | {rw['value']:.3f} |" for rw in r["rows"]]
   return "\n".join(lines)

@@ -41,8 +41,19 @@ if str(_ROOT) not in sys.path:
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "distributed.json"
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
-                "pred": 1, "s64": 8, "u64": 8}
+_DTYPE_BYTES = {
+  "f64": 8,
+  "f32": 4,
+  "bf16": 2,
+  "f16": 2,
+  "s32": 4,
+  "u32": 4,
+  "s8": 1,
+  "u8": 1,
+  "pred": 1,
+  "s64": 8,
+  "u64": 8,
+}
 
 
 def parse_args(argv=None):
@@ -82,6 +93,7 @@ def _groups(line: str, n_devices: int) -> list[list[int]]:
   ``[2,2]<=[2,2]T(1,0)``) or over a mesh (``mesh['axis_0'=2,'axis_1'=2] {'axis_1'}``: the
   devices numbered row-major over the mesh, a group for each value of the other axes)."""
   import numpy as np
+
   m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
   if m:
     axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
@@ -147,11 +159,16 @@ def metric(out):
 def worker(args) -> None:
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // args.processes}"
   import jax
+
   if args.processes > 1:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
-                               num_processes=args.processes, process_id=args.process_id,
-                               initialization_timeout=120, heartbeat_timeout_seconds=120)
+    jax.distributed.initialize(
+      coordinator_address=f"127.0.0.1:{args.port}",
+      num_processes=args.processes,
+      process_id=args.process_id,
+      initialization_timeout=120,
+      heartbeat_timeout_seconds=120,
+    )
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import AxisType, NamedSharding
@@ -164,22 +181,31 @@ def worker(args) -> None:
 
   mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
   model, host_vars, clean = models.init_gpt(
-      0, "small", batch=args.batch, n_layers=args.layers, d_model=args.d_model,
-      n_heads=min(4, args.d_model), max_len=args.seq, dtype=jnp.float32)
+    0,
+    "small",
+    batch=args.batch,
+    n_layers=args.layers,
+    d_model=args.d_model,
+    n_heads=min(4, args.d_model),
+    max_len=args.seq,
+    dtype=jnp.float32,
+  )
   host_vars = jax.tree.map(np.asarray, host_vars)
   clean = np.asarray(clean)
   corrupt = clean.copy()
   corrupt[:, args.seq // 2] = (corrupt[:, args.seq // 2] + 1) % model.vocab_size
 
   def put(a, *spec):
-    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, P(*spec)),
-                                        lambda index: a[index])
+    return jax.make_array_from_callback(
+      a.shape, NamedSharding(mesh, P(*spec)), lambda index: a[index]
+    )
 
   def tp_spec(path, leaf):
     name = path[-1].key
     if name == "kernel" and leaf.shape[-1] % 2 == 0:
       return (None,) * (leaf.ndim - 1) + ("model",)
     return ()
+
   replicated = jax.tree.map(put, host_vars)
   tp_vars = jax.tree_util.tree_map_with_path(lambda p, a: put(a, *tp_spec(p, a)), host_vars)
   sites = jl.sweep.layer_sites(model.n_layers)
@@ -189,41 +215,62 @@ def worker(args) -> None:
   dc, dk = put(clean, "data"), put(corrupt, "data")
   tp_sweep = jax.jit(lambda v, c, k: jl.sweep.patching_sweep(model, v, c, k, metric, sites=sites))
   runs = {
-      "cells": lambda: jd.patching_sweep(model, replicated, rc, rk, metric, mesh=mesh,
-                                         sites=sites),
-      "tensor_parallel": lambda: tp_sweep(tp_vars, dc, dk),
+    "cells": lambda: jd.patching_sweep(model, replicated, rc, rk, metric, mesh=mesh, sites=sites),
+    "tensor_parallel": lambda: tp_sweep(tp_vars, dc, dk),
   }
   grids = {name: jd.host_values(jd.wait(run(), timeout_s=600)) for name, run in runs.items()}
   positions = jax.make_array_from_callback(
-      (args.seq,), NamedSharding(mesh, P(("data", "model"))),
-      lambda index: np.arange(args.seq, dtype=np.int32)[index])
+    (args.seq,),
+    NamedSharding(mesh, P(("data", "model"))),
+    lambda index: np.arange(args.seq, dtype=np.int32)[index],
+  )
   hlo = {
-      "cells": jd._sharded_sweep.lower(model, replicated, rc, rk, positions, metric=metric,
-                                       sites=tuple(sites), mesh=mesh,
-                                       cell_axes=("data", "model")).compile().as_text(),
-      "tensor_parallel": tp_sweep.lower(tp_vars, dc, dk).compile().as_text(),
+    "cells": jd._sharded_sweep.lower(
+      model,
+      replicated,
+      rc,
+      rk,
+      positions,
+      metric=metric,
+      sites=tuple(sites),
+      mesh=mesh,
+      cell_axes=("data", "model"),
+    )
+    .compile()
+    .as_text(),
+    "tensor_parallel": tp_sweep.lower(tp_vars, dc, dk).compile().as_text(),
   }
   # Logical device i of a compiled program is mesh.devices.flat[i]; with one process
   # the "process" is the one the same device would have in the two-process job.
   flat = list(mesh.devices.flat)
-  process_of = ([d.process_index for d in flat] if args.processes > 1
-                else [i // 2 for i in range(len(flat))])
+  process_of = (
+    [d.process_index for d in flat] if args.processes > 1 else [i // 2 for i in range(len(flat))]
+  )
   fns = {name: (lambda run=run: jd.wait(run(), timeout_s=600)) for name, run in runs.items()}
   if args.processes == 1:
     # A cell's cost in plain forwards, on one device: the sweep / cells / a forward.
     forward = jax.jit(model.apply)
-    one_device = jax.jit(lambda v, c, k: jl.sweep.patching_sweep(model, v, c, k, metric,
-                                                                 sites=sites))
+    one_device = jax.jit(
+      lambda v, c, k: jl.sweep.patching_sweep(model, v, c, k, metric, sites=sites)
+    )
     fns["one_device_sweep"] = lambda: one_device(host_vars, clean, corrupt)
     fns["one_device_forward"] = lambda: forward(host_vars, corrupt)
   times = interleaved(fns, args.repeats)
   if jax.process_index() == 0:
-    Path(args.result).write_text(json.dumps({
-        "processes": args.processes, "devices": jax.device_count(), "cells": cells,
-        "median_s": {name: median(ts) for name, ts in times.items()}, "all_s": times,
-        "grids": {name: np.asarray(g).tolist() for name, g in grids.items()},
-        "collectives": {name: collectives(text, process_of) for name, text in hlo.items()},
-    }, indent=1))
+    Path(args.result).write_text(
+      json.dumps(
+        {
+          "processes": args.processes,
+          "devices": jax.device_count(),
+          "cells": cells,
+          "median_s": {name: median(ts) for name, ts in times.items()},
+          "all_s": times,
+          "grids": {name: np.asarray(g).tolist() for name, g in grids.items()},
+          "collectives": {name: collectives(text, process_of) for name, text in hlo.items()},
+        },
+        indent=1,
+      )
+    )
   jd.barrier("bench-done", timeout_s=120)
 
 
@@ -237,14 +284,34 @@ def _free_port() -> int:
 
 
 def _job(args, processes: int, result: Path) -> dict:
-  common = ["--role", "worker", "--processes", str(processes), "--result", str(result),
-            "--repeats", str(args.repeats), "--layers", str(args.layers),
-            "--d-model", str(args.d_model), "--seq", str(args.seq), "--batch", str(args.batch),
-            "--port", str(_free_port())]
+  common = [
+    "--role",
+    "worker",
+    "--processes",
+    str(processes),
+    "--result",
+    str(result),
+    "--repeats",
+    str(args.repeats),
+    "--layers",
+    str(args.layers),
+    "--d-model",
+    str(args.d_model),
+    "--seq",
+    str(args.seq),
+    "--batch",
+    str(args.batch),
+    "--port",
+    str(_free_port()),
+  ]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
-  procs = [subprocess.Popen([sys.executable, __file__, *common, "--process-id", str(i)],
-                            env=env, start_new_session=True) for i in range(processes)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, __file__, *common, "--process-id", str(i)], env=env, start_new_session=True
+    )
+    for i in range(processes)
+  ]
   end = time.monotonic() + args.timeout
   try:
     while time.monotonic() < end and any(p.poll() is None for p in procs):
@@ -260,8 +327,9 @@ def _job(args, processes: int, result: Path) -> dict:
   return json.loads(result.read_text())
 
 
-def estimate_7b(tiny_cell_over_forward: float, cross_bytes_per_cell: float,
-                activations_per_cell_layer: float) -> dict:
+def estimate_7b(
+  tiny_cell_over_forward: float, cross_bytes_per_cell: float, activations_per_cell_layer: float
+) -> dict:
   """A full layer x position sweep of a 7B Llama on 64 accelerators, written out.
 
   Llama-2-7B: 32 layers, d_model 4096, MLP 11008, 6.7e9 parameters, bfloat16; the sweep
@@ -298,17 +366,22 @@ def estimate_7b(tiny_cell_over_forward: float, cross_bytes_per_cell: float,
   chunk_bytes = chunk * (4 * activation + batch * 32 * seq * seq * bf16)
   intra = activations_per_cell_layer * cone * layers * activation / hosts
   return {
-      "cells": cells, "cells_per_device": per_device, "forward_s": forward_s,
-      "cell_over_forward": cone, "tiny_cell_over_forward_measured": tiny_cell_over_forward,
-      "cells_layout_s": per_device * cone * forward_s + 2 * forward_s,
-      "memory_per_device_gb": {"weights": params * bf16 / 1e9,
-                               "clean_trace_32_block_outputs": layers * activation / 1e9,
-                               "corrupt_trace_all_module_sites": layers * saved_per_layer / 1e9,
-                               f"replay_chunk_of_{chunk}": chunk_bytes / 1e9},
-      "cells_layout_bytes_per_cell": 4,
-      "tensor_parallel_cross_host_bytes_per_cell": cross_bytes_per_cell,
-      "tensor_parallel_intra_host_bytes_per_cell": intra,
-      "tensor_parallel_intra_host_s_at_450GBps": intra * cells / 450e9,
+    "cells": cells,
+    "cells_per_device": per_device,
+    "forward_s": forward_s,
+    "cell_over_forward": cone,
+    "tiny_cell_over_forward_measured": tiny_cell_over_forward,
+    "cells_layout_s": per_device * cone * forward_s + 2 * forward_s,
+    "memory_per_device_gb": {
+      "weights": params * bf16 / 1e9,
+      "clean_trace_32_block_outputs": layers * activation / 1e9,
+      "corrupt_trace_all_module_sites": layers * saved_per_layer / 1e9,
+      f"replay_chunk_of_{chunk}": chunk_bytes / 1e9,
+    },
+    "cells_layout_bytes_per_cell": 4,
+    "tensor_parallel_cross_host_bytes_per_cell": cross_bytes_per_cell,
+    "tensor_parallel_intra_host_bytes_per_cell": intra,
+    "tensor_parallel_intra_host_s_at_450GBps": intra * cells / 450e9,
   }
 
 
@@ -320,10 +393,12 @@ def main(argv=None) -> dict:
   import tempfile
 
   from benchmarks._timing import env_info, ratio, report, row
+
   with tempfile.TemporaryDirectory() as tmp:
     one = _job(args, 1, Path(tmp) / "one.json")
     two = _job(args, 2, Path(tmp) / "two.json")
   import numpy as np
+
   for name in one["grids"]:
     diff = float(np.max(np.abs(np.subtract(one["grids"][name], two["grids"][name]))))
     if diff > 1e-5:
@@ -333,46 +408,74 @@ def main(argv=None) -> dict:
   for name in two["median_s"]:
     cross = sum(c["cross_bytes"] for c in two["collectives"][name].values())
     within = sum(c["all_bytes"] - c["cross_bytes"] for c in two["collectives"][name].values())
-    per_cell[name] = {"cross_process_bytes": cross / cells, "within_process_bytes": within / cells,
-                      "collectives": {op: c["count"] for op, c in two["collectives"][name].items()
-                                      if c["count"]}}
-    rows.append(row(f"distributed_{name}", f"sweep, {name} layout: 2 processes x 2 devices / "
-                    "1 process x 4 devices", ratio(two["median_s"][name], one["median_s"][name]),
-                    candidate="2 x 2 (gloo)", baseline="1 x 4",
-                    candidate_value=two["median_s"][name], baseline_value=one["median_s"][name],
-                    note=f"{cross / cells:.0f} bytes per cell in collectives spanning processes, "
-                    f"{within / cells:.0f} in collectives within one"))
+    per_cell[name] = {
+      "cross_process_bytes": cross / cells,
+      "within_process_bytes": within / cells,
+      "collectives": {op: c["count"] for op, c in two["collectives"][name].items() if c["count"]},
+    }
+    rows.append(
+      row(
+        f"distributed_{name}",
+        f"sweep, {name} layout: 2 processes x 2 devices / 1 process x 4 devices",
+        ratio(two["median_s"][name], one["median_s"][name]),
+        candidate="2 x 2 (gloo)",
+        baseline="1 x 4",
+        candidate_value=two["median_s"][name],
+        baseline_value=one["median_s"][name],
+        note=f"{cross / cells:.0f} bytes per cell in collectives spanning processes, "
+        f"{within / cells:.0f} in collectives within one",
+      )
+    )
   med = one["median_s"]
   activation = args.batch * args.seq * args.d_model * 4
   estimate = estimate_7b(
-      tiny_cell_over_forward=med["one_device_sweep"] / cells / med["one_device_forward"],
-      cross_bytes_per_cell=per_cell["tensor_parallel"]["cross_process_bytes"],
-      activations_per_cell_layer=per_cell["tensor_parallel"]["within_process_bytes"]
-      / activation / args.layers)
+    tiny_cell_over_forward=med["one_device_sweep"] / cells / med["one_device_forward"],
+    cross_bytes_per_cell=per_cell["tensor_parallel"]["cross_process_bytes"],
+    activations_per_cell_layer=per_cell["tensor_parallel"]["within_process_bytes"]
+    / activation
+    / args.layers,
+  )
   result = {
-      "benchmark": "distributed", "title": "one sweep, 1 process x 4 devices vs 2 x 2",
-      "config": {"layers": args.layers, "d_model": args.d_model, "seq": args.seq,
-                 "batch": args.batch, "repeats": args.repeats, "cells": cells},
-      "env": env_info(), "rows": rows, "one": one, "two": two, "per_cell": per_cell,
-      "estimate_7b_64": estimate,
+    "benchmark": "distributed",
+    "title": "one sweep, 1 process x 4 devices vs 2 x 2",
+    "config": {
+      "layers": args.layers,
+      "d_model": args.d_model,
+      "seq": args.seq,
+      "batch": args.batch,
+      "repeats": args.repeats,
+      "cells": cells,
+    },
+    "env": env_info(),
+    "rows": rows,
+    "one": one,
+    "two": two,
+    "per_cell": per_cell,
+    "estimate_7b_64": estimate,
   }
   header = "| layout | 1x4 s | 2x2 s | ratio | B/cell across processes | B/cell within |"
   lines = [result["title"], "", header, "|---|---|---|---|---|---|"]
   for r in rows:
     name = r["key"].removeprefix("distributed_")
-    lines.append(f"| {name} | {r['baseline_value']:.4f} | {r['candidate_value']:.4f} | "
-                 f"{r['value']:.2f} | {per_cell[name]['cross_process_bytes']:.0f} | "
-                 f"{per_cell[name]['within_process_bytes']:.0f} |")
+    lines.append(
+      f"| {name} | {r['baseline_value']:.4f} | {r['candidate_value']:.4f} | "
+      f"{r['value']:.2f} | {per_cell[name]['cross_process_bytes']:.0f} | "
+      f"{per_cell[name]['within_process_bytes']:.0f} |"
+    )
   lines.append("")
   e = estimate
-  lines.append(f"7B Llama, 32 layers x 512 positions, batch 8, on 64 devices (cells layout): "
-               f"{e['cells_layout_s']:.0f} s, {e['cells_per_device']:.0f} cells per device; "
-               f"memory per device (GB): " + ", ".join(
-                   f"{k} {v:.1f}" for k, v in e["memory_per_device_gb"].items()))
-  lines.append(f"tensor-parallel layout: {e['tensor_parallel_cross_host_bytes_per_cell']:.0f} B "
-               f"across hosts and {e['tensor_parallel_intra_host_bytes_per_cell'] / 1e6:.0f} MB "
-               f"within a host per cell, {e['tensor_parallel_intra_host_s_at_450GBps']:.0f} s "
-               "of NVLink transfer")
+  lines.append(
+    f"7B Llama, 32 layers x 512 positions, batch 8, on 64 devices (cells layout): "
+    f"{e['cells_layout_s']:.0f} s, {e['cells_per_device']:.0f} cells per device; "
+    f"memory per device (GB): "
+    + ", ".join(f"{k} {v:.1f}" for k, v in e["memory_per_device_gb"].items())
+  )
+  lines.append(
+    f"tensor-parallel layout: {e['tensor_parallel_cross_host_bytes_per_cell']:.0f} B "
+    f"across hosts and {e['tensor_parallel_intra_host_bytes_per_cell'] / 1e6:.0f} MB "
+    f"within a host per cell, {e['tensor_parallel_intra_host_s_at_450GBps']:.0f} s "
+    "of NVLink transfer"
+  )
   return report(result, "\n".join(lines), args.out)
 
 

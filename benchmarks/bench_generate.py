@@ -88,18 +88,29 @@ def measure_generation(lm, args) -> dict:
     for t in range(n):
       nxt = jnp.argmax(forward(variables, seq)[:, prompt.shape[1] + t - 1], -1)
       seq = seq.at[:, prompt.shape[1] + t].set(nxt.astype(jnp.int32))
-    return seq[:, prompt.shape[1]:]
+    return seq[:, prompt.shape[1] :]
 
-  first = {name: timed(fn)[0] for name, fn in
-           (("plain", plain), ("steered", steered), ("uncached", uncached))}
+  first = {
+    name: timed(fn)[0]
+    for name, fn in (("plain", plain), ("steered", steered), ("uncached", uncached))
+  }
   same = bool((plain() == uncached()).all())
-  times = interleaved({"plain": plain, "steered": steered, "uncached": uncached},
-                      args.repeats, args.warmup)
+  times = interleaved(
+    {"plain": plain, "steered": steered, "uncached": uncached}, args.repeats, args.warmup
+  )
   med = {k: median(v) for k, v in times.items()}
-  out = {"new_tokens": n, "prompt_tokens": int(prompt.shape[1]), "median_s": med,
-         "all_s": times, "first_call_s": first, "cached_equals_uncached": same,
-         "tokens_per_s": n / med["plain"], "text": lm.decode(plain()),
-         "steered_text": lm.decode(steered()), "total_len": total}
+  out = {
+    "new_tokens": n,
+    "prompt_tokens": int(prompt.shape[1]),
+    "median_s": med,
+    "all_s": times,
+    "first_call_s": first,
+    "cached_equals_uncached": same,
+    "tokens_per_s": n / med["plain"],
+    "text": lm.decode(plain()),
+    "steered_text": lm.decode(steered()),
+    "total_len": total,
+  }
   if not args.no_torch:
     out["torch"] = measure_torch(lm, prompt, n, plain())
   return out
@@ -120,26 +131,39 @@ def measure_torch(lm, prompt, n, ours) -> dict:
 
   def run():
     with torch.no_grad():
-      return hf.generate(ids, max_new_tokens=n, do_sample=False,
-                         pad_token_id=0)[:, ids.shape[1]:]
+      return hf.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)[:, ids.shape[1] :]
+
   first, tokens = timed(run)
   times = interleaved({"torch": run}, 3, 1)["torch"]
-  return {"threads": torch.get_num_threads(), "median_s": median(times), "all_s": times,
-          "first_call_s": first, "tokens_per_s": n / median(times),
-          "same_tokens": bool((tokens.numpy() == np.asarray(ours)).all())}
+  return {
+    "threads": torch.get_num_threads(),
+    "median_s": median(times),
+    "all_s": times,
+    "first_call_s": first,
+    "tokens_per_s": n / median(times),
+    "same_tokens": bool((tokens.numpy() == np.asarray(ours)).all()),
+  }
 
 
 def _hf_llama(lm, torch, transformers):
   """transformers' LlamaForCausalLM holding the zoo model's weights (the zoo's HF name map,
   inverted: kernels transposed back)."""
   from jaxlens.models.loading import _llama_map, _t
+
   cfg = lm.config
   hf_cfg = transformers.LlamaConfig(
-      vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_mlp,
-      num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-      num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.d_head, rms_norm_eps=cfg.norm_eps,
-      rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
-      tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=cfg.max_len)
+    vocab_size=cfg.vocab_size,
+    hidden_size=cfg.d_model,
+    intermediate_size=cfg.d_mlp,
+    num_hidden_layers=cfg.n_layers,
+    num_attention_heads=cfg.n_heads,
+    num_key_value_heads=cfg.n_kv_heads,
+    head_dim=cfg.d_head,
+    rms_norm_eps=cfg.norm_eps,
+    rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
+    tie_word_embeddings=cfg.tie_embeddings,
+    max_position_embeddings=cfg.max_len,
+  )
   hf = transformers.LlamaForCausalLM(hf_cfg).float().eval()
   state = {}
   for path, name, fn in _llama_map(cfg):
@@ -168,82 +192,132 @@ def measure_sweeps(lm, args) -> dict:
     return jl.sweep.cone_sweep(model, variables, clean, corrupt, last_logit_diff)
 
   def plain():
-    return jl.sweep.patching_sweep(model, variables, clean, corrupt, last_logit_diff,
-                                   sites=sites)
+    return jl.sweep.patching_sweep(model, variables, clean, corrupt, last_logit_diff, sites=sites)
 
   forward = jax.jit(lambda v, s: model.apply(v, s))
   first = {}
-  for name, fn in (("cone", cone), ("plain", plain), ("forward", lambda: forward(variables,
-                                                                                  corrupt))):
+  for name, fn in (
+    ("cone", cone),
+    ("plain", plain),
+    ("forward", lambda: forward(variables, corrupt)),
+  ):
     first[name], value = timed(fn)
     if name == "cone":
       grid_cone = value
     elif name == "plain":
       grid_plain = value
   diff = float(jnp.abs(grid_cone - grid_plain).max())
-  times = interleaved({"cone": cone, "plain": plain, "forward": lambda: forward(variables,
-                                                                                 corrupt)},
-                      args.repeats, args.warmup)
+  times = interleaved(
+    {"cone": cone, "plain": plain, "forward": lambda: forward(variables, corrupt)},
+    args.repeats,
+    args.warmup,
+  )
   med = {k: median(v) for k, v in times.items()}
   f = _flops(cfg, seq, seq)
   forward_flops = seq * (cfg.n_layers * f["block"] + f["unembed"])
-  later = sum(cfg.n_layers - 1 - k for k in layers)          # blocks after each cell's layer
-  cells_per_layer_plain = seq * seq                             # tokens per layer, all cells
+  later = sum(cfg.n_layers - 1 - k for k in layers)  # blocks after each cell's layer
+  cells_per_layer_plain = seq * seq  # tokens per layer, all cells
   cells_per_layer_cone = sum(seq - p for p in range(seq))
   plain_flops = later * cells_per_layer_plain * f["block"] + len(layers) * seq * seq * f["unembed"]
-  cone_flops = later * cells_per_layer_cone * f["block"] + len(layers) * cells_per_layer_cone * \
-      f["unembed"]
+  cone_flops = (
+    later * cells_per_layer_cone * f["block"] + len(layers) * cells_per_layer_cone * f["unembed"]
+  )
   rate = forward_flops / med["forward"]
-  return {"layers": len(layers), "positions": seq, "median_s": med, "all_s": times,
-          "first_call_s": first, "max_abs_diff": diff,
-          "flops": {"forward": forward_flops, "plain": plain_flops, "cone": cone_flops},
-          "plain_over_floor": med["plain"] / (plain_flops / rate),
-          "cone_over_floor": med["cone"] / (cone_flops / rate),
-          "cone_over_plain": ratio(med["cone"], med["plain"])}
+  return {
+    "layers": len(layers),
+    "positions": seq,
+    "median_s": med,
+    "all_s": times,
+    "first_call_s": first,
+    "max_abs_diff": diff,
+    "flops": {"forward": forward_flops, "plain": plain_flops, "cone": cone_flops},
+    "plain_over_floor": med["plain"] / (plain_flops / rate),
+    "cone_over_floor": med["cone"] / (cone_flops / rate),
+    "cone_over_plain": ratio(med["cone"], med["plain"]),
+  }
 
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
   from jaxlens.models import smollm2
+
   lm = smollm2()
   g = measure_generation(lm, args)
   rows = [
-      row("generate_steer", f"jl.generate, {g['new_tokens']} tokens: steering every token / none",
-          ratio(g["median_s"]["steered"], g["median_s"]["plain"]), target=("<=", 1.03),
-          candidate="intervene=jl.steer at one resid_post", baseline="no edit",
-          candidate_value=g["median_s"]["steered"], baseline_value=g["median_s"]["plain"]),
-      row("generate_cache", f"greedy, {g['new_tokens']} tokens: uncached full forward per token "
-          "/ KV-cache decode", ratio(g["median_s"]["uncached"], g["median_s"]["plain"]),
-          target=(">=", 10.0), kind="speedup", candidate="jl.generate",
-          baseline="jitted full forward per token", candidate_value=g["median_s"]["plain"],
-          baseline_value=g["median_s"]["uncached"]),
+    row(
+      "generate_steer",
+      f"jl.generate, {g['new_tokens']} tokens: steering every token / none",
+      ratio(g["median_s"]["steered"], g["median_s"]["plain"]),
+      target=("<=", 1.03),
+      candidate="intervene=jl.steer at one resid_post",
+      baseline="no edit",
+      candidate_value=g["median_s"]["steered"],
+      baseline_value=g["median_s"]["plain"],
+    ),
+    row(
+      "generate_cache",
+      f"greedy, {g['new_tokens']} tokens: uncached full forward per token / KV-cache decode",
+      ratio(g["median_s"]["uncached"], g["median_s"]["plain"]),
+      target=(">=", 10.0),
+      kind="speedup",
+      candidate="jl.generate",
+      baseline="jitted full forward per token",
+      candidate_value=g["median_s"]["plain"],
+      baseline_value=g["median_s"]["uncached"],
+    ),
   ]
   torch_g = g.get("torch") or {}
   if "tokens_per_s" in torch_g:
-    rows.append(row("generate_vs_torch", "greedy tokens/s: jl.generate / transformers generate",
-                    ratio(g["tokens_per_s"], torch_g["tokens_per_s"]), kind="speedup",
-                    candidate=f"{g['tokens_per_s']:.1f} tok/s",
-                    baseline=f"{torch_g['tokens_per_s']:.1f} tok/s "
-                             f"({torch_g['threads']} torch threads)",
-                    candidate_value=g["median_s"]["plain"], baseline_value=torch_g["median_s"]))
+    rows.append(
+      row(
+        "generate_vs_torch",
+        "greedy tokens/s: jl.generate / transformers generate",
+        ratio(g["tokens_per_s"], torch_g["tokens_per_s"]),
+        kind="speedup",
+        candidate=f"{g['tokens_per_s']:.1f} tok/s",
+        baseline=f"{torch_g['tokens_per_s']:.1f} tok/s ({torch_g['threads']} torch threads)",
+        candidate_value=g["median_s"]["plain"],
+        baseline_value=torch_g["median_s"],
+      )
+    )
   s = None
   if not args.no_sweep:
     s = measure_sweeps(lm, args)
     shape = f"{s['layers']} layers x {s['positions']} positions"
     rows += [
-        row("cone_sweep", f"SmolLM2 sweep ({shape}): cone / plain", s["cone_over_plain"],
-            target=("<=", 0.6), candidate="jl.sweep.cone_sweep",
-            baseline="jl.sweep.patching_sweep", candidate_value=s["median_s"]["cone"],
-            baseline_value=s["median_s"]["plain"]),
-        row("cone_sweep_floor", "cone sweep / its arithmetic floor", s["cone_over_floor"],
-            note="floor: the FLOPs the cells recompute, at one plain forward's FLOP rate"),
-        row("plain_sweep_floor", "plain sweep / its arithmetic floor", s["plain_over_floor"]),
+      row(
+        "cone_sweep",
+        f"SmolLM2 sweep ({shape}): cone / plain",
+        s["cone_over_plain"],
+        target=("<=", 0.6),
+        candidate="jl.sweep.cone_sweep",
+        baseline="jl.sweep.patching_sweep",
+        candidate_value=s["median_s"]["cone"],
+        baseline_value=s["median_s"]["plain"],
+      ),
+      row(
+        "cone_sweep_floor",
+        "cone sweep / its arithmetic floor",
+        s["cone_over_floor"],
+        note="floor: the FLOPs the cells recompute, at one plain forward's FLOP rate",
+      ),
+      row("plain_sweep_floor", "plain sweep / its arithmetic floor", s["plain_over_floor"]),
     ]
-  result = {"benchmark": "generate", "title": "generation with a KV cache; causal-cone sweep",
-            "config": {"model": "SmolLM2-135M-Instruct (Q4_1 dequantised, float32)",
-                       "new_tokens": args.new, "positions": args.positions,
-                       "repeats": args.repeats, "cpu_threads": os.cpu_count()},
-            "env": env_info(), "rows": rows, "generation": g, "sweep": s}
+  result = {
+    "benchmark": "generate",
+    "title": "generation with a KV cache; causal-cone sweep",
+    "config": {
+      "model": "SmolLM2-135M-Instruct (Q4_1 dequantised, float32)",
+      "new_tokens": args.new,
+      "positions": args.positions,
+      "repeats": args.repeats,
+      "cpu_threads": os.cpu_count(),
+    },
+    "env": env_info(),
+    "rows": rows,
+    "generation": g,
+    "sweep": s,
+  }
   table = "\n".join(f"{r['key']:>20}: {r['value']!s:>8}  {r['measure']}" for r in rows)
   return report(result, table, args.out)
 

@@ -47,8 +47,18 @@ import numpy as np  # noqa: E402
 
 import jaxlens as jl  # noqa: E402
 from benchmarks import _setup  # noqa: E402
-from benchmarks._timing import (aot_times, canonical_hlo, env_info, interleaved,  # noqa: E402
-                                max_abs_diff, median, ratio, row, timed, report)
+from benchmarks._timing import (
+  aot_times,
+  canonical_hlo,
+  env_info,
+  interleaved,  # noqa: E402
+  max_abs_diff,
+  median,
+  ratio,
+  row,
+  timed,
+  report,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "live_edit.json"
 MAGNITUDE = 2.0
@@ -57,12 +67,21 @@ MAGNITUDE = 2.0
 def parse_args(argv=None):
   p = _setup.parser(__doc__, repeats=30, out=str(DEFAULT_OUT))
   p.set_defaults(warmup=3)
-  p.add_argument("--compile-repeats", type=int, default=5,
-                 help="fresh trace+compile measurements of each (after the first call)")
-  p.add_argument("--no-warmup-compile", dest="warmup_compile", action="store_false",
-                 help="skip compiling an unedited step before the measured first calls")
-  p.add_argument("--hlo-dir", default="",
-                 help="if set, write both optimised HLO texts there for diffing")
+  p.add_argument(
+    "--compile-repeats",
+    type=int,
+    default=5,
+    help="fresh trace+compile measurements of each (after the first call)",
+  )
+  p.add_argument(
+    "--no-warmup-compile",
+    dest="warmup_compile",
+    action="store_false",
+    help="skip compiling an unedited step before the measured first calls",
+  )
+  p.add_argument(
+    "--hlo-dir", default="", help="if set, write both optimised HLO texts there for diffing"
+  )
   return p.parse_args(argv)
 
 
@@ -78,6 +97,7 @@ def make_jaxlens_loss(model, site):
   def jaxlens_loss(variables, tokens, direction):
     spec = jl.when(jl.module(site), jl.steer(direction, MAGNITUDE, feature_axis=-1))
     return loss_from_logits(spec.bind(model)(variables, tokens), tokens)
+
   return jaxlens_loss
 
 
@@ -94,6 +114,7 @@ def make_hand_loss(model, site):
     with nn.intercept_methods(interceptor):
       logits = model.apply(variables, tokens)
     return loss_from_logits(logits, tokens)
+
   return hand_loss
 
 
@@ -101,6 +122,7 @@ def make_plain_loss(model):
   def plain_loss(variables, tokens, direction):
     del direction
     return loss_from_logits(model.apply(variables, tokens), tokens)
+
   return plain_loss
 
 
@@ -117,9 +139,13 @@ def _aot(fn, args):
 
 def _diff_lines(a: str, b: str, limit: int = 20) -> list[str]:
   """The lines of a unified diff of ``a`` (jaxlens) against ``b`` (hand), without headers."""
-  lines = [ln for ln in difflib.unified_diff(b.splitlines(), a.splitlines(), "hand", "jaxlens",
-                                             n=0, lineterm="")
-           if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+  lines = [
+    ln
+    for ln in difflib.unified_diff(
+      b.splitlines(), a.splitlines(), "hand", "jaxlens", n=0, lineterm=""
+    )
+    if ln[:1] in "+-" and not ln.startswith(("+++", "---"))
+  ]
   return lines[:limit]
 
 
@@ -132,8 +158,8 @@ def main(argv=None) -> dict:
   call_args = (variables, tokens, direction)
 
   fns = {
-      "jaxlens": make_jaxlens_loss(model, site),
-      "hand": make_hand_loss(model, site),
+    "jaxlens": make_jaxlens_loss(model, site),
+    "hand": make_hand_loss(model, site),
   }
   steps = {name: jax.jit(jax.value_and_grad(fn)) for name, fn in fns.items()}
 
@@ -154,9 +180,11 @@ def main(argv=None) -> dict:
   loss_diff = abs(float(loss_jl) - float(loss_hand))
   grad_diff = max_abs_diff(grads_jl, grads_hand)
   np.testing.assert_allclose(np.asarray(loss_jl), np.asarray(loss_hand), rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
-                                                       rtol=1e-5, atol=1e-7),
-               grads_jl, grads_hand)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7),
+    grads_jl,
+    grads_hand,
+  )
 
   # Fresh trace/lower and compile times, alternating the order; the programs' texts.
   lower_s = {"jaxlens": [], "hand": []}
@@ -182,73 +210,110 @@ def main(argv=None) -> dict:
       Path(args.hlo_dir, f"{n}.hlo.txt").write_text(hlo[n])
 
   # Steady state: warm-up calls discarded, then alternate which runs first each round.
-  times = interleaved({name: (lambda name=name: steps[name](*call_args))
-                       for name in ("hand", "jaxlens")}, args.repeats, args.warmup)
+  times = interleaved(
+    {name: (lambda name=name: steps[name](*call_args)) for name in ("hand", "jaxlens")},
+    args.repeats,
+    args.warmup,
+  )
 
   med = {n: median(ts) for n, ts in times.items()}
   first = first_call
-  comp = {n: None if not lower_s[n] else median(lower_s[n]) + median(compile_s[n])
-          for n in fns}
+  comp = {n: None if not lower_s[n] else median(lower_s[n]) + median(compile_s[n]) for n in fns}
   rows = [
-      row("live_edit_step", "jitted train step with a live edit / the same edit by hand",
-          ratio(med["jaxlens"], med["hand"]), target=("<=", 1.05),
-          candidate="jl.when(site, jl.steer(d, 2.0)).bind(model)",
-          baseline="nn.intercept_methods interceptor", candidate_value=med["jaxlens"],
-          baseline_value=med["hand"]),
-      row("live_edit_first_call", "first call (trace + compile + run) of that step",
-          ratio(first["jaxlens"], first["hand"]), candidate="jaxlens step",
-          baseline="hand step", candidate_value=first["jaxlens"],
-          baseline_value=first["hand"]),
+    row(
+      "live_edit_step",
+      "jitted train step with a live edit / the same edit by hand",
+      ratio(med["jaxlens"], med["hand"]),
+      target=("<=", 1.05),
+      candidate="jl.when(site, jl.steer(d, 2.0)).bind(model)",
+      baseline="nn.intercept_methods interceptor",
+      candidate_value=med["jaxlens"],
+      baseline_value=med["hand"],
+    ),
+    row(
+      "live_edit_first_call",
+      "first call (trace + compile + run) of that step",
+      ratio(first["jaxlens"], first["hand"]),
+      candidate="jaxlens step",
+      baseline="hand step",
+      candidate_value=first["jaxlens"],
+      baseline_value=first["hand"],
+    ),
   ]
   if comp["jaxlens"] is not None:
-    rows.append(row("live_edit_compile", "trace + lower + XLA compile of that step (fresh)",
-                    ratio(comp["jaxlens"], comp["hand"]), candidate="jaxlens step",
-                    baseline="hand step", candidate_value=comp["jaxlens"],
-                    baseline_value=comp["hand"]))
+    rows.append(
+      row(
+        "live_edit_compile",
+        "trace + lower + XLA compile of that step (fresh)",
+        ratio(comp["jaxlens"], comp["hand"]),
+        candidate="jaxlens step",
+        baseline="hand step",
+        candidate_value=comp["jaxlens"],
+        baseline_value=comp["hand"],
+      )
+    )
   result = {
-      "benchmark": "live_edit",
-      "config": {
-          "size": args.size, "batch": args.batch, "seq": model.max_len,
-          "n_layers": model.n_layers, "d_model": model.d_model, "n_heads": model.n_heads,
-          "vocab_size": model.vocab_size, "dtype": "float32", "site": site,
-          "edit": f"jl.steer(direction, {MAGNITUDE}, feature_axis=-1)", "repeats": args.repeats,
-          "warmup": args.warmup, "compile_repeats": args.compile_repeats,
-          "workload": "jit(value_and_grad(next-token cross-entropy)) w.r.t. all variables",
+    "benchmark": "live_edit",
+    "config": {
+      "size": args.size,
+      "batch": args.batch,
+      "seq": model.max_len,
+      "n_layers": model.n_layers,
+      "d_model": model.d_model,
+      "n_heads": model.n_heads,
+      "vocab_size": model.vocab_size,
+      "dtype": "float32",
+      "site": site,
+      "edit": f"jl.steer(direction, {MAGNITUDE}, feature_axis=-1)",
+      "repeats": args.repeats,
+      "warmup": args.warmup,
+      "compile_repeats": args.compile_repeats,
+      "workload": "jit(value_and_grad(next-token cross-entropy)) w.r.t. all variables",
+    },
+    "env": env_info(),
+    "rows": rows,
+    "runtime_s": {
+      "jaxlens_median": med["jaxlens"],
+      "hand_median": med["hand"],
+      "jaxlens_min": min(times["jaxlens"]),
+      "hand_min": min(times["hand"]),
+      "jaxlens_all": times["jaxlens"],
+      "hand_all": times["hand"],
+    },
+    "runtime_ratio": med["jaxlens"] / med["hand"],
+    "compile_s": {
+      "jaxlens_first_call": first["jaxlens"],
+      "hand_first_call": first["hand"],
+      "jaxlens_trace_lower_median": median(lower_s["jaxlens"]),
+      "hand_trace_lower_median": median(lower_s["hand"]),
+      "jaxlens_compile_median": median(compile_s["jaxlens"]),
+      "hand_compile_median": median(compile_s["hand"]),
+      "jaxlens_trace_lower_all": lower_s["jaxlens"],
+      "hand_trace_lower_all": lower_s["hand"],
+      "jaxlens_compile_all": compile_s["jaxlens"],
+      "hand_compile_all": compile_s["hand"],
+    },
+    "compile_ratio_first_call": first["jaxlens"] / first["hand"],
+    "compile_ratio_fresh": ratio(comp["jaxlens"], comp["hand"]),
+    "check": {
+      "loss_jaxlens": float(loss_jl),
+      "loss_hand": float(loss_hand),
+      "loss_unedited": float(loss_plain),
+      "loss_max_abs_diff": loss_diff,
+      "grad_max_abs_diff": grad_diff,
+      "allclose_rtol": 1e-5,
+    },
+    "programs": {
+      "stablehlo_identical": stablehlo["jaxlens"] == stablehlo["hand"],
+      "optimized_hlo_identical": hlo["jaxlens"] == hlo["hand"],
+      "optimized_hlo_sha256": {
+        n: hashlib.sha256(t.encode()).hexdigest()[:16] for n, t in hlo.items()
       },
-      "env": env_info(),
-      "rows": rows,
-      "runtime_s": {
-          "jaxlens_median": med["jaxlens"], "hand_median": med["hand"],
-          "jaxlens_min": min(times["jaxlens"]), "hand_min": min(times["hand"]),
-          "jaxlens_all": times["jaxlens"], "hand_all": times["hand"],
-      },
-      "runtime_ratio": med["jaxlens"] / med["hand"],
-      "compile_s": {
-          "jaxlens_first_call": first["jaxlens"], "hand_first_call": first["hand"],
-          "jaxlens_trace_lower_median": median(lower_s["jaxlens"]),
-          "hand_trace_lower_median": median(lower_s["hand"]),
-          "jaxlens_compile_median": median(compile_s["jaxlens"]),
-          "hand_compile_median": median(compile_s["hand"]),
-          "jaxlens_trace_lower_all": lower_s["jaxlens"], "hand_trace_lower_all": lower_s["hand"],
-          "jaxlens_compile_all": compile_s["jaxlens"], "hand_compile_all": compile_s["hand"],
-      },
-      "compile_ratio_first_call": first["jaxlens"] / first["hand"],
-      "compile_ratio_fresh": ratio(comp["jaxlens"], comp["hand"]),
-      "check": {
-          "loss_jaxlens": float(loss_jl), "loss_hand": float(loss_hand),
-          "loss_unedited": float(loss_plain), "loss_max_abs_diff": loss_diff,
-          "grad_max_abs_diff": grad_diff, "allclose_rtol": 1e-5,
-      },
-      "programs": {
-          "stablehlo_identical": stablehlo["jaxlens"] == stablehlo["hand"],
-          "optimized_hlo_identical": hlo["jaxlens"] == hlo["hand"],
-          "optimized_hlo_sha256": {n: hashlib.sha256(t.encode()).hexdigest()[:16]
-                                   for n, t in hlo.items()},
-          "stablehlo_lines": {n: t.count("\n") for n, t in stablehlo.items()},
-          "optimized_hlo_lines": {n: t.count("\n") for n, t in hlo.items()},
-          "stablehlo_diff": _diff_lines(stablehlo["jaxlens"], stablehlo["hand"]),
-          "optimized_hlo_diff": _diff_lines(hlo["jaxlens"], hlo["hand"]),
-      },
+      "stablehlo_lines": {n: t.count("\n") for n, t in stablehlo.items()},
+      "optimized_hlo_lines": {n: t.count("\n") for n, t in hlo.items()},
+      "stablehlo_diff": _diff_lines(stablehlo["jaxlens"], stablehlo["hand"]),
+      "optimized_hlo_diff": _diff_lines(hlo["jaxlens"], hlo["hand"]),
+    },
   }
 
   table = format_table(result)
@@ -263,38 +328,38 @@ def format_table(r: dict) -> str:
   c, rt, cs = r["config"], r["runtime_s"], r["compile_s"]
   ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
   lines = [
-      f"live edit `{c['edit']}` at `{c['site']}`: GPT {c['n_layers']} layers, d_model "
-      f"{c['d_model']}, batch {c['batch']}, seq {c['seq']}; {c['workload']}; "
-      f"{r['env']['backend']} ({r['env']['device']}), jax {r['env']['jax']}",
-      "",
-      "| measure | jaxlens | hand (`nn.intercept_methods`) | ratio jaxlens/hand |",
-      "|---|---|---|---|",
-      f"| step, median of {c['repeats']} | {ms(rt['jaxlens_median'])} | "
-      f"{ms(rt['hand_median'])} | {r['runtime_ratio']:.3f} |",
-      f"| step, min | {ms(rt['jaxlens_min'])} | {ms(rt['hand_min'])} | "
-      f"{rt['jaxlens_min'] / rt['hand_min']:.3f} |",
-      f"| first call (trace+compile+run) | {cs['jaxlens_first_call']:.3f} s | "
-      f"{cs['hand_first_call']:.3f} s | {r['compile_ratio_first_call']:.3f} |",
-      "",
-      f"loss: jaxlens {r['check']['loss_jaxlens']:.6f}, hand {r['check']['loss_hand']:.6f} "
-      f"(unedited {r['check']['loss_unedited']:.6f}); max abs diff: loss "
-      f"{r['check']['loss_max_abs_diff']:.3g}, gradients {r['check']['grad_max_abs_diff']:.3g}",
-      f"compiled programs identical (optimised HLO, metadata stripped): "
-      f"{r['programs']['optimized_hlo_identical']}; StableHLO identical: "
-      f"{r['programs']['stablehlo_identical']}",
+    f"live edit `{c['edit']}` at `{c['site']}`: GPT {c['n_layers']} layers, d_model "
+    f"{c['d_model']}, batch {c['batch']}, seq {c['seq']}; {c['workload']}; "
+    f"{r['env']['backend']} ({r['env']['device']}), jax {r['env']['jax']}",
+    "",
+    "| measure | jaxlens | hand (`nn.intercept_methods`) | ratio jaxlens/hand |",
+    "|---|---|---|---|",
+    f"| step, median of {c['repeats']} | {ms(rt['jaxlens_median'])} | "
+    f"{ms(rt['hand_median'])} | {r['runtime_ratio']:.3f} |",
+    f"| step, min | {ms(rt['jaxlens_min'])} | {ms(rt['hand_min'])} | "
+    f"{rt['jaxlens_min'] / rt['hand_min']:.3f} |",
+    f"| first call (trace+compile+run) | {cs['jaxlens_first_call']:.3f} s | "
+    f"{cs['hand_first_call']:.3f} s | {r['compile_ratio_first_call']:.3f} |",
+    "",
+    f"loss: jaxlens {r['check']['loss_jaxlens']:.6f}, hand {r['check']['loss_hand']:.6f} "
+    f"(unedited {r['check']['loss_unedited']:.6f}); max abs diff: loss "
+    f"{r['check']['loss_max_abs_diff']:.3g}, gradients {r['check']['grad_max_abs_diff']:.3g}",
+    f"compiled programs identical (optimised HLO, metadata stripped): "
+    f"{r['programs']['optimized_hlo_identical']}; StableHLO identical: "
+    f"{r['programs']['stablehlo_identical']}",
   ]
   if cs["jaxlens_compile_median"] is not None:
     lines[-3:-3] = [
-        f"| trace+lower, median of {c['compile_repeats']} fresh | "
-        f"{cs['jaxlens_trace_lower_median']:.3f} s | {cs['hand_trace_lower_median']:.3f} s | "
-        f"{cs['jaxlens_trace_lower_median'] / cs['hand_trace_lower_median']:.3f} |",
-        f"| XLA compile, median of {c['compile_repeats']} fresh | "
-        f"{cs['jaxlens_compile_median']:.3f} s | {cs['hand_compile_median']:.3f} s | "
-        f"{cs['jaxlens_compile_median'] / cs['hand_compile_median']:.3f} |",
-        f"| trace+lower+compile, sum of medians | "
-        f"{cs['jaxlens_trace_lower_median'] + cs['jaxlens_compile_median']:.3f} s | "
-        f"{cs['hand_trace_lower_median'] + cs['hand_compile_median']:.3f} s | "
-        f"{r['compile_ratio_fresh']:.3f} |",
+      f"| trace+lower, median of {c['compile_repeats']} fresh | "
+      f"{cs['jaxlens_trace_lower_median']:.3f} s | {cs['hand_trace_lower_median']:.3f} s | "
+      f"{cs['jaxlens_trace_lower_median'] / cs['hand_trace_lower_median']:.3f} |",
+      f"| XLA compile, median of {c['compile_repeats']} fresh | "
+      f"{cs['jaxlens_compile_median']:.3f} s | {cs['hand_compile_median']:.3f} s | "
+      f"{cs['jaxlens_compile_median'] / cs['hand_compile_median']:.3f} |",
+      f"| trace+lower+compile, sum of medians | "
+      f"{cs['jaxlens_trace_lower_median'] + cs['jaxlens_compile_median']:.3f} s | "
+      f"{cs['hand_trace_lower_median'] + cs['hand_compile_median']:.3f} s | "
+      f"{r['compile_ratio_fresh']:.3f} |",
     ]
   return "\n".join(lines)
 

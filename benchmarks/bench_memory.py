@@ -45,13 +45,17 @@ from benchmarks._timing import env_info, max_abs_diff, memory_bytes, ratio, row 
 from benchmarks._timing import report  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "memory.json"
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def parse_args(argv=None):
   p = _setup.parser(__doc__, repeats=0, out=str(DEFAULT_OUT))
-  p.add_argument("--no-eager", dest="eager", action="store_false",
-                 help="skip the eager jl.trace (slow: one dispatch per op)")
+  p.add_argument(
+    "--no-eager",
+    dest="eager",
+    action="store_false",
+    help="skip the eager jl.trace (slow: one dispatch per op)",
+  )
   return p.parse_args(argv)
 
 
@@ -67,13 +71,14 @@ def make_fns(model, site: str) -> dict:
     return t.output, t.values
 
   return {
-      "plain": model.apply,
-      "trace_one_site": lambda v, x: jl.trace(model, v, x, save=one, keep_inputs=False),
-      "trace_one_site_with_inputs": lambda v, x: jl.trace(model, v, x, save=one),
-      "trace_one_site_values": one_values,
-      "trace_all_sites_values": all_values,
-      "flax_capture": lambda v, x: model.apply(v, x, capture_intermediates=True,
-                                               mutable=["intermediates"]),
+    "plain": model.apply,
+    "trace_one_site": lambda v, x: jl.trace(model, v, x, save=one, keep_inputs=False),
+    "trace_one_site_with_inputs": lambda v, x: jl.trace(model, v, x, save=one),
+    "trace_one_site_values": one_values,
+    "trace_all_sites_values": all_values,
+    "flax_capture": lambda v, x: model.apply(
+      v, x, capture_intermediates=True, mutable=["intermediates"]
+    ),
   }
 
 
@@ -100,12 +105,17 @@ def main(argv=None) -> dict:
   # What a result keeps alive beyond the arguments.
   plain_out = fns["plain"](variables, tokens)
   jit_trace = fns["trace_one_site_with_inputs"](variables, tokens)
-  retained = {"plain": retained_bytes(plain_out, (variables, tokens)),
-              "trace_one_site_jit": retained_bytes(jit_trace, (variables, tokens)),
-              "trace_one_site_lean_jit": retained_bytes(fns["trace_one_site"](variables, tokens),
-                                                        (variables, tokens))}
-  check = {"output_max_abs_diff": max_abs_diff(jit_trace.output, plain_out),
-           "saved_labels": list(jit_trace.labels)}
+  retained = {
+    "plain": retained_bytes(plain_out, (variables, tokens)),
+    "trace_one_site_jit": retained_bytes(jit_trace, (variables, tokens)),
+    "trace_one_site_lean_jit": retained_bytes(
+      fns["trace_one_site"](variables, tokens), (variables, tokens)
+    ),
+  }
+  check = {
+    "output_max_abs_diff": max_abs_diff(jit_trace.output, plain_out),
+    "saved_labels": list(jit_trace.labels),
+  }
   if args.eager:
     eager = jl.trace(model, variables, tokens, save=jl.module(site))
     retained["trace_one_site_eager"] = retained_bytes(eager, (variables, tokens))
@@ -114,43 +124,85 @@ def main(argv=None) -> dict:
     raise AssertionError(f"the trace's output differs from the plain forward's: {check}")
 
   def mem_row(key, measure, cand, field, target=None):
-    return row(key, measure, ratio(mem[cand][field], mem["plain"][field]), target=target,
-               candidate=cand, baseline="plain", candidate_value=mem[cand][field],
-               baseline_value=mem["plain"][field], unit="bytes")
+    return row(
+      key,
+      measure,
+      ratio(mem[cand][field], mem["plain"][field]),
+      target=target,
+      candidate=cand,
+      baseline="plain",
+      candidate_value=mem[cand][field],
+      baseline_value=mem["plain"][field],
+      unit="bytes",
+    )
+
   rows = [
-      mem_row("memory_trace_one_site", "temp + output: jl.trace saving one site, Trace returned "
-              "(keep_inputs=False) / plain forward", "trace_one_site", "temp_plus_output",
-              ("<=", 1.2)),
-      mem_row("memory_trace_one_site_with_inputs", "temp + output: the same Trace holding the "
-              "call's inputs for replay (the default) / plain", "trace_one_site_with_inputs",
-              "temp_plus_output"),
-      mem_row("memory_trace_one_site_values", "temp + output: the same, returning output and "
-              "the site / plain", "trace_one_site_values", "temp_plus_output", ("<=", 1.2)),
-      mem_row("memory_trace_one_site_peak", "peak (arguments + temp + output): one site, Trace "
-              "returned / plain", "trace_one_site", "peak"),
-      mem_row("memory_trace_all_sites_values", "temp + output: every module site saved / plain",
-              "trace_all_sites_values", "temp_plus_output"),
-      mem_row("memory_flax_capture", "temp + output: flax capture_intermediates / plain "
-              "(reference)", "flax_capture", "temp_plus_output"),
+    mem_row(
+      "memory_trace_one_site",
+      "temp + output: jl.trace saving one site, Trace returned (keep_inputs=False) / plain forward",
+      "trace_one_site",
+      "temp_plus_output",
+      ("<=", 1.2),
+    ),
+    mem_row(
+      "memory_trace_one_site_with_inputs",
+      "temp + output: the same Trace holding the call's inputs for replay (the default) / plain",
+      "trace_one_site_with_inputs",
+      "temp_plus_output",
+    ),
+    mem_row(
+      "memory_trace_one_site_values",
+      "temp + output: the same, returning output and the site / plain",
+      "trace_one_site_values",
+      "temp_plus_output",
+      ("<=", 1.2),
+    ),
+    mem_row(
+      "memory_trace_one_site_peak",
+      "peak (arguments + temp + output): one site, Trace returned / plain",
+      "trace_one_site",
+      "peak",
+    ),
+    mem_row(
+      "memory_trace_all_sites_values",
+      "temp + output: every module site saved / plain",
+      "trace_all_sites_values",
+      "temp_plus_output",
+    ),
+    mem_row(
+      "memory_flax_capture",
+      "temp + output: flax capture_intermediates / plain (reference)",
+      "flax_capture",
+      "temp_plus_output",
+    ),
   ]
   if args.eager:
-    rows.append(row("memory_retained_eager", "bytes a result keeps beyond its arguments: eager "
-                    "jl.trace (one site) / plain", ratio(retained["trace_one_site_eager"],
-                                                         retained["plain"]),
-                    candidate="jl.trace, not jitted", baseline="plain",
-                    candidate_value=retained["trace_one_site_eager"],
-                    baseline_value=retained["plain"], unit="bytes"))
+    rows.append(
+      row(
+        "memory_retained_eager",
+        "bytes a result keeps beyond its arguments: eager jl.trace (one site) / plain",
+        ratio(retained["trace_one_site_eager"], retained["plain"]),
+        candidate="jl.trace, not jitted",
+        baseline="plain",
+        candidate_value=retained["trace_one_site_eager"],
+        baseline_value=retained["plain"],
+        unit="bytes",
+      )
+    )
   result = {
-      "benchmark": "memory",
-      "title": "memory of a trace that saves one site vs a plain forward",
-      "config": {**_setup.model_config(args, model), "site": site,
-                 "method": "compiled memory_analysis (XLA buffer assignment)"},
-      "env": env_info(),
-      "rows": rows,
-      "memory_bytes": mem,
-      "retained_bytes": retained,
-      "check": check,
-      "analysis": analysis(mem, retained),
+    "benchmark": "memory",
+    "title": "memory of a trace that saves one site vs a plain forward",
+    "config": {
+      **_setup.model_config(args, model),
+      "site": site,
+      "method": "compiled memory_analysis (XLA buffer assignment)",
+    },
+    "env": env_info(),
+    "rows": rows,
+    "memory_bytes": mem,
+    "retained_bytes": retained,
+    "check": check,
+    "analysis": analysis(mem, retained),
   }
   return report(result, format_table(result), args.out)
 
@@ -159,30 +211,33 @@ def analysis(mem, retained) -> list[str]:
   p, t, v = mem["plain"], mem["trace_one_site_with_inputs"], mem["trace_one_site_values"]
   lean = mem["trace_one_site"]
   lines = [
-      f"The one-site program needs {t['temp'] / MIB:.2f} MiB of temporaries against the plain "
-      f"forward's {p['temp'] / MIB:.2f} MiB; returning the site adds "
-      f"{(v['output'] - p['output']) / MIB:.2f} MiB of output buffers to the logits' "
-      f"{p['output'] / MIB:.2f} MiB.",
-      f"A Trace returned from jit also carries the call's inputs, and jax.jit copies an input "
-      f"it returns unchanged into a new buffer: {(t['output'] - v['output']) / MIB:.2f} MiB of "
-      f"the Trace's {t['output'] / MIB:.2f} MiB of outputs are copies of the arguments "
-      f"({p['argument'] / MIB:.2f} MiB). With keep_inputs=False the Trace holds the output "
-      f"and the site only: {lean['output'] / MIB:.2f} MiB of outputs.",
+    f"The one-site program needs {t['temp'] / MIB:.2f} MiB of temporaries against the plain "
+    f"forward's {p['temp'] / MIB:.2f} MiB; returning the site adds "
+    f"{(v['output'] - p['output']) / MIB:.2f} MiB of output buffers to the logits' "
+    f"{p['output'] / MIB:.2f} MiB.",
+    f"A Trace returned from jit also carries the call's inputs, and jax.jit copies an input "
+    f"it returns unchanged into a new buffer: {(t['output'] - v['output']) / MIB:.2f} MiB of "
+    f"the Trace's {t['output'] / MIB:.2f} MiB of outputs are copies of the arguments "
+    f"({p['argument'] / MIB:.2f} MiB). With keep_inputs=False the Trace holds the output "
+    f"and the site only: {lean['output'] / MIB:.2f} MiB of outputs.",
   ]
   if "trace_one_site_eager" in retained:
     lines.append(
-        f"Run eagerly, the Trace references the arguments instead: it keeps "
-        f"{retained['trace_one_site_eager'] / MIB:.2f} MiB beyond them (the jitted one "
-        f"{retained['trace_one_site_jit'] / MIB:.2f} MiB; the plain logits "
-        f"{retained['plain'] / MIB:.2f} MiB).")
+      f"Run eagerly, the Trace references the arguments instead: it keeps "
+      f"{retained['trace_one_site_eager'] / MIB:.2f} MiB beyond them (the jitted one "
+      f"{retained['trace_one_site_jit'] / MIB:.2f} MiB; the plain logits "
+      f"{retained['plain'] / MIB:.2f} MiB)."
+    )
   return lines
 
 
 def format_table(r: dict) -> str:
   lines = [r["title"], "", "| variant | argument | temp | output | peak |", "|---|---|---|---|---|"]
   for n, m in r["memory_bytes"].items():
-    lines.append(f"| {n} | {m['argument'] / MIB:.2f} MiB | {m['temp'] / MIB:.2f} MiB | "
-                 f"{m['output'] / MIB:.2f} MiB | {m['peak'] / MIB:.2f} MiB |")
+    lines.append(
+      f"| {n} | {m['argument'] / MIB:.2f} MiB | {m['temp'] / MIB:.2f} MiB | "
+      f"{m['output'] / MIB:.2f} MiB | {m['peak'] / MIB:.2f} MiB |"
+    )
   lines += ["", "| measure | ratio |", "|---|---|"]
   lines += [f"| {rw['measure']} | {rw['value']:.3f} |" for rw in r["rows"]]
   return "\n".join(lines + [""] + r["analysis"])

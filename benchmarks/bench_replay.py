@@ -31,8 +31,16 @@ import jax  # noqa: E402
 
 import jaxlens as jl  # noqa: E402
 from benchmarks import _setup  # noqa: E402
-from benchmarks._timing import (env_info, interleaved, max_abs_diff, median,  # noqa: E402
-                                ratio, row, timed, report)
+from benchmarks._timing import (
+  env_info,
+  interleaved,
+  max_abs_diff,
+  median,  # noqa: E402
+  ratio,
+  row,
+  timed,
+  report,
+)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "replay.json"
 FACTOR = 0.5
@@ -87,48 +95,80 @@ def main(argv=None) -> dict:
   per_k = []
   for k in ks:
     r = ratio(med[f"replay_{k}"], med["plain"])
-    per_k.append({"k": k, "ratio_vs_plain": r,
-                  "ratio_vs_trace": ratio(med[f"replay_{k}"], med["trace"]),
-                  "expected_cone": (n - k - 1) / n, "target": (n - k) / n,
-                  "median_s": med[f"replay_{k}"], "max_abs_diff_vs_live": diffs[k]})
+    per_k.append(
+      {
+        "k": k,
+        "ratio_vs_plain": r,
+        "ratio_vs_trace": ratio(med[f"replay_{k}"], med["trace"]),
+        "expected_cone": (n - k - 1) / n,
+        "target": (n - k) / n,
+        "median_s": med[f"replay_{k}"],
+        "max_abs_diff_vs_live": diffs[k],
+      }
+    )
     if k == mid:
-      rows.append(row("replay_middle", f"replay from block_{k} (of {n}) / full forward",
-                      r, target=("<=", (n - k) / n),
-                      candidate=f"jit(t.fork().do(block_{k}, scale))",
-                      baseline="jit(model.apply)", candidate_value=med[f"replay_{k}"],
-                      baseline_value=med["plain"],
-                      note=f"expected about (L-k-1)/L = {(n - k - 1) / n:.2f}: the blocks "
-                      "after the edited one, plus ln_f and the head"))
-  rows.append(row("trace_vs_plain_replay_run", "jl.trace that saved the trace / full forward",
-                  ratio(med["trace"], med["plain"]), candidate="jit(jl.trace(...))",
-                  baseline="jit(model.apply)", candidate_value=med["trace"],
-                  baseline_value=med["plain"]))
+      rows.append(
+        row(
+          "replay_middle",
+          f"replay from block_{k} (of {n}) / full forward",
+          r,
+          target=("<=", (n - k) / n),
+          candidate=f"jit(t.fork().do(block_{k}, scale))",
+          baseline="jit(model.apply)",
+          candidate_value=med[f"replay_{k}"],
+          baseline_value=med["plain"],
+          note=f"expected about (L-k-1)/L = {(n - k - 1) / n:.2f}: the blocks "
+          "after the edited one, plus ln_f and the head",
+        )
+      )
+  rows.append(
+    row(
+      "trace_vs_plain_replay_run",
+      "jl.trace that saved the trace / full forward",
+      ratio(med["trace"], med["plain"]),
+      candidate="jit(jl.trace(...))",
+      baseline="jit(model.apply)",
+      candidate_value=med["trace"],
+      baseline_value=med["plain"],
+    )
+  )
   result = {
-      "benchmark": "replay",
-      "title": "replay from block_k vs a full forward",
-      "config": {**_setup.model_config(args, model), "repeats": args.repeats,
-                 "warmup": args.warmup, "ks": ks, "edit": f"jl.scale({FACTOR})"},
-      "env": env_info(),
-      "rows": rows,
-      "per_k": per_k,
-      "runtime_s": {name: {"median": med[name], "min": min(ts), "all": ts}
-                    for name, ts in times.items()},
-      "first_call_s": first,
-      "check": {"max_abs_diff_vs_live": max(diffs.values()), "allclose_atol": 1e-5},
+    "benchmark": "replay",
+    "title": "replay from block_k vs a full forward",
+    "config": {
+      **_setup.model_config(args, model),
+      "repeats": args.repeats,
+      "warmup": args.warmup,
+      "ks": ks,
+      "edit": f"jl.scale({FACTOR})",
+    },
+    "env": env_info(),
+    "rows": rows,
+    "per_k": per_k,
+    "runtime_s": {
+      name: {"median": med[name], "min": min(ts), "all": ts} for name, ts in times.items()
+    },
+    "first_call_s": first,
+    "check": {"max_abs_diff_vs_live": max(diffs.values()), "allclose_atol": 1e-5},
   }
   return report(result, format_table(result), args.out)
 
 
 def format_table(r: dict) -> str:
   c = r["config"]
-  lines = [f"{r['title']}: GPT {c['n_layers']} layers, d_model {c['d_model']}, batch "
-           f"{c['batch']}, seq {c['seq']}; edit {c['edit']}", "",
-           "| k | replay / forward | expected (L-k-1)/L | target <= (L-k)/L | met |",
-           "|---|---|---|---|---|"]
+  lines = [
+    f"{r['title']}: GPT {c['n_layers']} layers, d_model {c['d_model']}, batch "
+    f"{c['batch']}, seq {c['seq']}; edit {c['edit']}",
+    "",
+    "| k | replay / forward | expected (L-k-1)/L | target <= (L-k)/L | met |",
+    "|---|---|---|---|---|",
+  ]
   for p in r["per_k"]:
     met = "yes" if p["ratio_vs_plain"] <= p["target"] else "no"
-    lines.append(f"| {p['k']} | {p['ratio_vs_plain']:.3f} | {p['expected_cone']:.3f} | "
-                 f"{p['target']:.3f} | {met} |")
+    lines.append(
+      f"| {p['k']} | {p['ratio_vs_plain']:.3f} | {p['expected_cone']:.3f} | "
+      f"{p['target']:.3f} | {met} |"
+    )
   return "\n".join(lines)
 
 

@@ -47,8 +47,9 @@ def main(argv=None) -> dict:
   model, variables, tokens = _setup.build_gpt(args)
   sites = args.sites.split(",") if args.sites else [f"block_{i}" for i in range(model.n_layers)]
   rng = np.random.default_rng(args.seed)
-  data = [rng.integers(0, model.vocab_size, tokens.shape, dtype=np.int32)
-          for _ in range(args.batches)]
+  data = [
+    rng.integers(0, model.vocab_size, tokens.shape, dtype=np.int32) for _ in range(args.batches)
+  ]
   work = Path(args.dir or tempfile.mkdtemp(prefix="bench_store_"))
   forward = jax.jit(model.apply)
 
@@ -62,8 +63,9 @@ def main(argv=None) -> dict:
 
   def run_collect():
     t0 = time.perf_counter()
-    s = store.collect(model, variables, data, work / "acts", sites=sites, overwrite=True,
-                      progress=False)
+    s = store.collect(
+      model, variables, data, work / "acts", sites=sites, overwrite=True, progress=False
+    )
     took = time.perf_counter() - t0
     assert s.complete and s.num_batches == len(data)
     return took
@@ -72,10 +74,12 @@ def main(argv=None) -> dict:
   run_forward()
   run_collect()
   import jaxlens as jl
+
   direct = jl.trace(model, variables, data[-1], save=[jl.module(s) for s in sites])
   stored = store.open(work / "acts")
-  diff = max(float(np.max(np.abs(stored.batch(len(data) - 1, s) - np.asarray(direct[s].out))))
-             for s in sites)
+  diff = max(
+    float(np.max(np.abs(stored.batch(len(data) - 1, s) - np.asarray(direct[s].out)))) for s in sites
+  )
   if diff > 1e-5:
     raise AssertionError(f"the stored values differ from a trace by {diff}")
 
@@ -89,34 +93,49 @@ def main(argv=None) -> dict:
   med = {k: median(v) for k, v in times.items()}
   bytes_per_batch = sum(stored.batch(0, s).nbytes for s in sites)
   throughput = med["forward"] / med["collect"]
-  rows = [row("store_throughput", "collect (forward + write) throughput / jitted forward alone",
-              throughput, kind="speedup", target=(">=", 0.8),
-              candidate=f"store.collect({len(sites)} sites)", baseline="jit(model.apply)",
-              candidate_value=med["collect"], baseline_value=med["forward"],
-              note=f"{bytes_per_batch / 2**20:.1f} MiB written per batch, "
-                   f"{args.batches} batches")]
+  rows = [
+    row(
+      "store_throughput",
+      "collect (forward + write) throughput / jitted forward alone",
+      throughput,
+      kind="speedup",
+      target=(">=", 0.8),
+      candidate=f"store.collect({len(sites)} sites)",
+      baseline="jit(model.apply)",
+      candidate_value=med["collect"],
+      baseline_value=med["forward"],
+      note=f"{bytes_per_batch / 2**20:.1f} MiB written per batch, {args.batches} batches",
+    )
+  ]
   result = {
-      "benchmark": "store",
-      "title": "activation store: collection throughput vs the jitted forward",
-      "config": {**_setup.model_config(args, model), "batches": args.batches, "sites": sites,
-                 "repeats": args.repeats, "warmup": args.warmup,
-                 "bytes_per_batch": bytes_per_batch},
-      "env": env_info(),
-      "rows": rows,
-      "runtime_s": {k: {"median": med[k], "all": v} for k, v in times.items()},
-      "write_MiB_per_s": bytes_per_batch * args.batches / med["collect"] / 2**20,
-      "check": {"max_abs_diff_vs_trace": diff},
+    "benchmark": "store",
+    "title": "activation store: collection throughput vs the jitted forward",
+    "config": {
+      **_setup.model_config(args, model),
+      "batches": args.batches,
+      "sites": sites,
+      "repeats": args.repeats,
+      "warmup": args.warmup,
+      "bytes_per_batch": bytes_per_batch,
+    },
+    "env": env_info(),
+    "rows": rows,
+    "runtime_s": {k: {"median": med[k], "all": v} for k, v in times.items()},
+    "write_MiB_per_s": bytes_per_batch * args.batches / med["collect"] / 2**20,
+    "check": {"max_abs_diff_vs_trace": diff},
   }
   if not args.dir:
     shutil.rmtree(work, ignore_errors=True)
   c = result["config"]
-  table = (f"{result['title']}: GPT {c['n_layers']} layers, d_model {c['d_model']}, batch "
-           f"{c['batch']}, seq {c['seq']}; {len(sites)} sites, {args.batches} batches, "
-           f"{bytes_per_batch / 2**20:.2f} MiB per batch\n\n"
-           "| forward (s) | collect (s) | throughput ratio | target | met | write MiB/s |\n"
-           "|---|---|---|---|---|---|\n"
-           f"| {med['forward']:.3f} | {med['collect']:.3f} | {throughput:.3f} | >= 0.8 | "
-           f"{'yes' if throughput >= 0.8 else 'no'} | {result['write_MiB_per_s']:.0f} |")
+  table = (
+    f"{result['title']}: GPT {c['n_layers']} layers, d_model {c['d_model']}, batch "
+    f"{c['batch']}, seq {c['seq']}; {len(sites)} sites, {args.batches} batches, "
+    f"{bytes_per_batch / 2**20:.2f} MiB per batch\n\n"
+    "| forward (s) | collect (s) | throughput ratio | target | met | write MiB/s |\n"
+    "|---|---|---|---|---|---|\n"
+    f"| {med['forward']:.3f} | {med['collect']:.3f} | {throughput:.3f} | >= 0.8 | "
+    f"{'yes' if throughput >= 0.8 else 'no'} | {result['write_MiB_per_s']:.0f} |"
+  )
   return report(result, table, args.out)
 
 

@@ -40,8 +40,16 @@ import numpy as np  # noqa: E402
 
 import jaxlens as jl  # noqa: E402
 from benchmarks import _setup  # noqa: E402
-from benchmarks._timing import (env_info, interleaved, max_abs_diff, median,  # noqa: E402
-                                ratio, row, timed, report)
+from benchmarks._timing import (
+  env_info,
+  interleaved,
+  max_abs_diff,
+  median,  # noqa: E402
+  ratio,
+  row,
+  timed,
+  report,
+)
 from jaxlens import models  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "torchlens.json"
@@ -70,14 +78,17 @@ def main(argv=None) -> dict:
   from torch_bridge._convert import TinyGPT
 
   if tl.__version__ != PIN:
-    raise SystemExit(f"torchlens {tl.__version__} is installed; this benchmark measures "
-                     f"the published {PIN} (pip install torchlens=={PIN})")
+    raise SystemExit(
+      f"torchlens {tl.__version__} is installed; this benchmark measures "
+      f"the published {PIN} (pip install torchlens=={PIN})"
+    )
   cfg = {**models.gpt_config(args.size), **_setup.model_overrides(args)}
   n, seq = cfg["n_layers"], cfg["max_len"]
   k = max(n // 2 - 1, 0)
   torch.manual_seed(args.seed)
-  tmodel = TinyGPT(cfg["vocab_size"], cfg["d_model"], cfg["n_heads"], n, seq,
-                   cfg["mlp_ratio"]).eval()
+  tmodel = TinyGPT(
+    cfg["vocab_size"], cfg["d_model"], cfg["n_heads"], n, seq, cfg["mlp_ratio"]
+  ).eval()
   fmodel, fvars, site_map = from_torch(tmodel)
   idx = torch.randint(0, cfg["vocab_size"], (args.batch, seq))
   tokens = jnp.asarray(idx.numpy(), jnp.int32)
@@ -90,7 +101,8 @@ def main(argv=None) -> dict:
 
   def torch_ce(logits):
     return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+      logits[:, :-1].reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1)
+    )
 
   def tl_backward():
     tmodel.zero_grad(set_to_none=True)
@@ -124,6 +136,7 @@ def main(argv=None) -> dict:
   def loss_and_sites(v, x):
     t = jl.trace(fmodel, v, x, intervene=spec)
     return jax_loss(t.output, x), t.values
+
   jl_backward = jax.jit(jax.value_and_grad(loss_and_sites, has_aux=True))
   # The same step without jaxlens (and without the edit): what XLA's backward costs.
   flax_backward = jax.jit(jax.value_and_grad(lambda v, x: jax_loss(fmodel.apply(v, x), x)))
@@ -139,13 +152,14 @@ def main(argv=None) -> dict:
 
   unedited = jax.jit(fmodel.apply)(fvars, tokens)
   check = {
-      "logits_max_abs_diff": max_abs_diff(jl_t.output, tl_logits.detach().numpy()),
-      "torch_hook_vs_torchlens": max_abs_diff(t_logits.numpy(), tl_logits.detach().numpy()),
-      "loss_torchlens": float(tl_loss), "loss_jaxlens": float(jl_loss),
-      "head_grad_max_abs_diff": max_abs_diff(jl_grads["params"]["head"]["kernel"],
-                                             tl_grad.numpy().T),
-      "edit_changes_logits": max_abs_diff(jl_t.output, unedited),
-      "torchlens_ops_recorded": None, "jaxlens_sites_saved": len(jl_t.labels),
+    "logits_max_abs_diff": max_abs_diff(jl_t.output, tl_logits.detach().numpy()),
+    "torch_hook_vs_torchlens": max_abs_diff(t_logits.numpy(), tl_logits.detach().numpy()),
+    "loss_torchlens": float(tl_loss),
+    "loss_jaxlens": float(jl_loss),
+    "head_grad_max_abs_diff": max_abs_diff(jl_grads["params"]["head"]["kernel"], tl_grad.numpy().T),
+    "edit_changes_logits": max_abs_diff(jl_t.output, unedited),
+    "torchlens_ops_recorded": None,
+    "jaxlens_sites_saved": len(jl_t.labels),
   }
   tol = 1e-4
   for key in ("logits_max_abs_diff", "torch_hook_vs_torchlens", "head_grad_max_abs_diff"):
@@ -157,7 +171,8 @@ def main(argv=None) -> dict:
   tr = tl.trace(tmodel, idx, intervene=tl.when(tl.module(t_site), tl.scale(FACTOR)))
   check["torchlens_ops_recorded"] = len(tr.layer_labels)
 
-  times = interleaved({
+  times = interleaved(
+    {
       "torchlens_trace": tl_trace,
       "jaxlens_trace": lambda: jl_trace(fvars, tokens),
       "torchlens_backward": tl_backward,
@@ -165,53 +180,102 @@ def main(argv=None) -> dict:
       "torch_forward": torch_forward,
       "torch_backward": torch_backward,
       "flax_backward": lambda: flax_backward(fvars, tokens),
-  }, args.repeats, args.warmup)
+    },
+    args.repeats,
+    args.warmup,
+  )
   med = {name: median(ts) for name, ts in times.items()}
   rows = [
-      row("torchlens_trace", "trace with an edit: torchlens / jaxlens",
-          ratio(med["torchlens_trace"], med["jaxlens_trace"]), target=(">=", 20.0),
-          kind="speedup", candidate="jit(jl.trace(..., intervene=...))",
-          baseline=f"tl.trace(..., intervene=...) (torchlens {tl.__version__})",
-          candidate_value=med["jaxlens_trace"], baseline_value=med["torchlens_trace"]),
-      row("torchlens_backward", "trace with an edit + backward: torchlens / jaxlens",
-          ratio(med["torchlens_backward"], med["jaxlens_backward"]), target=(">=", 20.0),
-          kind="speedup", candidate="jit(value_and_grad(jl.trace loss))",
-          baseline="tl.trace + loss.backward()", candidate_value=med["jaxlens_backward"],
-          baseline_value=med["torchlens_backward"]),
-      row("jaxlens_backward_over_flax", "jaxlens trace + edit + backward / plain flax step",
-          ratio(med["jaxlens_backward"], med["flax_backward"]),
-          candidate="jit(value_and_grad(jl.trace loss))", baseline="jit(value_and_grad(loss))",
-          candidate_value=med["jaxlens_backward"], baseline_value=med["flax_backward"]),
-      row("torchlens_over_torch", "torchlens trace / plain torch forward with a hook",
-          ratio(med["torchlens_trace"], med["torch_forward"]), candidate="tl.trace",
-          baseline="torch forward + register_forward_hook",
-          candidate_value=med["torchlens_trace"], baseline_value=med["torch_forward"]),
-      row("torch_over_jaxlens", "plain torch forward with a hook / jaxlens trace",
-          ratio(med["torch_forward"], med["jaxlens_trace"]), kind="speedup",
-          candidate="jit(jl.trace(...))", baseline="torch forward + hook",
-          candidate_value=med["jaxlens_trace"], baseline_value=med["torch_forward"]),
-      row("torchlens_vs_jaxlens_first_call",
-          "first call, jaxlens including trace + compile: torchlens / jaxlens",
-          ratio(first["torchlens_trace"], first["jaxlens_trace"]), kind="speedup",
-          candidate="jaxlens first call", baseline="torchlens first call",
-          candidate_value=first["jaxlens_trace"], baseline_value=first["torchlens_trace"]),
+    row(
+      "torchlens_trace",
+      "trace with an edit: torchlens / jaxlens",
+      ratio(med["torchlens_trace"], med["jaxlens_trace"]),
+      target=(">=", 20.0),
+      kind="speedup",
+      candidate="jit(jl.trace(..., intervene=...))",
+      baseline=f"tl.trace(..., intervene=...) (torchlens {tl.__version__})",
+      candidate_value=med["jaxlens_trace"],
+      baseline_value=med["torchlens_trace"],
+    ),
+    row(
+      "torchlens_backward",
+      "trace with an edit + backward: torchlens / jaxlens",
+      ratio(med["torchlens_backward"], med["jaxlens_backward"]),
+      target=(">=", 20.0),
+      kind="speedup",
+      candidate="jit(value_and_grad(jl.trace loss))",
+      baseline="tl.trace + loss.backward()",
+      candidate_value=med["jaxlens_backward"],
+      baseline_value=med["torchlens_backward"],
+    ),
+    row(
+      "jaxlens_backward_over_flax",
+      "jaxlens trace + edit + backward / plain flax step",
+      ratio(med["jaxlens_backward"], med["flax_backward"]),
+      candidate="jit(value_and_grad(jl.trace loss))",
+      baseline="jit(value_and_grad(loss))",
+      candidate_value=med["jaxlens_backward"],
+      baseline_value=med["flax_backward"],
+    ),
+    row(
+      "torchlens_over_torch",
+      "torchlens trace / plain torch forward with a hook",
+      ratio(med["torchlens_trace"], med["torch_forward"]),
+      candidate="tl.trace",
+      baseline="torch forward + register_forward_hook",
+      candidate_value=med["torchlens_trace"],
+      baseline_value=med["torch_forward"],
+    ),
+    row(
+      "torch_over_jaxlens",
+      "plain torch forward with a hook / jaxlens trace",
+      ratio(med["torch_forward"], med["jaxlens_trace"]),
+      kind="speedup",
+      candidate="jit(jl.trace(...))",
+      baseline="torch forward + hook",
+      candidate_value=med["jaxlens_trace"],
+      baseline_value=med["torch_forward"],
+    ),
+    row(
+      "torchlens_vs_jaxlens_first_call",
+      "first call, jaxlens including trace + compile: torchlens / jaxlens",
+      ratio(first["torchlens_trace"], first["jaxlens_trace"]),
+      kind="speedup",
+      candidate="jaxlens first call",
+      baseline="torchlens first call",
+      candidate_value=first["jaxlens_trace"],
+      baseline_value=first["torchlens_trace"],
+    ),
   ]
   result = {
-      "benchmark": "torchlens",
-      "title": f"jaxlens vs torchlens {tl.__version__} on the same weights",
-      "config": {"size": args.size, "batch": args.batch, "seq": seq, "n_layers": n,
-                 "d_model": cfg["d_model"], "n_heads": cfg["n_heads"],
-                 "vocab_size": cfg["vocab_size"], "dtype": "float32", "site": t_site,
-                 "flax_site": f_site, "edit": f"scale({FACTOR})", "repeats": args.repeats,
-                 "warmup": args.warmup, "model": "torch_bridge TinyGPT, from_torch weights",
-                 "torch": torch.__version__, "torchlens": tl.__version__,
-                 "torch_threads": torch.get_num_threads()},
-      "env": env_info(),
-      "rows": rows,
-      "runtime_s": {name: {"median": med[name], "min": min(ts), "all": ts}
-                    for name, ts in times.items()},
-      "first_call_s": first,
-      "check": check,
+    "benchmark": "torchlens",
+    "title": f"jaxlens vs torchlens {tl.__version__} on the same weights",
+    "config": {
+      "size": args.size,
+      "batch": args.batch,
+      "seq": seq,
+      "n_layers": n,
+      "d_model": cfg["d_model"],
+      "n_heads": cfg["n_heads"],
+      "vocab_size": cfg["vocab_size"],
+      "dtype": "float32",
+      "site": t_site,
+      "flax_site": f_site,
+      "edit": f"scale({FACTOR})",
+      "repeats": args.repeats,
+      "warmup": args.warmup,
+      "model": "torch_bridge TinyGPT, from_torch weights",
+      "torch": torch.__version__,
+      "torchlens": tl.__version__,
+      "torch_threads": torch.get_num_threads(),
+    },
+    "env": env_info(),
+    "rows": rows,
+    "runtime_s": {
+      name: {"median": med[name], "min": min(ts), "all": ts} for name, ts in times.items()
+    },
+    "first_call_s": first,
+    "check": check,
   }
   return report(result, format_table(result), args.out)
 

@@ -40,14 +40,16 @@ def main(argv=None) -> None:
   n_layers = lm.config.n_layers
 
   # 1. A trace with a live edit, a replayed one, as a page.
-  steer = jl.when(jl.module("blocks_12/resid_post"),
-                  jl.intervention.keep_grad(jl.scale(1.1)))
-  sites = jl.module("blocks_*/resid_post") | jl.module("blocks_*/attn_out") | jl.module(
-      "blocks_*/attn/pattern")
+  steer = jl.when(jl.module("blocks_12/resid_post"), jl.intervention.keep_grad(jl.scale(1.1)))
+  sites = (
+    jl.module("blocks_*/resid_post")
+    | jl.module("blocks_*/attn_out")
+    | jl.module("blocks_*/attn/pattern")
+  )
   t = jax.jit(lambda v, x: jl.trace(lm.model, v, x, intervene=steer, save=sites))(
-      lm.variables, clean)
-  replayed = jax.jit(lambda t: t.fork().do(jl.module("blocks_20/attn_out"),
-                                            jl.zero_ablate()))(t)
+    lm.variables, clean
+  )
+  replayed = jax.jit(lambda t: t.fork().do(jl.module("blocks_20/attn_out"), jl.zero_ablate()))(t)
   views.to_html(replayed, out / "trace.html", title="SmolLM2: a replayed trace")
   print(f"wrote {out / 'trace.html'} ({len(replayed.values)} saved sites)")
 
@@ -59,52 +61,90 @@ def main(argv=None) -> None:
   good, bad = (lm.tokenizer.encode(a).ids[0] for a in (" Paris", " Rome"))
   metric = lambda logits: logits[0, -1, good] - logits[0, -1, bad]  # noqa: E731
   t0 = time.perf_counter()
-  approx = jax.jit(lambda v, a, b: jl.attribution_patching(
-      lm.model, v, a, b, metric, sites=[f"blocks_{i}/resid_pre" for i in layers]))(
-          lm.variables, clean, corrupt)
+  approx = jax.jit(
+    lambda v, a, b: jl.attribution_patching(
+      lm.model, v, a, b, metric, sites=[f"blocks_{i}/resid_pre" for i in layers]
+    )
+  )(lm.variables, clean, corrupt)
   approx = np.asarray(approx)
   attr_s = time.perf_counter() - t0
   effect = grid - m_corrupt
   corr = float(np.corrcoef(effect.ravel(), approx.ravel())[0, 1])
-  print(f"patching {len(layers)} layers x {len(tokens)} positions: exact {exact_s:.1f}s, "
-        f"attribution {attr_s:.1f}s; correlation {corr:.3f}; logit diff clean {m_clean:.2f}, "
-        f"corrupt {m_corrupt:.2f}")
-  plot.patching_heatmap(effect, row_labels=labels, col_labels=tokens, ylabel="layer (resid_pre)",
-                        colorbar_label="logit diff Paris - Rome, change",
-                        title="Activation patching (exact)", path=out / "patching.png")
-  plot.patching_heatmap(approx, row_labels=labels, col_labels=tokens, ylabel="layer (resid_pre)",
-                        colorbar_label="logit diff Paris - Rome, change",
-                        title=f"Attribution patching (r = {corr:.2f})",
-                        path=out / "attribution.png")
-  plot.top_sites(effect, row_labels=labels, col_labels=tokens, k=8,
-                 title="Top patched sites", path=out / "top_sites.png")
+  print(
+    f"patching {len(layers)} layers x {len(tokens)} positions: exact {exact_s:.1f}s, "
+    f"attribution {attr_s:.1f}s; correlation {corr:.3f}; logit diff clean {m_clean:.2f}, "
+    f"corrupt {m_corrupt:.2f}"
+  )
+  plot.patching_heatmap(
+    effect,
+    row_labels=labels,
+    col_labels=tokens,
+    ylabel="layer (resid_pre)",
+    colorbar_label="logit diff Paris - Rome, change",
+    title="Activation patching (exact)",
+    path=out / "patching.png",
+  )
+  plot.patching_heatmap(
+    approx,
+    row_labels=labels,
+    col_labels=tokens,
+    ylabel="layer (resid_pre)",
+    colorbar_label="logit diff Paris - Rome, change",
+    title=f"Attribution patching (r = {corr:.2f})",
+    path=out / "attribution.png",
+  )
+  plot.top_sites(
+    effect,
+    row_labels=labels,
+    col_labels=tokens,
+    k=8,
+    title="Top patched sites",
+    path=out / "top_sites.png",
+  )
 
   # 3. An attention pattern and the logit lens.
   layer, head = 20, 0
   pattern = np.asarray(t[f"blocks_{layer}/attn/pattern"].out[0, head], np.float32)
-  plot.attention_pattern(pattern, tokens=words, title=f"blocks_{layer} head {head}",
-                         path=out / "attention.png")
+  plot.attention_pattern(
+    pattern, tokens=words, title=f"blocks_{layer} head {head}", path=out / "attention.png"
+  )
   params = lm.variables["params"]
   unembed = params["embed"]["embedding"].astype(jnp.float32).T
   norm = lambda h: RMSNorm(lm.config.norm_eps, jnp.float32).apply(  # noqa: E731
-      {"params": params["ln_final"]}, h)
-  lens = np.stack([np.asarray(norm(t[f"blocks_{i}/resid_post"].out[0]) @ unembed)
-                   for i in range(0, n_layers, 3)] + [np.asarray(t.output[0], np.float32)])
-  plot.logit_lens(lens, vocab=lambda i: lm.decode([i]),
-                  row_labels=[f"L{i}" for i in range(0, n_layers, 3)] + ["output"],
-                  col_labels=words, title="Logit lens", path=out / "logit_lens.png")
+    {"params": params["ln_final"]}, h
+  )
+  lens = np.stack(
+    [np.asarray(norm(t[f"blocks_{i}/resid_post"].out[0]) @ unembed) for i in range(0, n_layers, 3)]
+    + [np.asarray(t.output[0], np.float32)]
+  )
+  plot.logit_lens(
+    lens,
+    vocab=lambda i: lm.decode([i]),
+    row_labels=[f"L{i}" for i in range(0, n_layers, 3)] + ["output"],
+    col_labels=words,
+    title="Logit lens",
+    path=out / "logit_lens.png",
+  )
   print(f"wrote {out}/patching.png, attribution.png, top_sites.png, attention.png, logit_lens.png")
 
   # 4. Residual-stream activations of a synthetic token dataset, to disk.
   rng = np.random.default_rng(0)
   data = [rng.integers(100, 40000, (4, 32), dtype=np.int32) for _ in range(args.batches)]
   t0 = time.perf_counter()
-  acts = store.collect(lm.model, lm.variables, data, out / "acts", overwrite=True,
-                       sites=["blocks_10/resid_post", "blocks_20/resid_post"])
+  acts = store.collect(
+    lm.model,
+    lm.variables,
+    data,
+    out / "acts",
+    overwrite=True,
+    sites=["blocks_10/resid_post", "blocks_20/resid_post"],
+  )
   took = time.perf_counter() - t0
   rows = next(acts.batches("blocks_10/resid_post", batch_size=64, flatten=True))
-  print(f"collected {acts.num_rows} sequences x 2 sites in {took:.1f}s ({acts!r}); "
-        f"first flattened batch {rows.shape}")
+  print(
+    f"collected {acts.num_rows} sequences x 2 sites in {took:.1f}s ({acts!r}); "
+    f"first flattened batch {rows.shape}"
+  )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ def logit_diff(out):
 
 
 def main() -> int:
-  model, variables, clean = init_gpt(0, n_layers=3, d_model=32, n_heads=2, max_len=8, batch=4,
-                                     vocab_size=16, dtype=jnp.float64)
+  model, variables, clean = init_gpt(
+    0, n_layers=3, d_model=32, n_heads=2, max_len=8, batch=4, vocab_size=16, dtype=jnp.float64
+  )
   variables = jax.tree.map(lambda a: a.astype(jnp.float64), variables)
   corrupt = clean.at[:, 3].set((clean[:, 3] + 1) % 16)
 
@@ -43,12 +44,18 @@ def main() -> int:
   second = time.perf_counter() - start
 
   donor = jl.trace(model, variables, clean)
-  patch = jax.jit(lambda site_path, p: logit_diff(
-      jl.when(jl.module(site_path), jl.at_positions(p[None], jl.patch_from(donor)))
-      .bind(model)(variables, corrupt)), static_argnums=0)
+  patch = jax.jit(
+    lambda site_path, p: logit_diff(
+      jl.when(jl.module(site_path), jl.at_positions(p[None], jl.patch_from(donor))).bind(model)(
+        variables, corrupt
+      )
+    ),
+    static_argnums=0,
+  )
   start = time.perf_counter()
-  loop = np.array([[float(patch(f"block_{l}", jnp.asarray(p))) for p in range(8)]
-                   for l in range(3)])
+  loop = np.array(
+    [[float(patch(f"block_{l}", jnp.asarray(p))) for p in range(8)] for l in range(3)]
+  )
   loop_time = time.perf_counter() - start
 
   np.set_printoptions(precision=4, suppress=True)
@@ -58,8 +65,10 @@ def main() -> int:
   # unbatched programs agree to float32 rounding here; on a model computed wholly in
   # float64 they agree to 1e-10 (tests/test_sweeps.py).
   print(f"largest |sweep - loop|: {np.abs(np.asarray(grid) - loop).max():.2e}")
-  print(f"sweep: {first:.2f}s with compilation, {second:.3f}s after; "
-        f"loop of {loop.size} jitted single patches: {loop_time:.2f}s")
+  print(
+    f"sweep: {first:.2f}s with compilation, {second:.3f}s after; "
+    f"loop of {loop.size} jitted single patches: {loop_time:.2f}s"
+  )
   return 0
 
 

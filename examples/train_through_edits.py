@@ -86,27 +86,36 @@ def main(argv=None) -> int:
     return cross_entropy(out, jnp.full((tokens.shape[0],), target))
 
   vec, first, last = train(loss_b, jnp.zeros((32,)), keys, lr=0.2)
-  print(f"(b) frozen model, trained steering vector:  loss {first:.3f} -> {last:.3f} "
-        f"(|vec| = {float(jnp.linalg.norm(vec)):.2f})")
+  print(
+    f"(b) frozen model, trained steering vector:  loss {first:.3f} -> {last:.3f} "
+    f"(|vec| = {float(jnp.linalg.norm(vec)):.2f})"
+  )
 
   # (c) Train with block_0's MLP ablated in the loop.
   ablated = jl.when(jl.module("block_0/mlp"), jl.zero_ablate()).bind(MODEL)
   loss_c = lambda p, t, a: cross_entropy(ablated(p, t), a)
   grads = jax.jit(jax.grad(loss_c))(init, *make_batch(keys[0], 64, SEQ, VOCAB))
-  mlp_grad = max(float(jnp.abs(g).max()) for g in
-                 jax.tree.leaves(grads["params"]["block_0"]["mlp"]))
+  mlp_grad = max(
+    float(jnp.abs(g).max()) for g in jax.tree.leaves(grads["params"]["block_0"]["mlp"])
+  )
   _, first, last = train(loss_c, init, keys)
-  print(f"(c) whole model, block_0/mlp zero-ablated:  loss {first:.3f} -> {last:.3f} "
-        f"(largest gradient reaching the ablated MLP: {mlp_grad})")
+  print(
+    f"(c) whole model, block_0/mlp zero-ablated:  loss {first:.3f} -> {last:.3f} "
+    f"(largest gradient reaching the ablated MLP: {mlp_grad})"
+  )
 
   # keep_grad refuses a cutting edit where the gradient is needed.
   refused = jl.when(jl.module("block_0/mlp"), keep_grad(jl.zero_ablate())).bind(MODEL)
   try:
-    jax.grad(lambda p: cross_entropy(refused(p, *make_batch(keys[0], 8, SEQ, VOCAB)[:1]),
-                                     jnp.zeros((8,), jnp.int32)))(init)
+    jax.grad(
+      lambda p: cross_entropy(
+        refused(p, *make_batch(keys[0], 8, SEQ, VOCAB)[:1]), jnp.zeros((8,), jnp.int32)
+      )
+    )(init)
   except jl.GradientContractError as error:
-    print(f"keep_grad(zero_ablate) refused: code {error.fields['code']}, "
-          f"fix: {error.fields['fix']}")
+    print(
+      f"keep_grad(zero_ablate) refused: code {error.fields['code']}, fix: {error.fields['fix']}"
+    )
 
   # The spec is an argument of the jitted step: new values do not recompile.
   traces = []
@@ -117,7 +126,8 @@ def main(argv=None) -> int:
     traces.append(1)  # runs once per trace, not per call
     tokens, answers = make_batch(k, 64, SEQ, VOCAB)
     value, grads = jax.value_and_grad(
-        lambda p_: cross_entropy(spec.bind(MODEL)(p_, tokens), answers))(p)
+      lambda p_: cross_entropy(spec.bind(MODEL)(p_, tokens), answers)
+    )(p)
     updates, state = opt.update(grads, state, p)
     return optax.apply_updates(p, updates), state, value
 

@@ -47,6 +47,7 @@ from jaxlens._src.tracing import Trace as Trace
 from jaxlens._src.tracing import trace as trace
 from jaxlens.intervention import *  # noqa: F403 (every edit builder; tests/test_api.py checks)
 from jaxlens.intervention import __all__ as _intervention_all
+
 # Built on the names above: gradients at sites and the activation store.
 from jaxlens import store as store
 from jaxlens import views as views  # attaches the notebook views to Trace, Spec, Edit, Site
@@ -56,16 +57,48 @@ from jaxlens.attribution import site_grads as site_grads
 
 __version__ = "0.1.0"
 
-__all__ = sorted({
+__all__ = sorted(
+  {
     *_intervention_all,
-    "GradientContractError", "InvalidArgumentError", "JaxlensError", "JaxlensWarning",
-    "ShapeError", "Site", "SiteError", "SiteValue", "Spec", "SpecFormatError", "SpecReport",
-    "Trace", "all_sites", "check_spec", "depends_on", "func", "in_module", "intervention", "label",
-    "load_spec", "module", "module_sites", "no_grad", "save_spec", "sweep", "trace", "when",
-    "Named", "NamedNNX", "named",
-    "SiteGrads", "attribution_patching", "site_grads", "store",
-    "generation", "generate", "at_steps",
-})
+    "GradientContractError",
+    "InvalidArgumentError",
+    "JaxlensError",
+    "JaxlensWarning",
+    "ShapeError",
+    "Site",
+    "SiteError",
+    "SiteValue",
+    "Spec",
+    "SpecFormatError",
+    "SpecReport",
+    "Trace",
+    "all_sites",
+    "check_spec",
+    "depends_on",
+    "func",
+    "in_module",
+    "intervention",
+    "label",
+    "load_spec",
+    "module",
+    "module_sites",
+    "no_grad",
+    "save_spec",
+    "sweep",
+    "trace",
+    "when",
+    "Named",
+    "NamedNNX",
+    "named",
+    "SiteGrads",
+    "attribution_patching",
+    "site_grads",
+    "store",
+    "generation",
+    "generate",
+    "at_steps",
+  }
+)
 
 
 def _set_public_module():

@@ -35,14 +35,25 @@ def _torch_available() -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m jaxlens", description=_DESCRIPTION,
-                              epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m jaxlens",
+    description=_DESCRIPTION,
+    epilog=_EPILOG,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("--no-demo", action="store_true", help="measure the matrix only")
-  p.add_argument("--full", action="store_true",
-                 help="print the whole matrix (one row per door and verb, wide) after the summary")
+  p.add_argument(
+    "--full",
+    action="store_true",
+    help="print the whole matrix (one row per door and verb, wide) after the summary",
+  )
   p.add_argument("--table-out", metavar="PATH", help="write the whole matrix (Markdown) to PATH")
-  p.add_argument("--out", default="patching_heatmap.png", metavar="PATH",
-                 help="the demo's heatmap; .png, .svg or .pdf (default patching_heatmap.png)")
+  p.add_argument(
+    "--out",
+    default="patching_heatmap.png",
+    metavar="PATH",
+    help="the demo's heatmap; .png, .svg or .pdf (default patching_heatmap.png)",
+  )
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
   # Earlier spellings, kept working.
   p.add_argument("--matrix-only", action="store_true", dest="no_demo", help=argparse.SUPPRESS)
@@ -58,6 +69,7 @@ def main(argv=None) -> int:
     # The demo trains in float32; the matrix needed float64.
     jax.config.update("jax_enable_x64", False)
     from jaxlens import demo
+
     print("\n" + "=" * 72 + "\n")
     try:
       demo_args = ["--out", args.out] + (["--no-progress"] if args.no_progress else [])
@@ -69,12 +81,20 @@ def main(argv=None) -> int:
 
 def _bar(total: int, progress: bool, stream: TextIO | None = None):
   from tqdm import tqdm
-  return tqdm(total=total, desc="measuring", unit="door", disable=not progress,
-              file=stream or sys.stderr, dynamic_ncols=True, leave=False)
+
+  return tqdm(
+    total=total,
+    desc="measuring",
+    unit="door",
+    disable=not progress,
+    file=stream or sys.stderr,
+    dynamic_ncols=True,
+    leave=False,
+  )
 
 
 def _fit(text: str, width: int) -> str:
-  return text if len(text) <= width else text[:width - 1] + "…"
+  return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _summary_lines(doors: dict, counts: dict, rows: int, torch: bool) -> list[str]:
@@ -82,29 +102,33 @@ def _summary_lines(doors: dict, counts: dict, rows: int, torch: bool) -> list[st
 
   ``doors``: door name -> (spelling, runner), the matrix's ``DOORS``.
   """
-  lines = [("doors (the spellings of docs/gradient_contract.md; a selection door runs the same "
-            "edit"), "under jl.units(site, ...) or jl.subspace(site, basis, ...)):"]
+  lines = [
+    ("doors (the spellings of docs/gradient_contract.md; a selection door runs the same edit"),
+    "under jl.units(site, ...) or jl.subspace(site, basis, ...)):",
+  ]
   name_w = max(len(d) for d in doors if ":" not in d) + 2
   for door in doors:
     if ":" not in door:
       lines.append(_fit(f"  {door:<{name_w}}{doors[door][0]}", WIDTH))
   what = "jaxlens = torch reference" if torch else "jaxlens"
-  lines += ["", f"rows per door ({rows} verbs, each without and with keep_grad):",
-            f"  {'door':<34}{what:>26}  {'= specification':>16}"]
+  lines += [
+    "",
+    f"rows per door ({rows} verbs, each without and with keep_grad):",
+    f"  {'door':<34}{what:>26}  {'= specification':>16}",
+  ]
   for door in doors:
     agree, spec = counts[door]
     mark = "" if agree == spec == rows else "  <- see --full"
-    lines.append(_fit(f"  {door:<34}{f'{agree}/{rows}':>26}  {f'{spec}/{rows}':>16}{mark}",
-                      WIDTH))
+    lines.append(_fit(f"  {door:<34}{f'{agree}/{rows}':>26}  {f'{spec}/{rows}':>16}{mark}", WIDTH))
   return lines
 
 
-def _matrix_main(*, full: bool = False, table_out: str | None = None,
-                 progress: bool = True) -> int:
+def _matrix_main(*, full: bool = False, table_out: str | None = None, progress: bool = True) -> int:
   jax.config.update("jax_enable_x64", True)
   # The contract matrix (rows, doors, the specification's outcomes) and, with torch, its
   # torch side: the only two imports of the matrix code in this module.
   from jaxlens import contract as matrix
+
   torch = _torch_available()
   if torch:
     from torch_bridge import matrix as torch_matrix
@@ -114,14 +138,20 @@ def _matrix_main(*, full: bool = False, table_out: str | None = None,
   rows_by_name = {r.name: r for r in matrix.ROWS}
   if torch:
     print("gradient contract matrix: jaxlens and the torch reference (torch_bridge), side by side")
-    print(f"model: Sequential([Dense(4), Dense(2)]) / nn.Sequential(nn.Linear(4, 4), "
-          f"nn.Linear(4, 2)),\n  float64, weights from {source}; edit at {matrix.SITE}\n")
+    print(
+      f"model: Sequential([Dense(4), Dense(2)]) / nn.Sequential(nn.Linear(4, 4), "
+      f"nn.Linear(4, 2)),\n  float64, weights from {source}; edit at {matrix.SITE}\n"
+    )
   else:
     print("jaxlens gradient contract matrix")
-    print(f"model: Sequential([Dense(4), Dense(2)]), float64, edit at {matrix.SITE};\n"
-          f"  weights from {source}")
-    print("note: torch is not installed, so the torch reference column is not measured\n"
-          "  (pip install torch==2.13.0 to compare both frameworks)\n")
+    print(
+      f"model: Sequential([Dense(4), Dense(2)]), float64, edit at {matrix.SITE};\n"
+      f"  weights from {source}"
+    )
+    print(
+      "note: torch is not installed, so the torch reference column is not measured\n"
+      "  (pip install torch==2.13.0 to compare both frameworks)\n"
+    )
 
   table: dict = {}
   counts: dict = {}
@@ -130,12 +160,16 @@ def _matrix_main(*, full: bool = False, table_out: str | None = None,
       bar.set_postfix_str(door, refresh=False)
       if torch:
         part = torch_matrix.door_table(door)
-        counts[door] = (sum(p.agrees for p in part.values()),
-                        sum(p.matches_spec for p in part.values()))
+        counts[door] = (
+          sum(p.agrees for p in part.values()),
+          sum(p.matches_spec for p in part.values()),
+        )
       else:
         part = matrix.run_matrix((door,))
-        ok = sum((a.outcome, b.outcome) == matrix.expected(d, rows_by_name[n])
-                 for (d, n), (a, b) in part.items())
+        ok = sum(
+          (a.outcome, b.outcome) == matrix.expected(d, rows_by_name[n])
+          for (d, n), (a, b) in part.items()
+        )
         counts[door] = (ok, ok)
       table.update(part)
       bar.update(1)
@@ -145,9 +179,11 @@ def _matrix_main(*, full: bool = False, table_out: str | None = None,
   if torch:
     whole = torch_matrix.format_both(table)
     agree, spec, total = torch_matrix.summary(table)
-    verdict = (f"\nagreement: {agree} of {total} rows (jaxlens vs the torch reference: outcomes, "
-               f"warnings,\n  outputs and gradients within {torch_matrix.TOL:g}); {spec} of "
-               f"{total} match the specification")
+    verdict = (
+      f"\nagreement: {agree} of {total} rows (jaxlens vs the torch reference: outcomes, "
+      f"warnings,\n  outputs and gradients within {torch_matrix.TOL:g}); {spec} of "
+      f"{total} match the specification"
+    )
     bad = not agree == spec == total
   else:
     whole = matrix.format_matrix(table)

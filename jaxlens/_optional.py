@@ -23,8 +23,9 @@ class MissingDependencyError(JaxlensError, ImportError):
   def __init__(self, package: str, feature: str, extra: str):
     fix = f"pip install 'jaxlens[{extra}]' (or pip install {package})"
     self.fields = {"code": "missing_dependency", "package": package, "fix": fix}
-    super().__init__(f"[missing_dependency] {feature} needs {package}, which is not installed"
-                     f"\n  Fix: {fix}")
+    super().__init__(
+      f"[missing_dependency] {feature} needs {package}, which is not installed\n  Fix: {fix}"
+    )
 
   @property
   def code(self) -> str:

@@ -75,25 +75,34 @@ class SiteGrads:
 
   def __getitem__(self, label: str) -> SiteGrad:
     if label not in self.grad:
-      raise SiteError(f"no gradient was taken at {label!r}; sites: {list(self.grad)}",
-                      code="unknown_site", site=label, candidates=list(self.grad),
-                      fix=f"jl.site_grads(..., sites=[{label!r}, ...])")
+      raise SiteError(
+        f"no gradient was taken at {label!r}; sites: {list(self.grad)}",
+        code="unknown_site",
+        site=label,
+        candidates=list(self.grad),
+        fix=f"jl.site_grads(..., sites=[{label!r}, ...])",
+      )
     return SiteGrad(label, self.out[label], self.grad[label])
 
 
 def _selectors(sites) -> list:
   import jaxlens as jl
+
   if sites is None:
-    raise InvalidArgumentError("site_grads needs the sites to differentiate at",
-                               code="invalid_argument", fix='sites=["block_0", "block_1"]')
+    raise InvalidArgumentError(
+      "site_grads needs the sites to differentiate at",
+      code="invalid_argument",
+      fix='sites=["block_0", "block_1"]',
+    )
   if isinstance(sites, (str, jl.Site)):
     sites = [sites]
   out = []
   for s in sites:
     out.append(jl.module(s) if isinstance(s, str) else s)
   if not out:
-    raise InvalidArgumentError("site_grads needs at least one site", code="invalid_argument",
-                               fix='sites=["block_0"]')
+    raise InvalidArgumentError(
+      "site_grads needs at least one site", code="invalid_argument", fix='sites=["block_0"]'
+    )
   return out
 
 
@@ -108,20 +117,33 @@ def _resolve(run_trace, selectors):
       layered.append(label_)
   if layered:
     raise InvalidArgumentError(
-        f"site_grads: {layered} are layer stacks (nn.scan / nnx.scan); take the gradient at "
-        "one layer", code="unsupported_site", site=layered[0],
-        fix=f'sites=[jl.module("{layered[0]}", layer=0), ...]')
+      f"site_grads: {layered} are layer stacks (nn.scan / nnx.scan); take the gradient at "
+      "one layer",
+      code="unsupported_site",
+      site=layered[0],
+      fix=f'sites=[jl.module("{layered[0]}", layer=0), ...]',
+    )
   for label_, shape in values.items():
     if not jnp.issubdtype(shape.dtype, jnp.inexact):
       raise InvalidArgumentError(
-          f"site_grads: {label_!r} has dtype {shape.dtype}; a gradient needs a float site",
-          code="site_not_float", site=label_, fix="choose a float site (a module's output)")
+        f"site_grads: {label_!r} has dtype {shape.dtype}; a gradient needs a float site",
+        code="site_not_float",
+        site=label_,
+        fix="choose a float site (a module's output)",
+      )
   return dict(values)
 
 
-def site_grads(model, variables, *inputs, metric: Callable[[Any], Any],
-               sites: Sequence[Any] | Any, intervene=None, method=None,
-               **apply_kwargs) -> SiteGrads:
+def site_grads(
+  model,
+  variables,
+  *inputs,
+  metric: Callable[[Any], Any],
+  sites: Sequence[Any] | Any,
+  intervene=None,
+  method=None,
+  **apply_kwargs,
+) -> SiteGrads:
   """The gradient of ``metric(model output)`` at each site, from one backward pass.
 
   Args:
@@ -150,8 +172,16 @@ def site_grads(model, variables, *inputs, metric: Callable[[Any], Any],
   import jaxlens as jl
 
   def run_trace(spec, save):
-    return jl.trace(model, variables, *inputs, intervene=spec, save=save, keep_inputs=False,
-                    method=method, **apply_kwargs)
+    return jl.trace(
+      model,
+      variables,
+      *inputs,
+      intervene=spec,
+      save=save,
+      keep_inputs=False,
+      method=method,
+      **apply_kwargs,
+    )
 
   return grads_at_sites(run_trace, metric, sites, intervene)
 
@@ -159,9 +189,13 @@ def site_grads(model, variables, *inputs, metric: Callable[[Any], Any],
 def grads_at_sites(run_trace, metric, sites, intervene=None) -> SiteGrads:
   """:func:`site_grads` over ``run_trace(spec list, save selectors) -> Trace``, a model call."""
   import jaxlens as jl
+
   selectors = _selectors(sites)
-  edits = [] if intervene is None else (list(intervene) if isinstance(intervene, (list, tuple))
-                                        else [intervene])
+  edits = (
+    []
+    if intervene is None
+    else (list(intervene) if isinstance(intervene, (list, tuple)) else [intervene])
+  )
   shapes = _resolve(lambda spec, save: run_trace(edits + spec, save), selectors)
 
   def run(deltas):
@@ -169,8 +203,11 @@ def grads_at_sites(run_trace, metric, sites, intervene=None) -> SiteGrads:
     t = run_trace(spec, [jl.label(k) for k in deltas])
     value = jnp.asarray(metric(t.output))
     if value.shape != ():
-      raise ShapeError(f"site_grads: metric returned shape {value.shape}, expected a scalar",
-                       code="metric_not_scalar", fix="reduce the metric: .mean() or .sum()")
+      raise ShapeError(
+        f"site_grads: metric returned shape {value.shape}, expected a scalar",
+        code="metric_not_scalar",
+        fix="reduce the metric: .mean() or .sum()",
+      )
     return value, {k: t.values[k] for k in deltas}
 
   zeros = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
@@ -178,9 +215,18 @@ def grads_at_sites(run_trace, metric, sites, intervene=None) -> SiteGrads:
   return SiteGrads(value, grads, outs)
 
 
-def attribution_patching(model, variables, clean, corrupt, metric: Callable[[Any], Any], *,
-                         sites: Sequence[str], positions: Sequence[int] | None = None,
-                         method=None, **apply_kwargs):
+def attribution_patching(
+  model,
+  variables,
+  clean,
+  corrupt,
+  metric: Callable[[Any], Any],
+  *,
+  sites: Sequence[str],
+  positions: Sequence[int] | None = None,
+  method=None,
+  **apply_kwargs,
+):
   """Attribution patching: ``grad · (clean - corrupt)`` per site and position.
 
   Args:
@@ -199,28 +245,39 @@ def attribution_patching(model, variables, clean, corrupt, metric: Callable[[Any
     minus ``metric`` on the corrupt run.
   """
   import jaxlens as jl
+
   if jnp.shape(clean) != jnp.shape(corrupt):
-    raise ShapeError(f"attribution_patching: clean has shape {jnp.shape(clean)} but corrupt "
-                     f"has {jnp.shape(corrupt)}", code="shape_mismatch",
-                     expected=str(jnp.shape(clean)), received=str(jnp.shape(corrupt)),
-                     fix="pad or crop the two inputs to one shape")
+    raise ShapeError(
+      f"attribution_patching: clean has shape {jnp.shape(clean)} but corrupt "
+      f"has {jnp.shape(corrupt)}",
+      code="shape_mismatch",
+      expected=str(jnp.shape(clean)),
+      received=str(jnp.shape(corrupt)),
+      fix="pad or crop the two inputs to one shape",
+    )
   sites = tuple(sites)
   selectors = [jl.label(s) for s in sites]
-  g = site_grads(model, variables, corrupt, metric=metric, sites=selectors, method=method,
-                 **apply_kwargs)
-  donor = jl.trace(model, variables, clean, save=selectors, keep_inputs=False, method=method,
-                   **apply_kwargs)
+  g = site_grads(
+    model, variables, corrupt, metric=metric, sites=selectors, method=method, **apply_kwargs
+  )
+  donor = jl.trace(
+    model, variables, clean, save=selectors, keep_inputs=False, method=method, **apply_kwargs
+  )
   rows = []
   for s in sites:
     grad, base, patched = g.grad[s], g.out[s], donor.values[s]
     if grad.ndim < 2:
-      raise ShapeError(f"attribution_patching: site {s!r} has shape {grad.shape}, not "
-                       "(batch, seq, ...)", code="shape_mismatch", site=s,
-                       fix="choose sites whose values have a sequence axis 1")
+      raise ShapeError(
+        f"attribution_patching: site {s!r} has shape {grad.shape}, not (batch, seq, ...)",
+        code="shape_mismatch",
+        site=s,
+        fix="choose sites whose values have a sequence axis 1",
+      )
     contrib = grad * (patched - base)
     per_position = contrib.sum(axis=tuple(a for a in range(contrib.ndim) if a != 1))
-    rows.append(per_position if positions is None
-                else per_position[jnp.asarray(list(positions), jnp.int32)])
+    rows.append(
+      per_position if positions is None else per_position[jnp.asarray(list(positions), jnp.int32)]
+    )
   return jnp.stack(rows)
 
 
@@ -240,9 +297,18 @@ def _trace_grad(self, metric, *, sites):
     for s in save:
       one = _tracing.as_selector(s)
       selector = one if selector is None else selector | one
-    return _tracing._capture(self._module, variables, inputs, dict(kwargs),
-                             _tracing.as_spec(spec), selector, save_given=True, method=method,
-                             apply_kwargs=dict(apply_kwargs), keep_inputs=False)
+    return _tracing._capture(
+      self._module,
+      variables,
+      inputs,
+      dict(kwargs),
+      _tracing.as_spec(spec),
+      selector,
+      save_given=True,
+      method=method,
+      apply_kwargs=dict(apply_kwargs),
+      keep_inputs=False,
+    )
 
   return grads_at_sites(run_trace, metric, sites, list(self._spec.rules and [self._spec]))
 

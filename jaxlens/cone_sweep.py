@@ -48,6 +48,7 @@ def _family(model):
   from jaxlens.models._layers import RMSNorm
   from jaxlens.models.gpt2 import GPT2, GPT2Block
   from jaxlens.models.llama import Llama, LlamaBlock
+
   cfg = getattr(model, "config", None)
   if isinstance(model, Llama):
     block, norm = LlamaBlock, RMSNorm(cfg.norm_eps, cfg.dtype)
@@ -56,8 +57,10 @@ def _family(model):
     norm = nn.LayerNorm(cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype)
   else:
     raise InvalidArgumentError(
-        f"cone_sweep runs the zoo's causal decoders (Llama, GPT2), got {type(model).__name__}",
-        code="invalid_argument", fix="jl.sweep.patching_sweep(...) for other models")
+      f"cone_sweep runs the zoo's causal decoders (Llama, GPT2), got {type(model).__name__}",
+      code="invalid_argument",
+      fix="jl.sweep.patching_sweep(...) for other models",
+    )
 
   def final(params, x):
     x = norm.apply({"params": params["ln_final"]}, x)
@@ -85,13 +88,15 @@ def _layout(positions, seq):
   mask = np.concatenate([corrupt_keys, packed_keys], axis=1)[None, None]
   # Full logits of the cell at positions[j]: column q < p from the corrupt run, column q >= p
   # from the packed tokens (index seq + starts[j] + q - p of [corrupt | packed]).
-  gather = np.asarray([[q if q < p else seq + s + q - p for q in range(seq)]
-                       for p, s in zip(positions, starts)])
+  gather = np.asarray(
+    [[q if q < p else seq + s + q - p for q in range(seq)] for p, s in zip(positions, starts)]
+  )
   return cell_pos, tok_pos, mask, gather
 
 
-@functools.partial(jax.jit, static_argnames=("model", "metric", "layers", "positions", "site",
-                                             "batch_size"))
+@functools.partial(
+  jax.jit, static_argnames=("model", "metric", "layers", "positions", "site", "batch_size")
+)
 def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, batch_size):
   block, final, n_layers = _family(model)
   params = variables["params"]
@@ -99,17 +104,31 @@ def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, 
   cell_pos, tok_pos, mask, gather = _layout(positions, seq)
   n_tok = len(tok_pos)
 
-  base = trace(model, variables, corrupt, keep_inputs=False, save=[
-      module(f"blocks_{j}/{name}") for j in range(n_layers)
-      for name in ("resid_pre", "attn/k", "attn/v")] + [module(f"blocks_{n_layers - 1}")])
-  donor = trace(model, variables, clean, keep_inputs=False,
-                save=[module(f"blocks_{k}/{site}") for k in sorted(set(layers))])
+  base = trace(
+    model,
+    variables,
+    corrupt,
+    keep_inputs=False,
+    save=[
+      module(f"blocks_{j}/{name}")
+      for j in range(n_layers)
+      for name in ("resid_pre", "attn/k", "attn/v")
+    ]
+    + [module(f"blocks_{n_layers - 1}")],
+  )
+  donor = trace(
+    model,
+    variables,
+    clean,
+    keep_inputs=False,
+    save=[module(f"blocks_{k}/{site}") for k in sorted(set(layers))],
+  )
 
   # The residual stream entering block j (j = n_layers: the last block's output).
   def stream(j):
     return base[f"blocks_{j}/resid_pre"].out if j < n_layers else base[f"blocks_{n_layers - 1}"].out
 
-  first = np.asarray(tok_pos == cell_pos)        # the patched token of each packed cell
+  first = np.asarray(tok_pos == cell_pos)  # the patched token of each packed cell
 
   def start_state(k):
     # Packed tokens of every cell of layer k, read from the corrupt stream, the patched
@@ -137,14 +156,24 @@ def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, 
 
     def cache_of(c, cells=cells):
       full = jnp.concatenate([c, jnp.zeros((batch, n_tok) + c.shape[2:], c.dtype)], axis=1)
-      return jnp.broadcast_to(full, (cells,) + full.shape).reshape((cells * batch,) + full.shape[1:])
+      return jnp.broadcast_to(full, (cells,) + full.shape).reshape(
+        (cells * batch,) + full.shape[1:]
+      )
 
     cache = {"attn": {"cached_key": cache_of(k), "cached_value": cache_of(v)}}
     x = state.reshape((cells * batch, n_tok, state.shape[-1]))
-    out, _ = block.apply({"params": params[f"blocks_{j}"], "cache": cache}, x, packed_positions,
-                         None, True, jnp.int32(seq), mask, mutable=["cache"])
+    out, _ = block.apply(
+      {"params": params[f"blocks_{j}"], "cache": cache},
+      x,
+      packed_positions,
+      None,
+      True,
+      jnp.int32(seq),
+      mask,
+      mutable=["cache"],
+    )
     state = out.reshape(state.shape)
-  rest = [i for i in order[joined:]]                       # resid_post of the last block
+  rest = [i for i in order[joined:]]  # resid_post of the last block
   if rest:
     fresh = jnp.stack([start_state(layers[i]) for i in rest])
     state = fresh if state is None else jnp.concatenate([state, fresh])
@@ -153,21 +182,32 @@ def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, 
 
   def cell_metrics(x):
     both = jnp.concatenate([corrupt_logits, final(params, x)], axis=1)
-    full = jnp.take(both, gather, axis=1)                  # (batch, positions, seq, vocab)
+    full = jnp.take(both, gather, axis=1)  # (batch, positions, seq, vocab)
     values = jax.vmap(metric, in_axes=1)(full)
     if values.shape != (len(positions),):
-      raise ShapeError(f"cone_sweep: metric returned shape {values.shape[1:]}, expected a "
-                       "scalar", code="metric_not_scalar",
-                       fix="reduce the metric over the batch: .mean()")
+      raise ShapeError(
+        f"cone_sweep: metric returned shape {values.shape[1:]}, expected a scalar",
+        code="metric_not_scalar",
+        fix="reduce the metric over the batch: .mean()",
+      )
     return values
 
   grid = jax.lax.map(cell_metrics, state, batch_size=batch_size)
   return grid[np.argsort(order)]
 
 
-def cone_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any], *,
-               layers: Sequence[int] | None = None, positions: Sequence[int] | None = None,
-               site: str = "resid_post", batch_size: int | None = 1):
+def cone_sweep(
+  model,
+  variables,
+  clean,
+  corrupt,
+  metric: Callable[[Any], Any],
+  *,
+  layers: Sequence[int] | None = None,
+  positions: Sequence[int] | None = None,
+  site: str = "resid_post",
+  batch_size: int | None = 1,
+):
   """Patches the clean residual stream into the corrupt run at every (layer, position).
 
   Cell ``[i, j]`` is ``metric(logits)`` for the corrupt run with ``blocks_{layers[i]}/{site}``
@@ -200,20 +240,38 @@ def cone_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any], *
   _family(model)
   n_layers = model.config.n_layers
   if site not in _SITES:
-    raise InvalidArgumentError(f"cone_sweep patches the residual stream, got site={site!r}",
-                               code="invalid_argument", fix='site="resid_post" or "resid_pre"')
+    raise InvalidArgumentError(
+      f"cone_sweep patches the residual stream, got site={site!r}",
+      code="invalid_argument",
+      fix='site="resid_post" or "resid_pre"',
+    )
   if jnp.shape(clean) != jnp.shape(corrupt) or jnp.ndim(clean) != 2:
-    raise ShapeError(f"cone_sweep: clean {jnp.shape(clean)} and corrupt {jnp.shape(corrupt)} "
-                     "must be token ids of one shape (batch, seq)", code="shape_mismatch",
-                     fix="pad or crop the two inputs to one shape")
+    raise ShapeError(
+      f"cone_sweep: clean {jnp.shape(clean)} and corrupt {jnp.shape(corrupt)} "
+      "must be token ids of one shape (batch, seq)",
+      code="shape_mismatch",
+      fix="pad or crop the two inputs to one shape",
+    )
   seq = jnp.shape(clean)[1]
   layers = tuple(range(n_layers)) if layers is None else tuple(int(k) for k in layers)
   positions = tuple(range(seq)) if positions is None else tuple(int(p) for p in positions)
   for name, values, bound in (("layers", layers, n_layers), ("positions", positions, seq)):
     bad = [x for x in values if not 0 <= x < bound]
     if bad or not values:
-      raise InvalidArgumentError(f"cone_sweep: {name} {bad or '()'} outside [0, {bound})",
-                                 code="index_out_of_range", fix=f"{name} in [0, {bound})",
-                                 received=str(bad))
-  return _cone(model, variables, jnp.asarray(clean), jnp.asarray(corrupt), metric=metric,
-               layers=layers, positions=positions, site=site, batch_size=batch_size)
+      raise InvalidArgumentError(
+        f"cone_sweep: {name} {bad or '()'} outside [0, {bound})",
+        code="index_out_of_range",
+        fix=f"{name} in [0, {bound})",
+        received=str(bad),
+      )
+  return _cone(
+    model,
+    variables,
+    jnp.asarray(clean),
+    jnp.asarray(corrupt),
+    metric=metric,
+    layers=layers,
+    positions=positions,
+    site=site,
+    batch_size=batch_size,
+  )

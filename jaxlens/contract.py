@@ -36,10 +36,28 @@ from jaxlens._src.edit import Donor
 from jaxlens._src.edit import takes_hook_keyword as _takes_hook_keyword
 from jaxlens._src.errors import reset_warnings as _reset_warnings
 
-__all__ = ["SITE", "Case", "Row", "ROWS", "SUBSPACE_ONLY", "NOT_UNDER_SUBSPACE", "DOORS",
-           "CONCRETE_EDIT", "Cell", "expected", "spec_model", "make_case", "matrix_basis",
-           "run_cell", "measured", "run_matrix", "format_matrix", "takes_hook_keyword",
-           "reset_warnings", "Donor"]
+__all__ = [
+  "SITE",
+  "Case",
+  "Row",
+  "ROWS",
+  "SUBSPACE_ONLY",
+  "NOT_UNDER_SUBSPACE",
+  "DOORS",
+  "CONCRETE_EDIT",
+  "Cell",
+  "expected",
+  "spec_model",
+  "make_case",
+  "matrix_basis",
+  "run_cell",
+  "measured",
+  "run_matrix",
+  "format_matrix",
+  "takes_hook_keyword",
+  "reset_warnings",
+  "Donor",
+]
 
 
 # ``Donor``: the protocol of a run whose saved values a verb reads (``jl.Trace``, and
@@ -58,6 +76,7 @@ def takes_hook_keyword(fn: Callable) -> bool:
 def reset_warnings() -> None:
   """Forgets which once-per-session warnings jaxlens issued (each matrix cell shows its own)."""
   _reset_warnings()
+
 
 SITE = "layers_0"
 
@@ -88,31 +107,33 @@ class Row:
 
 
 ROWS: tuple[Row, ...] = (
-    Row("scale", lambda c: jl.scale(0.5), True),
-    Row("clamp", lambda c: jl.clamp(min=-0.3, max=0.4), True),
-    Row("add_noise", lambda c: jl.add_noise(0.1, seed=0), True),
-    Row("steer", lambda c: jl.steer(c.direction, 2.0), True),
-    Row("add", lambda c: jl.add(c.delta), True),
-    Row("project_onto", lambda c: jl.project_onto(c.direction), True),
-    Row("project_out", lambda c: jl.project_out(c.direction), True),
-    Row("mean_ablate(dim=)", lambda c: jl.mean_ablate(dim=0), True),
-    Row("scramble_elements(seed=)", lambda c: jl.scramble_elements(seed=0), True),
-    Row("splice_module", lambda c: jl.splice_module(jnp.tanh), True),
-    Row("permute_batch", lambda c: jl.permute_batch(seed=1), True),
-    Row("set_direction_mean", lambda c: jl.set_direction_mean(c.direction, c.population), True),
-    Row("compose", lambda c: jl.compose(jl.scale(0.0), jl.add(c.delta)), True),
-    Row("hook callable", lambda c: jl.hook(_square), True),
-    Row("zero_ablate", lambda c: jl.zero_ablate(), False),
-    Row("replace_with", lambda c: jl.replace_with(c.donor), False),
-    Row("swap_with", lambda c: jl.swap_with(c.donor), False),
-    Row("patch_from", lambda c: jl.patch_from(c.donor_trace), False),
-    Row("resample_rows_from", lambda c: jl.resample_rows_from(c.population, seed=0), False),
-    Row("mean_ablate(source=)", lambda c: jl.mean_ablate(source=c.population), False),
-    Row("scramble_elements(source=)",
-        lambda c: jl.scramble_elements(seed=0, source=c.donor), False),
-    Row("set_affine_coordinates", lambda c: jl.set_affine_coordinates(c.W, c.b), True),
-    Row("subspace_* (subspace_patch)",
-        lambda c: jl.subspace_patch(c.basis, c.donor_trace, origin=c.population), True),
+  Row("scale", lambda c: jl.scale(0.5), True),
+  Row("clamp", lambda c: jl.clamp(min=-0.3, max=0.4), True),
+  Row("add_noise", lambda c: jl.add_noise(0.1, seed=0), True),
+  Row("steer", lambda c: jl.steer(c.direction, 2.0), True),
+  Row("add", lambda c: jl.add(c.delta), True),
+  Row("project_onto", lambda c: jl.project_onto(c.direction), True),
+  Row("project_out", lambda c: jl.project_out(c.direction), True),
+  Row("mean_ablate(dim=)", lambda c: jl.mean_ablate(dim=0), True),
+  Row("scramble_elements(seed=)", lambda c: jl.scramble_elements(seed=0), True),
+  Row("splice_module", lambda c: jl.splice_module(jnp.tanh), True),
+  Row("permute_batch", lambda c: jl.permute_batch(seed=1), True),
+  Row("set_direction_mean", lambda c: jl.set_direction_mean(c.direction, c.population), True),
+  Row("compose", lambda c: jl.compose(jl.scale(0.0), jl.add(c.delta)), True),
+  Row("hook callable", lambda c: jl.hook(_square), True),
+  Row("zero_ablate", lambda c: jl.zero_ablate(), False),
+  Row("replace_with", lambda c: jl.replace_with(c.donor), False),
+  Row("swap_with", lambda c: jl.swap_with(c.donor), False),
+  Row("patch_from", lambda c: jl.patch_from(c.donor_trace), False),
+  Row("resample_rows_from", lambda c: jl.resample_rows_from(c.population, seed=0), False),
+  Row("mean_ablate(source=)", lambda c: jl.mean_ablate(source=c.population), False),
+  Row("scramble_elements(source=)", lambda c: jl.scramble_elements(seed=0, source=c.donor), False),
+  Row("set_affine_coordinates", lambda c: jl.set_affine_coordinates(c.W, c.b), True),
+  Row(
+    "subspace_* (subspace_patch)",
+    lambda c: jl.subspace_patch(c.basis, c.donor_trace, origin=c.population),
+    True,
+  ),
 )
 
 # Rows that write subspace coordinates: refused outside a jl.subspace selection.
@@ -180,8 +201,10 @@ def _selection(kind, case):
 
 def _selected(base, kind):
   """A selection door: the base door's edit wrapped by jl.units / jl.subspace."""
+
   def runner(model, variables, x, edit, case):
     return base(model, variables, x, _selection(kind, case).wrap(edit))
+
   runner.takes_case = True
   return runner
 
@@ -192,14 +215,16 @@ CONCRETE_EDIT = {"spec_bind"}
 
 # door name -> (spelling shown in the table, runner(model, variables, x, edit) -> output)
 DOORS: dict[str, tuple[str, Callable]] = {
-    "live_bind": ("jl.when(site, edit).bind(model)(variables, x)", _door_bind),
-    "live_trace": ("jl.trace(model, variables, x, intervene=...)", _door_trace),
-    "replay": ("trace.fork().do(site, edit)", _door_replay),
-    "rerun": ("trace.fork().do(site, edit, model=, inputs=)", _door_rerun),
-    "set_only_run": ('do(..., InterventionOptions(engine="set_only")) + run()', _door_set_only),
-    "spec_bind": ("jl.load_spec(spec.save(dir)).bind(model)(variables, x)", _door_spec_bind),
-    "differentiable_replay": ("do(..., InterventionOptions(differentiable=True))",
-                              _door_differentiable),
+  "live_bind": ("jl.when(site, edit).bind(model)(variables, x)", _door_bind),
+  "live_trace": ("jl.trace(model, variables, x, intervene=...)", _door_trace),
+  "replay": ("trace.fork().do(site, edit)", _door_replay),
+  "rerun": ("trace.fork().do(site, edit, model=, inputs=)", _door_rerun),
+  "set_only_run": ('do(..., InterventionOptions(engine="set_only")) + run()', _door_set_only),
+  "spec_bind": ("jl.load_spec(spec.save(dir)).bind(model)(variables, x)", _door_spec_bind),
+  "differentiable_replay": (
+    "do(..., InterventionOptions(differentiable=True))",
+    _door_differentiable,
+  ),
 }
 # Selection doors: every base door but live_trace (the same program path as replay)
 # under jl.units (features 1 and 3 of every row) and jl.subspace (a 2-D orthonormal
@@ -208,8 +233,7 @@ _BASES = ("live_bind", "replay", "rerun", "set_only_run", "spec_bind", "differen
 for _kind in ("units", "subspace"):
   for _base in _BASES:
     _spelling, _run = DOORS[_base]
-    DOORS[f"{_kind}:{_base}"] = (f"{_spelling} with jl.{_kind}(site, ...)",
-                                 _selected(_run, _kind))
+    DOORS[f"{_kind}:{_base}"] = (f"{_spelling} with jl.{_kind}(site, ...)", _selected(_run, _kind))
 CONCRETE_EDIT |= {f"{k}:spec_bind" for k in ("units", "subspace")}
 
 
@@ -243,10 +267,14 @@ def spec_model():
     ``(model, variables, x, x_donor, source)``.
   """
   if not jax.config.jax_enable_x64:
-    raise jl.InvalidArgumentError("the matrix runs in float64", code="x64_required",
-                                  fix='jax.config.update("jax_enable_x64", True)')
-  model = nn.Sequential([nn.Dense(4, param_dtype=jnp.float64),
-                         nn.Dense(2, param_dtype=jnp.float64)])
+    raise jl.InvalidArgumentError(
+      "the matrix runs in float64",
+      code="x64_required",
+      fix='jax.config.update("jax_enable_x64", True)',
+    )
+  model = nn.Sequential(
+    [nn.Dense(4, param_dtype=jnp.float64), nn.Dense(2, param_dtype=jnp.float64)]
+  )
   k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(k1, (3, 4), jnp.float64)
   x_donor = jax.random.normal(k2, (3, 4), jnp.float64)
@@ -259,16 +287,16 @@ def make_case(model, variables, x, x_donor) -> Case:
   donor = donor_trace[SITE].out
   pop = jl.population(donor, donor[::-1] * 0.5)
   return Case(
-      x=x,
-      donor_trace=donor_trace,
-      donor=donor,
-      population=pop,
-      direction=jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float64),
-      delta=jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float64).reshape(3, 4),
-      basis=matrix_basis(),
-      units=np.asarray([1, 3]),
-      W=jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]], jnp.float64),
-      b=jnp.asarray([0.1, -0.2], jnp.float64),
+    x=x,
+    donor_trace=donor_trace,
+    donor=donor,
+    population=pop,
+    direction=jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float64),
+    delta=jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float64).reshape(3, 4),
+    basis=matrix_basis(),
+    units=np.asarray([1, 3]),
+    W=jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]], jnp.float64),
+    b=jnp.asarray([0.1, -0.2], jnp.float64),
   )
 
 
@@ -287,8 +315,9 @@ class Cell:
   warnings: tuple = ()
 
 
-def run_cell(door: str, row: Row, keep: bool, model=None, variables=None, x=None,
-             x_donor=None) -> Cell:
+def run_cell(
+  door: str, row: Row, keep: bool, model=None, variables=None, x=None, x_donor=None
+) -> Cell:
   """Measures one cell by running the door."""
   if model is None:
     model, variables, x, x_donor, _ = spec_model()
@@ -310,13 +339,15 @@ def run_cell(door: str, row: Row, keep: bool, model=None, variables=None, x=None
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always", jl.JaxlensWarning)
     try:
-      (_, out), grads = jax.value_and_grad(lambda v: (lambda o: (o.sum(), o))(out_fn(v)),
-                                           has_aux=True)(variables)
+      (_, out), grads = jax.value_and_grad(
+        lambda v: (lambda o: (o.sum(), o))(out_fn(v)), has_aux=True
+      )(variables)
       dep = jl.depends_on(lambda v: out_fn(v).sum(), variables)
     except jl.InvalidArgumentError as error:
       return Cell(f"raises:{error.code}", message=str(error))
-  codes = tuple(sorted({w.message.fields["code"] for w in caught
-                        if isinstance(w.message, jl.JaxlensWarning)}))
+  codes = tuple(
+    sorted({w.message.fields["code"] for w in caught if isinstance(w.message, jl.JaxlensWarning)})
+  )
   kernel_grad = grads["params"][SITE]["kernel"]
   reaches = dep["params"][SITE]["kernel"]
   if not reaches and np.any(np.asarray(kernel_grad) != 0):
@@ -347,24 +378,29 @@ def run_matrix(doors_: tuple[str, ...] | None = None, weights: Callable = None) 
   table = {}
   for door in doors_ or tuple(DOORS):
     for row in ROWS:
-      table[(door, row.name)] = tuple(measured(door, row.name, keep, weights)
-                                      for keep in (False, True))
+      table[(door, row.name)] = tuple(
+        measured(door, row.name, keep, weights) for keep in (False, True)
+      )
   return table
 
 
 def format_matrix(table: dict) -> str:
   """The measured matrix as a Markdown table, with agreement against the specification."""
   rows_by_name = {r.name: r for r in ROWS}
-  lines = ["| door | verb | without keep_grad | with keep_grad | spec agrees |",
-           "|---|---|---|---|---|"]
+  lines = [
+    "| door | verb | without keep_grad | with keep_grad | spec agrees |",
+    "|---|---|---|---|---|",
+  ]
   warned = lambda c: c.outcome + (" (warns " + ", ".join(c.warnings) + ")" if c.warnings else "")
   agree = 0
   for (door, name), (a, b) in table.items():
     want = expected(door, rows_by_name[name])
     ok = (a.outcome, b.outcome) == want
     agree += ok
-    lines.append(f"| `{DOORS[door][0]}` | {name} | {warned(a)} | {warned(b)} | "
-                 f"{'yes' if ok else 'NO: spec ' + ' / '.join(want)} |")
+    lines.append(
+      f"| `{DOORS[door][0]}` | {name} | {warned(a)} | {warned(b)} | "
+      f"{'yes' if ok else 'NO: spec ' + ' / '.join(want)} |"
+    )
   lines.append("")
   lines.append(f"{agree} of {len(table)} rows agree with the specification.")
   return "\n".join(lines)

@@ -117,10 +117,22 @@ class DemoResult:
   figure: object = None
 
 
-def run_demo(*, steps: int = 300, batch: int = 128, seq_len: int = 10, vocab: int = 24,
-             d_model: int = 64, n_layers: int = 2, n_heads: int = 4, lr: float = 3e-3,
-             seed: int = 0, marker_at: int = 3, top: int = 5, out="patching_heatmap.png",
-             progress: TextIO | bool | None = None) -> DemoResult:
+def run_demo(
+  *,
+  steps: int = 300,
+  batch: int = 128,
+  seq_len: int = 10,
+  vocab: int = 24,
+  d_model: int = 64,
+  n_layers: int = 2,
+  n_heads: int = 4,
+  lr: float = 3e-3,
+  seed: int = 0,
+  marker_at: int = 3,
+  top: int = 5,
+  out="patching_heatmap.png",
+  progress: TextIO | bool | None = None,
+) -> DemoResult:
   """Trains the model, runs the sweep, writes the heatmap; see the module docstring.
 
   ``progress`` is the stream of the training progress bar (default stderr), or
@@ -138,11 +150,19 @@ def run_demo(*, steps: int = 300, batch: int = 128, seq_len: int = 10, vocab: in
 
   if not 0 <= marker_at <= seq_len - 3:
     raise jl.InvalidArgumentError(
-        f"marker_at={marker_at} must leave the answer and a later query position in a "
-        f"sequence of length {seq_len}", code="invalid_argument",
-        fix=f"--marker-at between 0 and {seq_len - 3}")
-  model = GPT(vocab_size=vocab, d_model=d_model, n_heads=n_heads, n_layers=n_layers,
-              max_len=seq_len, mlp_ratio=2)
+      f"marker_at={marker_at} must leave the answer and a later query position in a "
+      f"sequence of length {seq_len}",
+      code="invalid_argument",
+      fix=f"--marker-at between 0 and {seq_len - 3}",
+    )
+  model = GPT(
+    vocab_size=vocab,
+    d_model=d_model,
+    n_heads=n_heads,
+    n_layers=n_layers,
+    max_len=seq_len,
+    mlp_ratio=2,
+  )
   opt = optax.adam(lr)
 
   # Every array the demo needs, made in one compiled call: on a CPU, each eager op
@@ -177,9 +197,17 @@ def run_demo(*, steps: int = 300, batch: int = 128, seq_len: int = 10, vocab: in
   clean, corrupt, ans_clean, ans_corrupt = pair
   metric = _LogitDiff(np.asarray(ans_clean), np.asarray(ans_corrupt))
   from tqdm import tqdm
+
   losses = []
-  with tqdm(total=steps, desc="training", unit="step", file=progress or sys.stderr,
-            disable=progress is False, dynamic_ncols=True, mininterval=0.5) as bar:
+  with tqdm(
+    total=steps,
+    desc="training",
+    unit="step",
+    file=progress or sys.stderr,
+    disable=progress is False,
+    dynamic_ncols=True,
+    mininterval=0.5,
+  ) as bar:
     for i in range(steps):
       params, state, value = step(params, state, train_keys, i)
       losses.append(float(value))
@@ -188,12 +216,12 @@ def run_demo(*, steps: int = 300, batch: int = 128, seq_len: int = 10, vocab: in
         bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
   train_seconds = time.perf_counter() - start
 
-  sites = ("embed",) + tuple(s for i in range(n_layers) for s in (f"block_{i}/attn",
-                                                                  f"block_{i}"))
+  sites = ("embed",) + tuple(s for i in range(n_layers) for s in (f"block_{i}/attn", f"block_{i}"))
   start = time.perf_counter()
   raw = jl.sweep.patching_sweep(model, params, clean, corrupt, metric, sites=sites)
-  accuracy, m_clean, m_corrupt = (float(v) for v in
-                                  evaluate(params, tokens, answers, clean, corrupt))
+  accuracy, m_clean, m_corrupt = (
+    float(v) for v in evaluate(params, tokens, answers, clean, corrupt)
+  )
   scores = (np.asarray(raw, np.float64) - m_corrupt) / (m_clean - m_corrupt)
   sweep_seconds = time.perf_counter() - start
 
@@ -203,11 +231,26 @@ def run_demo(*, steps: int = 300, batch: int = 128, seq_len: int = 10, vocab: in
   roles = {marker_at: "marker", marker_at + 1: "answer", seq_len - 1: "query"}
   labels = [f"{p} {roles[p]}" if p in roles else str(p) for p in positions]
   figure = plot.patching_heatmap(
-      scores, row_labels=sites, col_labels=labels, path=out, xlabel="position (role)",
-      colorbar_label="logit difference restored",
-      title=f"Activation patching: where the answer lives ({n_layers}-layer GPT)")
-  return DemoResult(tuple(losses), accuracy, sites, positions, scores, best, str(out),
-                    train_seconds, sweep_seconds, figure)
+    scores,
+    row_labels=sites,
+    col_labels=labels,
+    path=out,
+    xlabel="position (role)",
+    colorbar_label="logit difference restored",
+    title=f"Activation patching: where the answer lives ({n_layers}-layer GPT)",
+  )
+  return DemoResult(
+    tuple(losses),
+    accuracy,
+    sites,
+    positions,
+    scores,
+    best,
+    str(out),
+    train_seconds,
+    sweep_seconds,
+    figure,
+  )
 
 
 class _LogitDiff:
@@ -244,11 +287,18 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
   p.add_argument("--lr", type=float, default=3e-3, help="adam learning rate (default 3e-3)")
   p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-  p.add_argument("--marker-at", type=int, default=3,
-                 help="the marker's position in the patched sequences (default 3)")
+  p.add_argument(
+    "--marker-at",
+    type=int,
+    default=3,
+    help="the marker's position in the patched sequences (default 3)",
+  )
   p.add_argument("--top", type=int, default=5, help="how many top sites to print (default 5)")
-  p.add_argument("--out", default="patching_heatmap.png",
-                 help="the heatmap to write; .png, .svg or .pdf (default patching_heatmap.png)")
+  p.add_argument(
+    "--out",
+    default="patching_heatmap.png",
+    help="the heatmap to write; .png, .svg or .pdf (default patching_heatmap.png)",
+  )
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   return p
 
@@ -256,18 +306,35 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the demo from command-line arguments; returns the exit status."""
   args = _parser().parse_args(argv)
-  print(f"jaxlens demo: a {args.layers}-layer GPT (d_model {args.d_model}) learns to return the "
-        f"token after a marker; {args.steps} steps of batch {args.batch}")
+  print(
+    f"jaxlens demo: a {args.layers}-layer GPT (d_model {args.d_model}) learns to return the "
+    f"token after a marker; {args.steps} steps of batch {args.batch}"
+  )
   start = time.perf_counter()
-  result = run_demo(steps=args.steps, batch=args.batch, seq_len=args.seq_len, vocab=args.vocab,
-                    d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, lr=args.lr,
-                    seed=args.seed, marker_at=args.marker_at, top=args.top, out=args.out,
-                    progress=False if args.no_progress else None)
-  print(f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.4f}, accuracy "
-        f"{100 * result.accuracy:.1f}% (training {result.train_seconds:.1f}s)")
-  print(f"patching sweep: {len(result.sites)} sites x {len(result.positions)} positions in one "
-        f"jitted call ({result.sweep_seconds:.1f}s); the token after the marker is at position "
-        f"{args.marker_at + 1}, the query at {args.seq_len - 1}")
+  result = run_demo(
+    steps=args.steps,
+    batch=args.batch,
+    seq_len=args.seq_len,
+    vocab=args.vocab,
+    d_model=args.d_model,
+    n_layers=args.layers,
+    n_heads=args.heads,
+    lr=args.lr,
+    seed=args.seed,
+    marker_at=args.marker_at,
+    top=args.top,
+    out=args.out,
+    progress=False if args.no_progress else None,
+  )
+  print(
+    f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.4f}, accuracy "
+    f"{100 * result.accuracy:.1f}% (training {result.train_seconds:.1f}s)"
+  )
+  print(
+    f"patching sweep: {len(result.sites)} sites x {len(result.positions)} positions in one "
+    f"jitted call ({result.sweep_seconds:.1f}s); the token after the marker is at position "
+    f"{args.marker_at + 1}, the query at {args.seq_len - 1}"
+  )
   print("top sites (fraction of the clean logit difference restored):")
   for rank, (site, pos, score) in enumerate(result.top, 1):
     print(f"  {rank}. {site} @ position {pos}: {score:.2f}")

@@ -39,8 +39,15 @@ from jaxlens._src.sites import module
 from jaxlens._src.tracing import trace
 from jaxlens._src.verbs import at_positions, patch_from
 
-__all__ = ["DistributedError", "barrier", "host_values", "load_spec", "patching_sweep",
-           "save_spec", "wait"]
+__all__ = [
+  "DistributedError",
+  "barrier",
+  "host_values",
+  "load_spec",
+  "patching_sweep",
+  "save_spec",
+  "wait",
+]
 
 
 class DistributedError(JaxlensError, RuntimeError):
@@ -78,8 +85,11 @@ def host_values(tree):
   from jax.experimental import multihost_utils
 
   leaves, treedef = jax.tree.flatten(tree)
-  remote = [i for i, leaf in enumerate(leaves)
-            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable]
+  remote = [
+    i
+    for i, leaf in enumerate(leaves)
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+  ]
   named = [i for i in remote if isinstance(leaves[i].sharding, NamedSharding)]
   by_mesh: dict[Any, list[int]] = {}
   for i in named:
@@ -93,9 +103,14 @@ def host_values(tree):
     if i not in named:
       leaves[i] = multihost_utils.process_allgather(leaves[i], tiled=True)
   # A replicated array holds its whole value on this process's devices.
-  leaves = [np.asarray(leaf.addressable_data(0)) if isinstance(leaf, jax.Array)
-            and not leaf.is_fully_addressable else np.asarray(leaf)
-            if isinstance(leaf, jax.Array) else leaf for leaf in leaves]
+  leaves = [
+    np.asarray(leaf.addressable_data(0))
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+    else np.asarray(leaf)
+    if isinstance(leaf, jax.Array)
+    else leaf
+    for leaf in leaves
+  ]
   return jax.tree.unflatten(treedef, leaves)
 
 
@@ -115,11 +130,14 @@ def wait(tree, *, timeout_s: float, what: str = "computation", poll_s: float = 0
     waited = time.monotonic() - start
     if waited > timeout_s:
       raise DistributedError(
-          f"{what} not finished after {waited:.1f} s on process {jax.process_index()} of "
-          f"{jax.process_count()}: a process it waits for has died or hangs",
-          code="process_timeout", process=jax.process_index(), waited_s=round(waited, 3),
-          fix="read the other processes' logs; if the step is only slow, raise timeout_s "
-              "(and jax.distributed.initialize(heartbeat_timeout_seconds=...))")
+        f"{what} not finished after {waited:.1f} s on process {jax.process_index()} of "
+        f"{jax.process_count()}: a process it waits for has died or hangs",
+        code="process_timeout",
+        process=jax.process_index(),
+        waited_s=round(waited, 3),
+        fix="read the other processes' logs; if the step is only slow, raise timeout_s "
+        "(and jax.distributed.initialize(heartbeat_timeout_seconds=...))",
+      )
     time.sleep(poll_s)
   return jax.block_until_ready(tree)
 
@@ -128,6 +146,7 @@ def _client():
   # jax keeps the coordination-service client of jax.distributed.initialize here; there
   # is no public accessor (orbax reads it the same way).
   from jax._src import distributed
+
   return distributed.global_state.client
 
 
@@ -149,13 +168,15 @@ def barrier(name: str, *, timeout_s: float) -> None:
   except Exception as error:  # jax raises its own XlaRuntimeError subclasses here
     waited = time.monotonic() - start
     raise DistributedError(
-        f"barrier {name!r}: not every process arrived within {timeout_s} s "
-        f"(process {jax.process_index()} of {jax.process_count()} waited {waited:.1f} s): "
-        f"{str(error).splitlines()[0]}",
-        code="barrier_timeout", process=jax.process_index(), waited_s=round(waited, 3),
-        barrier=name,
-        fix="read the other processes' logs; every process must call barrier() with the "
-            "same name") from error
+      f"barrier {name!r}: not every process arrived within {timeout_s} s "
+      f"(process {jax.process_index()} of {jax.process_count()} waited {waited:.1f} s): "
+      f"{str(error).splitlines()[0]}",
+      code="barrier_timeout",
+      process=jax.process_index(),
+      waited_s=round(waited, 3),
+      barrier=name,
+      fix="read the other processes' logs; every process must call barrier() with the same name",
+    ) from error
 
 
 def save_spec(spec, path, *, timeout_s: float = 300.0):
@@ -182,9 +203,19 @@ def load_spec(path):
   return _load_spec(path)
 
 
-def patching_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any], *, mesh,
-                   sites: Sequence[str], positions: Sequence[int] | None = None,
-                   cell_axes: Sequence[str] | None = None, batch_size: int | None = None):
+def patching_sweep(
+  model,
+  variables,
+  clean,
+  corrupt,
+  metric: Callable[[Any], Any],
+  *,
+  mesh,
+  sites: Sequence[str],
+  positions: Sequence[int] | None = None,
+  cell_axes: Sequence[str] | None = None,
+  batch_size: int | None = None,
+):
   """:func:`jaxlens.sweep.patching_sweep` with its cells spread over the devices of ``mesh``.
 
   The positions are split over the mesh axes ``cell_axes`` (default: all of them, so
@@ -208,25 +239,41 @@ def patching_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any
   unknown = [a for a in cell_axes if a not in mesh.axis_names]
   if unknown or not sites:
     raise InvalidArgumentError(
-        f"patching_sweep: cell_axes {unknown} are not axes of the mesh {mesh.axis_names}"
-        if unknown else "patching_sweep needs at least one site to patch",
-        code="invalid_argument", fix=f"cell_axes={tuple(mesh.axis_names)!r}, sites=('block_0',)")
+      f"patching_sweep: cell_axes {unknown} are not axes of the mesh {mesh.axis_names}"
+      if unknown
+      else "patching_sweep needs at least one site to patch",
+      code="invalid_argument",
+      fix=f"cell_axes={tuple(mesh.axis_names)!r}, sites=('block_0',)",
+    )
   seq = jnp.shape(clean)[1]
   positions = tuple(range(seq)) if positions is None else tuple(int(p) for p in positions)
   bad = [p for p in positions if not 0 <= p < seq]
   if bad:
     raise InvalidArgumentError(
-        f"patching_sweep: positions {bad} are out of range for sequence length {seq}",
-        code="index_out_of_range", fix=f"positions in [0, {seq})")
+      f"patching_sweep: positions {bad} are out of range for sequence length {seq}",
+      code="index_out_of_range",
+      fix=f"positions in [0, {seq})",
+    )
   shards = int(np.prod([mesh.shape[a] for a in cell_axes]))
   padded = positions + (0,) * (-len(positions) % shards)
   cells = jax.make_array_from_callback(
-      (len(padded),), NamedSharding(mesh, P(cell_axes)),
-      lambda index: np.asarray(padded, np.int32)[index])
-  grid = _sharded_sweep(model, variables, clean, corrupt, cells, metric=metric,
-                        sites=tuple(sites), mesh=mesh, cell_axes=cell_axes,
-                        batch_size=batch_size)
-  return grid if len(padded) == len(positions) else grid[:, :len(positions)]
+    (len(padded),),
+    NamedSharding(mesh, P(cell_axes)),
+    lambda index: np.asarray(padded, np.int32)[index],
+  )
+  grid = _sharded_sweep(
+    model,
+    variables,
+    clean,
+    corrupt,
+    cells,
+    metric=metric,
+    sites=tuple(sites),
+    mesh=mesh,
+    cell_axes=cell_axes,
+    batch_size=batch_size,
+  )
+  return grid if len(padded) == len(positions) else grid[:, : len(positions)]
 
 
 def _local_sweep(model, variables, clean, corrupt, cells, *, metric, sites, batch_size):
@@ -234,23 +281,33 @@ def _local_sweep(model, variables, clean, corrupt, cells, *, metric, sites, batc
   base = trace(model, variables, corrupt)
   rows = []
   for path in sites:
+
     def one(position, path=path):
       edit = at_positions(position[None], patch_from(donor))
       return metric(base.fork().do(module(path), edit).output)
-    rows.append(jax.vmap(one)(cells) if batch_size is None
-                else jax.lax.map(one, cells, batch_size=batch_size))
+
+    rows.append(
+      jax.vmap(one)(cells) if batch_size is None else jax.lax.map(one, cells, batch_size=batch_size)
+    )
   return jnp.stack(rows)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "mesh", "cell_axes",
-                                             "batch_size"))
-def _sharded_sweep(model, variables, clean, corrupt, cells, *, metric, sites, mesh, cell_axes,
-                   batch_size=None):
+@functools.partial(
+  jax.jit, static_argnames=("model", "metric", "sites", "mesh", "cell_axes", "batch_size")
+)
+def _sharded_sweep(
+  model, variables, clean, corrupt, cells, *, metric, sites, mesh, cell_axes, batch_size=None
+):
   # Manual over the cell axes only: any other mesh axis (a model axis the variables are
   # split over) stays with XLA's partitioner inside each cell shard.
   body = jax.shard_map(
-      lambda v, a, b, c: _local_sweep(model, v, a, b, c, metric=metric, sites=sites,
-                                      batch_size=batch_size),
-      mesh=mesh, in_specs=(P(), P(), P(), P(cell_axes)), out_specs=P(None, cell_axes),
-      axis_names=set(cell_axes), check_vma=False)
+    lambda v, a, b, c: _local_sweep(
+      model, v, a, b, c, metric=metric, sites=sites, batch_size=batch_size
+    ),
+    mesh=mesh,
+    in_specs=(P(), P(), P(), P(cell_axes)),
+    out_specs=P(None, cell_axes),
+    axis_names=set(cell_axes),
+    check_vma=False,
+  )
   return body(variables, clean, corrupt, cells)

@@ -57,9 +57,11 @@ def _at_steps(x, p, s, ctx):
   call = getattr(_CALL, "index", None)
   if call is None:
     raise InvalidArgumentError(
-        "at_steps selects calls of a generation; this site was reached outside jl.generate",
-        code="outside_generation", site=ctx.label,
-        fix="use the spec in jl.generate(..., intervene=spec), or drop at_steps")
+      "at_steps selects calls of a generation; this site was reached outside jl.generate",
+      code="outside_generation",
+      site=ctx.label,
+      fix="use the spec in jl.generate(..., intervene=spec), or drop at_steps",
+    )
   edited = fire(p["edit"], x, ctx)
   return jnp.where(jnp.isin(call, p["steps"]), edited, x)
 
@@ -78,11 +80,15 @@ def at_steps(steps, edit) -> Edit:
   """
   steps = np.atleast_1d(np.asarray(steps))
   if steps.ndim != 1 or not np.issubdtype(steps.dtype, np.integer):
-    raise InvalidArgumentError(f"at_steps takes integer call indices, got {steps!r}",
-                               code="invalid_argument", fix="jl.at_steps([0, 3], edit)")
+    raise InvalidArgumentError(
+      f"at_steps takes integer call indices, got {steps!r}",
+      code="invalid_argument",
+      fix="jl.at_steps([0, 3], edit)",
+    )
   inner = as_edit(edit)
-  return Edit("at_steps", {"steps": jnp.asarray(steps, jnp.int32), "edit": inner}, (),
-              keeps=inner.keeps)
+  return Edit(
+    "at_steps", {"steps": jnp.asarray(steps, jnp.int32), "edit": inner}, (), keeps=inner.keeps
+  )
 
 
 register("at_steps", _at_steps, at_steps)
@@ -123,18 +129,22 @@ def left_pad(rows: Sequence[Sequence[int]], pad_token: int = 0):
   A decoder generating a batch needs every row's last prompt token in the last column.
   """
   if not rows or any(len(r) == 0 for r in rows):
-    raise InvalidArgumentError("left_pad needs at least one non-empty row",
-                               code="invalid_argument", fix="left_pad([[1, 2], [3]])")
+    raise InvalidArgumentError(
+      "left_pad needs at least one non-empty row",
+      code="invalid_argument",
+      fix="left_pad([[1, 2], [3]])",
+    )
   width = max(len(r) for r in rows)
   tokens = np.full((len(rows), width), pad_token, np.int32)
   mask = np.zeros((len(rows), width), np.int32)
   for i, r in enumerate(rows):
-    tokens[i, width - len(r):] = r
-    mask[i, width - len(r):] = 1
+    tokens[i, width - len(r) :] = r
+    mask[i, width - len(r) :] = 1
   return jnp.asarray(tokens), jnp.asarray(mask)
 
 
 # ---------------------------------------------------------------------------------- sampling
+
 
 def _choose(logits, key, *, greedy, temperature, top_k, top_p):
   """The next token of each row from ``(batch, vocab)`` logits (``top_k``/``top_p``: traced
@@ -162,10 +172,12 @@ def _choose(logits, key, *, greedy, temperature, top_k, top_p):
 
 # -------------------------------------------------------------------------------- the loop
 
+
 def _recorder(store: dict):
   def record(x, hook):
     store[hook.label] = x
     return x
+
   return hook(record)
 
 
@@ -178,38 +190,64 @@ def _forward(module, variables, cache, tokens, key_mask, positions, spec: Spec, 
   try:
     if spec.rules:
       logits, updated = spec.bind(module, mutable=["cache"])(
-          {**variables, "cache": cache}, tokens, key_mask, positions, decode=True)
+        {**variables, "cache": cache}, tokens, key_mask, positions, decode=True
+      )
     else:
-      logits, updated = module.apply({**variables, "cache": cache}, tokens, key_mask,
-                                     positions, decode=True, mutable=["cache"])
+      logits, updated = module.apply(
+        {**variables, "cache": cache}, tokens, key_mask, positions, decode=True, mutable=["cache"]
+      )
   finally:
     _CALL.index = None
   return logits, updated["cache"], store
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "module", "max_new_tokens", "save", "greedy", "has_stops", "pad_token", "loop"))
-def _generate(module, variables, prompt, mask, prefill_spec, decode_spec, key, temperature, top_k,
-              top_p, stops, *, max_new_tokens, save, greedy, has_stops, pad_token, loop):
+@functools.partial(
+  jax.jit,
+  static_argnames=("module", "max_new_tokens", "save", "greedy", "has_stops", "pad_token", "loop"),
+)
+def _generate(
+  module,
+  variables,
+  prompt,
+  mask,
+  prefill_spec,
+  decode_spec,
+  key,
+  temperature,
+  top_k,
+  top_p,
+  stops,
+  *,
+  max_new_tokens,
+  save,
+  greedy,
+  has_stops,
+  pad_token,
+  loop,
+):
   batch, plen = prompt.shape
   n = max_new_tokens
   total = plen + n
   shapes = jax.eval_shape(
-      lambda: module.init(jax.random.key(0), jnp.zeros((batch, total), jnp.int32), decode=True))
+    lambda: module.init(jax.random.key(0), jnp.zeros((batch, total), jnp.int32), decode=True)
+  )
   cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
   key_mask = jnp.concatenate([mask, jnp.ones((batch, n), mask.dtype)], axis=1)
   positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
   n_real = jnp.sum(mask, axis=1)
-  choose = functools.partial(_choose, greedy=greedy, temperature=temperature, top_k=top_k,
-                             top_p=top_p)
+  choose = functools.partial(
+    _choose, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p
+  )
+
   def pick(logits, call, done):
     tok = choose(logits, jax.random.fold_in(key, call))
     tok = jnp.where(done, pad_token, tok)
     stopped = done | jnp.isin(tok, stops) if has_stops else done
     return tok, stopped
 
-  logits, cache, prefill_saved = _forward(module, variables, cache, prompt, key_mask, positions,
-                                          prefill_spec, save, 0)
+  logits, cache, prefill_saved = _forward(
+    module, variables, cache, prompt, key_mask, positions, prefill_spec, save, 0
+  )
   last = logits[:, -1]
   done0 = jnp.zeros((batch,), bool)
   tok, done = pick(last, 0, done0)
@@ -219,8 +257,9 @@ def _generate(module, variables, prompt, mask, prefill_spec, decode_spec, key, t
 
   def step(cache, tok, call):
     pos = (n_real + call - 1)[:, None]
-    logits, cache, saved = _forward(module, variables, cache, tok[:, None], key_mask, pos,
-                                    decode_spec, save, call)
+    logits, cache, saved = _forward(
+      module, variables, cache, tok[:, None], key_mask, pos, decode_spec, save, call
+    )
     return logits[:, -1], cache, saved
 
   steps_saved: dict = {}
@@ -235,8 +274,9 @@ def _generate(module, variables, prompt, mask, prefill_spec, decode_spec, key, t
       tok, done = pick(logits, call, done)
       out_tokens = jax.lax.dynamic_update_index_in_dim(out_tokens, tok, call, 1)
       out_logits = jax.lax.dynamic_update_index_in_dim(out_logits, logits, call, 1)
-      buffers = {k: jax.lax.dynamic_update_index_in_dim(b, saved[k], call - 1, 0)
-                 for k, b in buffers.items()}
+      buffers = {
+        k: jax.lax.dynamic_update_index_in_dim(b, saved[k], call - 1, 0) for k, b in buffers.items()
+      }
       return call + 1, cache, tok, done, out_tokens, out_logits, lengths, buffers
 
     carry = (jnp.int32(1), cache, tok, done, out_tokens, out_logits, lengths, buffers)
@@ -250,53 +290,88 @@ def _generate(module, variables, prompt, mask, prefill_spec, decode_spec, key, t
 
 def _check_prompt(prompt, mask, module, max_new_tokens):
   if jnp.ndim(prompt) != 2 or not jnp.issubdtype(jnp.result_type(prompt), jnp.integer):
-    raise ShapeError(f"generate: the prompt must be int token ids of shape (batch, len), got "
-                     f"{jnp.result_type(prompt)} of shape {jnp.shape(prompt)}",
-                     code="shape_mismatch", fix="prompt = jnp.asarray([[1, 2, 3]], jnp.int32)")
+    raise ShapeError(
+      f"generate: the prompt must be int token ids of shape (batch, len), got "
+      f"{jnp.result_type(prompt)} of shape {jnp.shape(prompt)}",
+      code="shape_mismatch",
+      fix="prompt = jnp.asarray([[1, 2, 3]], jnp.int32)",
+    )
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-    raise InvalidArgumentError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}",
-                               code="invalid_argument", fix="generate(..., max_new_tokens=16)")
+    raise InvalidArgumentError(
+      f"max_new_tokens must be a positive int, got {max_new_tokens!r}",
+      code="invalid_argument",
+      fix="generate(..., max_new_tokens=16)",
+    )
   if jnp.shape(mask) != jnp.shape(prompt):
-    raise ShapeError(f"generate: attention_mask has shape {jnp.shape(mask)}, the prompt "
-                     f"{jnp.shape(prompt)}", code="shape_mismatch",
-                     fix="one 0/1 mask entry per prompt token (jl.generation.left_pad)")
+    raise ShapeError(
+      f"generate: attention_mask has shape {jnp.shape(mask)}, the prompt {jnp.shape(prompt)}",
+      code="shape_mismatch",
+      fix="one 0/1 mask entry per prompt token (jl.generation.left_pad)",
+    )
   if not isinstance(mask, jax.core.Tracer):
     m = np.asarray(mask) != 0
     # Left padding: each row's real tokens are one block ending in the last column.
     if not (m[:, -1].all() and (np.diff(m.astype(np.int8), axis=1) >= 0).all()):
       raise InvalidArgumentError(
-          "generate needs left-padded prompts: every row's real tokens must be one block "
-          "ending in the last column", code="not_left_padded",
-          fix="tokens, mask = jl.generation.left_pad(list_of_token_lists)")
+        "generate needs left-padded prompts: every row's real tokens must be one block "
+        "ending in the last column",
+        code="not_left_padded",
+        fix="tokens, mask = jl.generation.left_pad(list_of_token_lists)",
+      )
   max_len = getattr(getattr(module, "config", None), "max_len", None)
-  if type(module).__name__ == "GPT2" and max_len is not None and \
-      jnp.shape(prompt)[1] + max_new_tokens > max_len:
+  if (
+    type(module).__name__ == "GPT2"
+    and max_len is not None
+    and jnp.shape(prompt)[1] + max_new_tokens > max_len
+  ):
     raise InvalidArgumentError(
-        f"generate: prompt length {jnp.shape(prompt)[1]} + {max_new_tokens} new tokens exceeds "
-        f"the model's {max_len} learned positions", code="index_out_of_range",
-        fix=f"max_new_tokens <= {max_len - jnp.shape(prompt)[1]}")
+      f"generate: prompt length {jnp.shape(prompt)[1]} + {max_new_tokens} new tokens exceeds "
+      f"the model's {max_len} learned positions",
+      code="index_out_of_range",
+      fix=f"max_new_tokens <= {max_len - jnp.shape(prompt)[1]}",
+    )
 
 
 @functools.lru_cache(maxsize=64)
 def _check_decoder(model: nn.Module) -> None:
   """Raises ``no_kv_cache`` unless ``model`` keeps a KV cache (checked once per model)."""
   try:
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
-                                               decode=True))
+    shapes = jax.eval_shape(
+      lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32), decode=True)
+    )
   except TypeError as err:
-    raise InvalidArgumentError(f"generate: {type(model).__name__} has no decode mode ({err})",
-                               code="no_kv_cache",
-                               fix="a decoder of jaxlens.models (Llama, GPT2)") from None
+    raise InvalidArgumentError(
+      f"generate: {type(model).__name__} has no decode mode ({err})",
+      code="no_kv_cache",
+      fix="a decoder of jaxlens.models (Llama, GPT2)",
+    ) from None
   if "cache" not in shapes:
-    raise InvalidArgumentError(f"generate: {type(model).__name__} keeps no KV cache",
-                               code="no_kv_cache", fix="a decoder of jaxlens.models (Llama, GPT2)")
+    raise InvalidArgumentError(
+      f"generate: {type(model).__name__} keeps no KV cache",
+      code="no_kv_cache",
+      fix="a decoder of jaxlens.models (Llama, GPT2)",
+    )
 
 
-def generate(model: nn.Module, variables, prompt, max_new_tokens: int = 16, *,
-             attention_mask=None, intervene=None, prefill=None, decode=None, save=None,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int = 0, stop_tokens: Sequence[int] = (), pad_token: int = 0,
-             early_stop: bool = True) -> Generation:
+def generate(
+  model: nn.Module,
+  variables,
+  prompt,
+  max_new_tokens: int = 16,
+  *,
+  attention_mask=None,
+  intervene=None,
+  prefill=None,
+  decode=None,
+  save=None,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  seed: int = 0,
+  stop_tokens: Sequence[int] = (),
+  pad_token: int = 0,
+  early_stop: bool = True,
+) -> Generation:
   """Generates ``max_new_tokens`` tokens with a KV cache, with edits live, in one jitted call.
 
   Without an edit, greedy decoding gives the tokens of the uncached full-sequence forward.
@@ -334,24 +409,32 @@ def generate(model: nn.Module, variables, prompt, max_new_tokens: int = 16, *,
       or ``save`` selector matching nothing. :class:`ShapeError` ``shape_mismatch``.
   """
   prompt = jnp.asarray(prompt)
-  mask = jnp.ones(prompt.shape, jnp.int32) if attention_mask is None else \
-      jnp.asarray(attention_mask)
+  mask = (
+    jnp.ones(prompt.shape, jnp.int32) if attention_mask is None else jnp.asarray(attention_mask)
+  )
   _check_prompt(prompt, mask, model, max_new_tokens)
   if not isinstance(model, nn.Module) or model.scope is not None:
     raise InvalidArgumentError(
-        f"generate takes an unbound linen decoder and its variables, got {type(model).__name__}",
-        code="invalid_argument", fix="jl.generate(lm.model, lm.variables, prompt)")
+      f"generate takes an unbound linen decoder and its variables, got {type(model).__name__}",
+      code="invalid_argument",
+      fix="jl.generate(lm.model, lm.variables, prompt)",
+    )
   _check_decoder(model)
   greedy = temperature == 0
   if not greedy and not temperature > 0:
-    raise InvalidArgumentError(f"temperature must be >= 0, got {temperature!r}",
-                               code="invalid_argument", fix="temperature=0.7 (or 0 for greedy)")
+    raise InvalidArgumentError(
+      f"temperature must be >= 0, got {temperature!r}",
+      code="invalid_argument",
+      fix="temperature=0.7 (or 0 for greedy)",
+    )
   if top_k is not None and not (isinstance(top_k, (int, np.integer)) and top_k >= 1):
-    raise InvalidArgumentError(f"top_k must be a positive int, got {top_k!r}",
-                               code="invalid_argument", fix="top_k=50")
+    raise InvalidArgumentError(
+      f"top_k must be a positive int, got {top_k!r}", code="invalid_argument", fix="top_k=50"
+    )
   if top_p is not None and not 0 < top_p <= 1:
-    raise InvalidArgumentError(f"top_p must be in (0, 1], got {top_p!r}",
-                               code="invalid_argument", fix="top_p=0.9")
+    raise InvalidArgumentError(
+      f"top_p must be in (0, 1], got {top_p!r}", code="invalid_argument", fix="top_p=0.9"
+    )
   if save is not None:
     if isinstance(save, (list, tuple)):
       selector = None
@@ -363,11 +446,22 @@ def generate(model: nn.Module, variables, prompt, max_new_tokens: int = 16, *,
   everywhere = as_spec(intervene)
   stop_tokens = tuple(int(t) for t in stop_tokens)
   loop = "while" if stop_tokens and early_stop else "scan"
-  return _generate(model, variables, prompt, mask, everywhere + as_spec(prefill),
-                   everywhere + as_spec(decode), jax.random.key(seed),
-                   jnp.float32(temperature if not greedy else 1.0),
-                   None if top_k is None else jnp.int32(top_k),
-                   None if top_p is None else jnp.float32(top_p),
-                   jnp.asarray(stop_tokens or (0,), jnp.int32), max_new_tokens=int(max_new_tokens),
-                   save=save, greedy=greedy, has_stops=bool(stop_tokens), pad_token=int(pad_token),
-                   loop=loop)
+  return _generate(
+    model,
+    variables,
+    prompt,
+    mask,
+    everywhere + as_spec(prefill),
+    everywhere + as_spec(decode),
+    jax.random.key(seed),
+    jnp.float32(temperature if not greedy else 1.0),
+    None if top_k is None else jnp.int32(top_k),
+    None if top_p is None else jnp.float32(top_p),
+    jnp.asarray(stop_tokens or (0,), jnp.int32),
+    max_new_tokens=int(max_new_tokens),
+    save=save,
+    greedy=greedy,
+    has_stops=bool(stop_tokens),
+    pad_token=int(pad_token),
+    loop=loop,
+  )

@@ -43,8 +43,9 @@ def _figure(ax, figsize):
   """``(figure, axes)``: the given axes' figure, or a new pyplot-free figure."""
   if ax is not None:
     return ax.figure, ax
-  figure_mod = require("matplotlib.figure", feature="jaxlens.plot", extra="plot",
-                       package="matplotlib")
+  figure_mod = require(
+    "matplotlib.figure", feature="jaxlens.plot", extra="plot", package="matplotlib"
+  )
   fig = figure_mod.Figure(figsize=figsize, layout="constrained")
   return fig, fig.add_subplot()
 
@@ -59,12 +60,19 @@ def _grid(values, name: str, ndim: int = 2) -> np.ndarray:
   try:
     grid = np.asarray(values, dtype=np.float64)
   except (TypeError, ValueError) as error:
-    raise InvalidArgumentError(f"{name} must be a numeric array: {error}",
-                               code="invalid_argument", fix=f"{name}=np.asarray(...)") from error
+    raise InvalidArgumentError(
+      f"{name} must be a numeric array: {error}",
+      code="invalid_argument",
+      fix=f"{name}=np.asarray(...)",
+    ) from error
   if grid.ndim != ndim:
-    raise ShapeError(f"{name} must be {ndim}-D, got shape {grid.shape}", code="shape_mismatch",
-                     expected=f"{ndim}-D", received=str(grid.shape),
-                     fix=f"pass a {ndim}-D array (e.g. {name}[0] for one batch row)")
+    raise ShapeError(
+      f"{name} must be {ndim}-D, got shape {grid.shape}",
+      code="shape_mismatch",
+      expected=f"{ndim}-D",
+      received=str(grid.shape),
+      fix=f"pass a {ndim}-D array (e.g. {name}[0] for one batch row)",
+    )
   return grid
 
 
@@ -73,9 +81,13 @@ def _labels(labels, n: int, name: str, axis: str) -> list[str]:
     return [str(i) for i in range(n)]
   labels = [str(s) for s in labels]
   if len(labels) != n:
-    raise ShapeError(f"{name} has {len(labels)} labels for {n} {axis}",
-                     code="label_count_mismatch", expected=n, received=len(labels),
-                     fix=f"give {name} one label per {axis[:-1]}")
+    raise ShapeError(
+      f"{name} has {len(labels)} labels for {n} {axis}",
+      code="label_count_mismatch",
+      expected=n,
+      received=len(labels),
+      fix=f"give {name} one label per {axis[:-1]}",
+    )
   return labels
 
 
@@ -84,15 +96,32 @@ def _annotate(ax, grid, text, norm, cmap):
   for (i, j), value in np.ndenumerate(grid):
     rgba = cmap(norm(value)) if np.isfinite(value) else (1, 1, 1, 1)
     luminance = 0.299 * rgba[0] + 0.587 * rgba[1] + 0.114 * rgba[2]
-    ax.text(j, i, text[i][j], ha="center", va="center", fontsize=7,
-            color="black" if luminance > 0.5 else "white")
+    ax.text(
+      j,
+      i,
+      text[i][j],
+      ha="center",
+      va="center",
+      fontsize=7,
+      color="black" if luminance > 0.5 else "white",
+    )
 
 
-def patching_heatmap(values, *, row_labels: Sequence[str] | None = None,
-                     col_labels: Sequence[str] | None = None, title: str | None = None,
-                     ax=None, xlabel: str = "position", ylabel: str = "site",
-                     colorbar_label: str = "score", vmax: float | None = None,
-                     cmap: str = "RdBu_r", annotate: bool | None = None, path=None):
+def patching_heatmap(
+  values,
+  *,
+  row_labels: Sequence[str] | None = None,
+  col_labels: Sequence[str] | None = None,
+  title: str | None = None,
+  ax=None,
+  xlabel: str = "position",
+  ylabel: str = "site",
+  colorbar_label: str = "score",
+  vmax: float | None = None,
+  cmap: str = "RdBu_r",
+  annotate: bool | None = None,
+  path=None,
+):
   """A heatmap of a sites x positions grid (activation or attribution patching).
 
   The colour map is diverging and centred at zero: zero is white, the two signs
@@ -120,15 +149,18 @@ def patching_heatmap(values, *, row_labels: Sequence[str] | None = None,
   rows, cols = grid.shape
   rlabels = _labels(row_labels, rows, "row_labels", "rows")
   clabels = _labels(col_labels, cols, "col_labels", "columns")
-  colors = require("matplotlib.colors", feature="jaxlens.plot", extra="plot",
-                   package="matplotlib")
+  colors = require("matplotlib.colors", feature="jaxlens.plot", extra="plot", package="matplotlib")
   fig, ax = _figure(ax, (max(4.0, 0.55 * cols + 2.5), max(2.5, 0.4 * rows + 1.5)))
   finite = grid[np.isfinite(grid)]
   limit = vmax if vmax is not None else (float(np.abs(finite).max()) if finite.size else 1.0)
   norm = colors.Normalize(vmin=-(limit or 1.0), vmax=limit or 1.0)
   image = ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
-  ax.set_xticks(range(cols), clabels, rotation=45 if max(map(len, clabels)) > 3 else 0,
-                ha="right" if max(map(len, clabels)) > 3 else "center")
+  ax.set_xticks(
+    range(cols),
+    clabels,
+    rotation=45 if max(map(len, clabels)) > 3 else 0,
+    ha="right" if max(map(len, clabels)) > 3 else "center",
+  )
   ax.set_yticks(range(rows), rlabels)
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
@@ -142,9 +174,16 @@ def patching_heatmap(values, *, row_labels: Sequence[str] | None = None,
   return _finish(fig, path)
 
 
-def attention_pattern(weights, *, tokens: Sequence[str] | None = None,
-                      query_tokens: Sequence[str] | None = None, title: str | None = None,
-                      ax=None, cmap: str = "Blues", path=None):
+def attention_pattern(
+  weights,
+  *,
+  tokens: Sequence[str] | None = None,
+  query_tokens: Sequence[str] | None = None,
+  title: str | None = None,
+  ax=None,
+  cmap: str = "Blues",
+  path=None,
+):
   """One attention head's weights: queries down, keys across, with token labels.
 
   Args:
@@ -163,11 +202,18 @@ def attention_pattern(weights, *, tokens: Sequence[str] | None = None,
   grid = _grid(weights, "weights")
   q, k = grid.shape
   klabels = _labels(tokens, k, "tokens", "keys")
-  qlabels = _labels(query_tokens if query_tokens is not None else (
-      tokens if tokens is not None and q == k else None), q, "query_tokens", "queries")
+  qlabels = _labels(
+    query_tokens
+    if query_tokens is not None
+    else (tokens if tokens is not None and q == k else None),
+    q,
+    "query_tokens",
+    "queries",
+  )
   fig, ax = _figure(ax, (max(3.5, 0.45 * k + 2.0), max(3.0, 0.45 * q + 1.2)))
-  image = ax.imshow(grid, cmap=cmap, vmin=0.0, vmax=max(1e-12, float(np.nanmax(grid))),
-                    interpolation="nearest")
+  image = ax.imshow(
+    grid, cmap=cmap, vmin=0.0, vmax=max(1e-12, float(np.nanmax(grid))), interpolation="nearest"
+  )
   ax.set_xticks(range(k), klabels, rotation=90)
   ax.set_yticks(range(q), qlabels)
   ax.set_xlabel("key")
@@ -184,9 +230,17 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
   return e / e.sum(axis=-1, keepdims=True)
 
 
-def logit_lens(logits, *, vocab: Sequence[str] | Callable[[int], str] | None = None,
-               row_labels: Sequence[str] | None = None, col_labels: Sequence[str] | None = None,
-               title: str | None = None, ax=None, cmap: str = "viridis", path=None):
+def logit_lens(
+  logits,
+  *,
+  vocab: Sequence[str] | Callable[[int], str] | None = None,
+  row_labels: Sequence[str] | None = None,
+  col_labels: Sequence[str] | None = None,
+  title: str | None = None,
+  ax=None,
+  cmap: str = "viridis",
+  path=None,
+):
   """The logit lens: the top token at each layer and position, coloured by its probability.
 
   Args:
@@ -209,14 +263,19 @@ def logit_lens(logits, *, vocab: Sequence[str] | Callable[[int], str] | None = N
   """
   array = np.asarray(logits, dtype=np.float64)
   if array.ndim != 3:
-    raise ShapeError(f"logits must be (layers, positions, vocab), got shape {array.shape}",
-                     code="shape_mismatch", expected="3-D", received=str(array.shape),
-                     fix="stack each layer's logits for one sequence: np.stack([...])")
+    raise ShapeError(
+      f"logits must be (layers, positions, vocab), got shape {array.shape}",
+      code="shape_mismatch",
+      expected="3-D",
+      received=str(array.shape),
+      fix="stack each layer's logits for one sequence: np.stack([...])",
+    )
   probs = _softmax(array)
   top = probs.argmax(-1)
   top_p = np.take_along_axis(probs, top[..., None], -1)[..., 0]
-  decode = (vocab if callable(vocab) else
-            (lambda i: str(i)) if vocab is None else (lambda i: str(vocab[i])))
+  decode = (
+    vocab if callable(vocab) else (lambda i: str(i)) if vocab is None else (lambda i: str(vocab[i]))
+  )
   # A blank token (a space, a newline) is shown as its repr, so that the cell says what it is.
   shown = lambda t: t if t.strip() else repr(t)
   text = [[shown(decode(int(t))) for t in row] for row in top]
@@ -224,8 +283,7 @@ def logit_lens(logits, *, vocab: Sequence[str] | Callable[[int], str] | None = N
   rlabels = _labels(row_labels, layers, "row_labels", "layers")
   clabels = _labels(col_labels, positions, "col_labels", "positions")
   fig, ax = _figure(ax, (max(4.0, 0.7 * positions + 2.5), max(2.5, 0.45 * layers + 1.5)))
-  image = ax.imshow(top_p, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto",
-                    interpolation="nearest")
+  image = ax.imshow(top_p, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
   ax.set_xticks(range(positions), clabels, rotation=45, ha="right")
   ax.set_yticks(range(layers), rlabels)
   ax.set_xlabel("position (input token)")
@@ -237,8 +295,16 @@ def logit_lens(logits, *, vocab: Sequence[str] | Callable[[int], str] | None = N
   return _finish(fig, path)
 
 
-def top_sites(values, *, row_labels: Sequence[str], col_labels: Sequence[str] | None = None,
-              k: int = 10, title: str | None = None, ax=None, path=None):
+def top_sites(
+  values,
+  *,
+  row_labels: Sequence[str],
+  col_labels: Sequence[str] | None = None,
+  k: int = 10,
+  title: str | None = None,
+  ax=None,
+  path=None,
+):
   """The ``k`` highest (site, position) cells of a sweep, as horizontal bars.
 
   Args:
@@ -258,8 +324,9 @@ def top_sites(values, *, row_labels: Sequence[str], col_labels: Sequence[str] | 
   rlabels = _labels(row_labels, grid.shape[0], "row_labels", "rows")
   clabels = _labels(col_labels, grid.shape[1], "col_labels", "columns")
   if not isinstance(k, int) or k < 1:
-    raise InvalidArgumentError(f"k must be a positive int, got {k!r}", code="invalid_argument",
-                               fix="k=10")
+    raise InvalidArgumentError(
+      f"k must be a positive int, got {k!r}", code="invalid_argument", fix="k=10"
+    )
   flat = np.where(np.isfinite(grid), grid, -np.inf).ravel()
   order = np.argsort(-flat, kind="stable")[:k]
   names = [f"{rlabels[i // grid.shape[1]]} @ {clabels[i % grid.shape[1]]}" for i in order]

@@ -84,8 +84,9 @@ class StoreError(JaxlensError, OSError):
       ``store_corrupt``, ``unknown_site``.
   """
 
-  def __init__(self, message: str, *, code: str, path: Any = None, fix: str | None = None,
-               **fields: Any):
+  def __init__(
+    self, message: str, *, code: str, path: Any = None, fix: str | None = None, **fields: Any
+  ):
     self.fields = {"code": code, **fields}
     if path is not None:
       self.fields["path"] = str(path)
@@ -114,17 +115,24 @@ def _committed(root: Path) -> int:
 
 
 def _disk_full(path, error=None) -> StoreError:
-  return StoreError(f"no space left on the device of {path}" + (f": {error}" if error else ""),
-                    code="disk_full", path=path,
-                    fix="free space or collect to another path; collect() again resumes "
-                        "after the last complete batch")
+  return StoreError(
+    f"no space left on the device of {path}" + (f": {error}" if error else ""),
+    code="disk_full",
+    path=path,
+    fix="free space or collect to another path; collect() again resumes "
+    "after the last complete batch",
+  )
 
 
 def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
   """Creates or checks the store directory; returns the number of batches already there."""
   if root.exists() and not root.is_dir():
-    raise StoreError(f"{root} is a file, not a store directory", code="store_path_invalid",
-                     path=root, fix="collect(..., path=<a new or existing directory>)")
+    raise StoreError(
+      f"{root} is a file, not a store directory",
+      code="store_path_invalid",
+      path=root,
+      fix="collect(..., path=<a new or existing directory>)",
+    )
   if overwrite and (root / _META).exists():
     shutil.rmtree(root)
   try:
@@ -132,25 +140,38 @@ def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
   except OSError as error:
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
       raise _disk_full(root, error) from error
-    raise StoreError(f"cannot create the store directory {root}: {error}",
-                     code="store_path_invalid", path=root,
-                     fix="a path in a writable directory") from error
+    raise StoreError(
+      f"cannot create the store directory {root}: {error}",
+      code="store_path_invalid",
+      path=root,
+      fix="a path in a writable directory",
+    ) from error
   if not os.access(root, os.W_OK):
-    raise StoreError(f"the store directory {root} is not writable", code="store_path_invalid",
-                     path=root, fix="a path in a writable directory")
+    raise StoreError(
+      f"the store directory {root} is not writable",
+      code="store_path_invalid",
+      path=root,
+      fix="a path in a writable directory",
+    )
   if not (root / _META).exists():
     if any(root.iterdir()):
-      raise StoreError(f"{root} is a non-empty directory that is not an activation store",
-                       code="store_not_empty", path=root,
-                       fix="an empty or new directory, or collect(..., overwrite=True) on a "
-                           "store")
+      raise StoreError(
+        f"{root} is a non-empty directory that is not an activation store",
+        code="store_not_empty",
+        path=root,
+        fix="an empty or new directory, or collect(..., overwrite=True) on a store",
+      )
     _write_json(root / _META, meta)
     return 0
   old = json.loads((root / _META).read_text())
   if {k: old.get(k) for k in ("version", "sites")} != {k: meta[k] for k in ("version", "sites")}:
-    raise StoreError(f"{root} holds other sites, shapes or dtypes ({old.get('sites')}) than this "
-                     f"collection ({meta['sites']})", code="store_mismatch", path=root,
-                     fix="another path, or collect(..., overwrite=True) to replace it")
+    raise StoreError(
+      f"{root} holds other sites, shapes or dtypes ({old.get('sites')}) than this "
+      f"collection ({meta['sites']})",
+      code="store_mismatch",
+      path=root,
+      fix="another path, or collect(..., overwrite=True) to replace it",
+    )
   for tmp in root.glob("*.tmp"):
     tmp.unlink()
   return _committed(root)
@@ -165,6 +186,7 @@ def _write_json(path: Path, obj) -> None:
 def _save_shard(arrays: dict, path: Path) -> None:
   """Writes one shard atomically: a temporary file, then a rename."""
   from safetensors.numpy import save_file
+
   tmp = path.with_name(path.name + ".tmp")
   try:
     save_file(arrays, str(tmp))
@@ -197,8 +219,9 @@ class _Writer(threading.Thread):
         _save_shard(arrays, _shard(self.root, index))
         self.on_written(arrays)
       except OSError as error:
-        self.error = (_disk_full(self.root, error) if error.errno in (errno.ENOSPC, errno.EDQUOT)
-                      else error)
+        self.error = (
+          _disk_full(self.root, error) if error.errno in (errno.ENOSPC, errno.EDQUOT) else error
+        )
       except BaseException as error:  # noqa: BLE001 (re-raised in the main thread)
         self.error = error
 
@@ -216,13 +239,18 @@ class _Writer(threading.Thread):
 
 def _selectors(sites):
   import jaxlens as jl
+
   if isinstance(sites, (str, jl.Site)):
     sites = [sites]
   sites = list(sites or ())
   if not sites:
     from jaxlens._src.errors import InvalidArgumentError
-    raise InvalidArgumentError("collect needs the sites to store", code="invalid_argument",
-                               fix='collect(..., sites=["block_0", "block_1"])')
+
+    raise InvalidArgumentError(
+      "collect needs the sites to store",
+      code="invalid_argument",
+      fix='collect(..., sites=["block_0", "block_1"])',
+    )
   return [jl.module(s) if isinstance(s, str) else s for s in sites]
 
 
@@ -231,8 +259,14 @@ def _runner(model, selectors: tuple, method, apply_kwargs: dict):
   import jaxlens as jl
 
   def make():
-    return jax.jit(lambda v, *x: jl.trace(model, v, *x, save=list(selectors), keep_inputs=False,
-                                          method=method, **apply_kwargs).values)
+    return jax.jit(
+      lambda v, *x: (
+        jl.trace(
+          model, v, *x, save=list(selectors), keep_inputs=False, method=method, **apply_kwargs
+        ).values
+      )
+    )
+
   try:
     key = (model, selectors, method, tuple(sorted(apply_kwargs.items())))
     hash(key)
@@ -246,9 +280,20 @@ def _runner(model, selectors: tuple, method, apply_kwargs: dict):
 _RUNNERS: dict = {}
 
 
-def collect(model, variables, batches: Iterable, path, *, sites: Sequence[Any],
-            num_batches: int | None = None, overwrite: bool = False, max_pending: int = 2,
-            progress: bool = True, method=None, **apply_kwargs) -> ActivationStore:
+def collect(
+  model,
+  variables,
+  batches: Iterable,
+  path,
+  *,
+  sites: Sequence[Any],
+  num_batches: int | None = None,
+  overwrite: bool = False,
+  max_pending: int = 2,
+  progress: bool = True,
+  method=None,
+  **apply_kwargs,
+) -> ActivationStore:
   """Runs the model over ``batches`` and streams the ``sites``' values to ``path``.
 
   Args:
@@ -289,15 +334,21 @@ def collect(model, variables, batches: Iterable, path, *, sites: Sequence[Any],
     first = None
   as_args = lambda b: b if isinstance(b, tuple) else (b,)
   if first is None:
-    raise StoreError("collect was given no batches", code="store_empty_dataset", path=root,
-                     fix="an iterable that yields at least one batch")
+    raise StoreError(
+      "collect was given no batches",
+      code="store_empty_dataset",
+      path=root,
+      fix="an iterable that yields at least one batch",
+    )
   shapes = jax.eval_shape(run, variables, *as_args(first))
-  meta = {"version": _VERSION,
-          "sites": {k: {"shape": list(s.shape[1:]), "dtype": str(s.dtype)}
-                    for k, s in shapes.items()}}
+  meta = {
+    "version": _VERSION,
+    "sites": {k: {"shape": list(s.shape[1:]), "dtype": str(s.dtype)} for k, s in shapes.items()},
+  }
   done = _prepare(root, meta, overwrite)
-  row_bytes = sum(int(np.prod(s.shape[1:], dtype=np.int64)) * np.dtype(s.dtype).itemsize
-                  for s in shapes.values())
+  row_bytes = sum(
+    int(np.prod(s.shape[1:], dtype=np.int64)) * np.dtype(s.dtype).itemsize for s in shapes.values()
+  )
   batch_bytes = row_bytes * int(next(iter(shapes.values())).shape[0])
   if (root / _DONE).exists():
     return ActivationStore(root)
@@ -305,12 +356,21 @@ def collect(model, variables, batches: Iterable, path, *, sites: Sequence[Any],
     need = batch_bytes * max(0, num_batches - done)
     free = shutil.disk_usage(root).free
     if need > free:
-      raise _disk_full(root, f"the {num_batches - done} batches left need about {need} bytes "
-                             f"and {free} are free")
+      raise _disk_full(
+        root, f"the {num_batches - done} batches left need about {need} bytes and {free} are free"
+      )
 
   from tqdm import tqdm
-  bar = tqdm(total=num_batches, initial=done, desc=f"collecting {root.name}", unit="batch",
-             disable=not progress, dynamic_ncols=True, mininterval=0.5)
+
+  bar = tqdm(
+    total=num_batches,
+    initial=done,
+    desc=f"collecting {root.name}",
+    unit="batch",
+    disable=not progress,
+    dynamic_ncols=True,
+    mininterval=0.5,
+  )
   written = {"bytes": 0}
 
   def on_written(arrays):
@@ -357,8 +417,12 @@ class ActivationStore:
   def __init__(self, path):
     root = Path(path)
     if not (root / _META).is_file():
-      raise StoreError(f"{root} is not an activation store (no {_META})", code="store_missing",
-                       path=root, fix="jaxlens.store.collect(..., path) first")
+      raise StoreError(
+        f"{root} is not an activation store (no {_META})",
+        code="store_missing",
+        path=root,
+        fix="jaxlens.store.collect(..., path) first",
+      )
     self.path = root
     self._meta = json.loads((root / _META).read_text())
     self.labels = tuple(self._meta["sites"])
@@ -368,16 +432,23 @@ class ActivationStore:
 
   def __repr__(self) -> str:
     state = "complete" if self.complete else "incomplete"
-    sites = ", ".join(f"{k}: {tuple(v['shape'])} {v['dtype']}"
-                      for k, v in self._meta["sites"].items())
-    return (f"ActivationStore({str(self.path)!r}, {self.num_batches} batches, {self.num_rows} "
-            f"rows, {state}; {sites})")
+    sites = ", ".join(
+      f"{k}: {tuple(v['shape'])} {v['dtype']}" for k, v in self._meta["sites"].items()
+    )
+    return (
+      f"ActivationStore({str(self.path)!r}, {self.num_batches} batches, {self.num_rows} "
+      f"rows, {state}; {sites})"
+    )
 
   def _check(self, label: str) -> str:
     if label not in self._meta["sites"]:
-      raise StoreError(f"the store has no site {label!r}; it has {list(self.labels)}",
-                       code="unknown_site", path=self.path, site=label,
-                       fix=f"one of {list(self.labels)}")
+      raise StoreError(
+        f"the store has no site {label!r}; it has {list(self.labels)}",
+        code="unknown_site",
+        path=self.path,
+        site=label,
+        fix=f"one of {list(self.labels)}",
+      )
     return label
 
   def shape(self, label: str) -> tuple[int, ...]:
@@ -389,13 +460,16 @@ class ActivationStore:
 
   def _open(self, i: int):
     from safetensors import safe_open
+
     try:
       return safe_open(str(_shard(self.path, i)), framework="numpy")
     except Exception as error:  # safetensors raises its own SafetensorError
-      raise StoreError(f"shard {i} of {self.path} cannot be read: {error}",
-                       code="store_corrupt", path=_shard(self.path, i),
-                       fix="delete that shard and the ones after it, then collect() again "
-                           "to recompute them") from error
+      raise StoreError(
+        f"shard {i} of {self.path} cannot be read: {error}",
+        code="store_corrupt",
+        path=_shard(self.path, i),
+        fix="delete that shard and the ones after it, then collect() again to recompute them",
+      ) from error
 
   @property
   def rows_per_batch(self) -> list[int]:
@@ -419,9 +493,12 @@ class ActivationStore:
     """The ``i``-th stored batch of a site."""
     self._check(label)
     if not 0 <= i < self.num_batches:
-      raise StoreError(f"batch {i} is out of range: the store holds {self.num_batches}",
-                       code="index_out_of_range", path=self.path,
-                       fix=f"0 <= i < {self.num_batches}")
+      raise StoreError(
+        f"batch {i} is out of range: the store holds {self.num_batches}",
+        code="index_out_of_range",
+        path=self.path,
+        fix=f"0 <= i < {self.num_batches}",
+      )
     with self._open(i) as f:
       return f.get_tensor(label)
 
@@ -432,13 +509,20 @@ class ActivationStore:
     at = 0
     for i in range(self.num_batches):
       part = self.batch(i, label)
-      out[at:at + len(part)] = part
+      out[at : at + len(part)] = part
       at += len(part)
     return jax.numpy.asarray(out) if as_jax else out
 
-  def batches(self, labels: str | Sequence[str], *, batch_size: int | None = None,
-              flatten: bool = False, shuffle: bool = False, seed: int = 0,
-              as_jax: bool = False) -> Iterator:
+  def batches(
+    self,
+    labels: str | Sequence[str],
+    *,
+    batch_size: int | None = None,
+    flatten: bool = False,
+    shuffle: bool = False,
+    seed: int = 0,
+    as_jax: bool = False,
+  ) -> Iterator:
     """Iterates over the stored rows in batches, one shard in memory at a time.
 
     Args:
@@ -457,8 +541,12 @@ class ActivationStore:
       self._check(name)
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
       from jaxlens._src.errors import InvalidArgumentError
-      raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}",
-                                 code="invalid_argument", fix="batch_size=4096")
+
+      raise InvalidArgumentError(
+        f"batch_size must be a positive int, got {batch_size!r}",
+        code="invalid_argument",
+        fix="batch_size=4096",
+      )
     rng = np.random.default_rng(seed)
     order = rng.permutation(self.num_batches) if shuffle else range(self.num_batches)
     convert = jax.numpy.asarray if as_jax else (lambda a: a)
@@ -496,4 +584,3 @@ class ActivationStore:
 def open(path) -> ActivationStore:
   """Opens a store written by :func:`collect`."""
   return ActivationStore(path)
-

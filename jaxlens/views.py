@@ -51,9 +51,13 @@ DOWNSTREAM = "#d3e2f7"  # recomputed downstream of an edit (by a replay)
 FRONTIER = "#f3e3b5"  # re-leafed by a differentiable replay
 NOT_SAVED = "#eeeeee"
 
-_LEGEND = (("keeps the gradient", KEEP), ("cuts the gradient", CUT),
-           ("downstream of an edit (recomputed by replay)", DOWNSTREAM),
-           ("replay frontier (re-leafed)", FRONTIER), ("not saved", NOT_SAVED))
+_LEGEND = (
+  ("keeps the gradient", KEEP),
+  ("cuts the gradient", CUT),
+  ("downstream of an edit (recomputed by replay)", DOWNSTREAM),
+  ("replay frontier (re-leafed)", FRONTIER),
+  ("not saved", NOT_SAVED),
+)
 
 
 def _treescope():
@@ -72,6 +76,7 @@ def _rules(trace) -> tuple:
 def _hits(selector, info) -> bool:
   try:
     from jaxlens._src.sites import hits
+
     return bool(hits(selector, info))
   except (ImportError, AttributeError):  # a later layout of the core
     return bool(selector.matches(info))
@@ -196,9 +201,15 @@ def _trace_view(trace) -> TraceView:
 
   def site(info, value, saved=True):
     lbl = info.label
-    return SiteView(lbl, info.kind, info.module_type if info.kind == "module" else info.func,
-                    value, tuple(edited.get(lbl, ())),
-                    _site_state(lbl, edited, downstream, frontier, saved), inputs.get(lbl))
+    return SiteView(
+      lbl,
+      info.kind,
+      info.module_type if info.kind == "module" else info.func,
+      value,
+      tuple(edited.get(lbl, ())),
+      _site_state(lbl, edited, downstream, frontier, saved),
+      inputs.get(lbl),
+    )
 
   root = ModuleView("", "", None, {}, [])
 
@@ -228,14 +239,20 @@ def _trace_view(trace) -> TraceView:
     node_at(info.path).ops.append(site(info, values[lbl]))
   output = trace.output
   if root.out is None and "output" not in seen:
-    root.out = SiteView("output", "module", "output", output,
-                        state="downstream" if edited else "")
+    root.out = SiteView("output", "module", "output", output, state="downstream" if edited else "")
   root.module_type = root.module_type or "model"
   staged = tuple(getattr(getattr(trace, "_staged", None), "rules", ()))
-  spec = SpecView(tuple(RuleView(s, e, tuple(f)) for (s, e), f in zip(rules, fired)),
-                  tuple(RuleView(s, e, None) for s, e in staged))
-  counts = {"saved": len(values), "sites": len(infos), "edited": len(edited),
-            "downstream": len(downstream & set(values)), "frontier": len(frontier)}
+  spec = SpecView(
+    tuple(RuleView(s, e, tuple(f)) for (s, e), f in zip(rules, fired)),
+    tuple(RuleView(s, e, None) for s, e in staged),
+  )
+  counts = {
+    "saved": len(values),
+    "sites": len(infos),
+    "edited": len(edited),
+    "downstream": len(downstream & set(values)),
+    "frontier": len(frontier),
+  }
   return TraceView(output, root, spec, frontier, bool(getattr(trace, "stale", False)), counts)
 
 
@@ -248,8 +265,10 @@ def view(obj, *, trace=None) -> Any:
       the view then says which sites each selects (``# matches ...``, ``# fired at ...``).
   """
   import jaxlens as jl
+
   register()
   from jaxlens._src.edit import Edit
+
   if isinstance(obj, (TraceView, SpecView, EditView, SelectorView, ModuleView, SiteView)):
     return obj
   infos = list(trace.sites) if trace is not None else None
@@ -257,8 +276,9 @@ def view(obj, *, trace=None) -> Any:
     return _trace_view(obj)
   if isinstance(obj, jl.Spec):
     fired = _fired(obj.rules, infos) if infos is not None else [None] * len(obj.rules)
-    return SpecView(tuple(RuleView(s, e, None if f is None else tuple(f))
-                          for (s, e), f in zip(obj.rules, fired)))
+    return SpecView(
+      tuple(RuleView(s, e, None if f is None else tuple(f)) for (s, e), f in zip(obj.rules, fired))
+    )
   if isinstance(obj, Edit):
     return EditView(obj)
   if isinstance(obj, jl.Site):
@@ -275,28 +295,49 @@ def _comment(text: str):
   return rp.comment_color(rp.text(text))
 
 
-def _node(prefix, items, path, subtree_renderer, *, color=None, comment=None, suffix=")",
-          expand: bool = False):
+def _node(
+  prefix,
+  items,
+  path,
+  subtree_renderer,
+  *,
+  color=None,
+  comment=None,
+  suffix=")",
+  expand: bool = False,
+):
   """A foldable ``prefix(name=value, ...)suffix  # comment`` node (``expand``: start open)."""
   rp = _treescope().rendering_parts
   children = []
   for n, (name, value) in enumerate(items):
     last = n == len(items) - 1
-    comma = (rp.fold_condition(expanded=rp.text(",")) if last
-             else rp.siblings(",", rp.fold_condition(collapsed=rp.text(" "))))
+    comma = (
+      rp.fold_condition(expanded=rp.text(","))
+      if last
+      else rp.siblings(",", rp.fold_condition(collapsed=rp.text(" ")))
+    )
     child_path = None if path is None or name is None else f"{path}.{name}"
-    rendered = value if isinstance(value, rp.RenderableAndLineAnnotations) else subtree_renderer(
-        value, path=child_path)
+    rendered = (
+      value
+      if isinstance(value, rp.RenderableAndLineAnnotations)
+      else subtree_renderer(value, path=child_path)
+    )
     label = f"{name}=" if name is not None else ""
-    children.append(rp.build_full_line_with_annotations(
-        rp.siblings_with_annotations(label, rendered), comma))
+    children.append(
+      rp.build_full_line_with_annotations(rp.siblings_with_annotations(label, rendered), comma)
+    )
   node = rp.build_foldable_tree_node_from_children(
-      prefix=rp.text(prefix) if isinstance(prefix, str) else prefix, children=children,
-      suffix=rp.text(suffix), path=path, background_color=color,
-      expand_state=rp.ExpandState.EXPANDED if expand else rp.ExpandState.WEAKLY_EXPANDED)
+    prefix=rp.text(prefix) if isinstance(prefix, str) else prefix,
+    children=children,
+    suffix=rp.text(suffix),
+    path=path,
+    background_color=color,
+    expand_state=rp.ExpandState.EXPANDED if expand else rp.ExpandState.WEAKLY_EXPANDED,
+  )
   if comment:
-    return rp.RenderableAndLineAnnotations(node.renderable, rp.siblings(
-        node.annotations, _comment(f"  # {comment}")))
+    return rp.RenderableAndLineAnnotations(
+      node.renderable, rp.siblings(node.annotations, _comment(f"  # {comment}"))
+    )
   return node
 
 
@@ -305,16 +346,26 @@ def _one_line(text: str, path, *, color=None, comment=None):
   part = rp.text(text)
   if color is not None:
     part = rp.custom_style(part, css_style=f"background-color: {color}; border-radius: 3px;")
-  line = rp.siblings_with_annotations(part, extra_annotations=[_comment(f"  # {comment}")]
-                                      if comment else [])
+  line = rp.siblings_with_annotations(
+    part, extra_annotations=[_comment(f"  # {comment}")] if comment else []
+  )
   return rp.build_one_line_tree_node(line, path)
 
 
-_STATE_COLOR = {"keep": KEEP, "cut": CUT, "downstream": DOWNSTREAM, "frontier": FRONTIER,
-                "not saved": NOT_SAVED}
-_STATE_TEXT = {"keep": "edited, keeps the gradient", "cut": "edited, cuts the gradient",
-               "downstream": "recomputed downstream of an edit",
-               "frontier": "replay frontier (re-leafed)", "not saved": "not saved"}
+_STATE_COLOR = {
+  "keep": KEEP,
+  "cut": CUT,
+  "downstream": DOWNSTREAM,
+  "frontier": FRONTIER,
+  "not saved": NOT_SAVED,
+}
+_STATE_TEXT = {
+  "keep": "edited, keeps the gradient",
+  "cut": "edited, cuts the gradient",
+  "downstream": "recomputed downstream of an edit",
+  "frontier": "replay frontier (re-leafed)",
+  "not saved": "not saved",
+}
 
 
 def _edit_text(edit) -> str:
@@ -325,8 +376,9 @@ def _styled(part, color):
   rp = _treescope().rendering_parts
   if color is None:
     return part
-  return rp.custom_style(part, css_style=f"background-color: {color}; border-radius: 3px; "
-                                         "padding: 0 2px;")
+  return rp.custom_style(
+    part, css_style=f"background-color: {color}; border-radius: 3px; padding: 0 2px;"
+  )
 
 
 def _render_site(sv: SiteView, path, subtree_renderer, *, name: str | None = None):
@@ -343,14 +395,17 @@ def _render_site(sv: SiteView, path, subtree_renderer, *, name: str | None = Non
     body = rp.RenderableAndLineAnnotations(rp.text("(not saved)"), rp.empty_part())
   elif sv.input is not None:
     args, kwargs = sv.input
-    body = _node("(", [("input", args if not kwargs else sv.input), ("out", sv.value)], path,
-                 subtree_renderer)
+    body = _node(
+      "(", [("input", args if not kwargs else sv.input), ("out", sv.value)], path, subtree_renderer
+    )
   else:
     body = subtree_renderer(sv.value, path=path)
   return rp.RenderableAndLineAnnotations(
-      rp.siblings(head, body.renderable),
-      rp.siblings(body.annotations, _comment("  # " + "; ".join(notes)) if notes
-                  else rp.empty_part()))
+    rp.siblings(head, body.renderable),
+    rp.siblings(
+      body.annotations, _comment("  # " + "; ".join(notes)) if notes else rp.empty_part()
+    ),
+  )
 
 
 def _render_module(mv: ModuleView, path, subtree_renderer, prefix: str = ""):
@@ -371,28 +426,34 @@ def _render_module(mv: ModuleView, path, subtree_renderer, prefix: str = ""):
       hidden.append(op.label)
   if hidden:
     names = ", ".join(hidden[:6]) + (", ..." if len(hidden) > 6 else "")
-    items.append((None, _one_line(f"({len(hidden)} not saved: {names})", None,
-                                  color=NOT_SAVED)))
-  color = _STATE_COLOR.get(mv.out.state) if mv.out is not None and mv.out.state in (
-      "keep", "cut") else None
-  title = _styled(_treescope().rendering_parts.text(
-      f"{label or 'model'}: {mv.module_type or 'module'} {{"), color)
+    items.append((None, _one_line(f"({len(hidden)} not saved: {names})", None, color=NOT_SAVED)))
+  color = (
+    _STATE_COLOR.get(mv.out.state)
+    if mv.out is not None and mv.out.state in ("keep", "cut")
+    else None
+  )
+  title = _styled(
+    _treescope().rendering_parts.text(f"{label or 'model'}: {mv.module_type or 'module'} {{"), color
+  )
   # Open the model and every module that holds an edited site, so the edits show.
-  return _node(title, items, path, subtree_renderer, suffix="}",
-               expand=not prefix or _holds_edit(mv))
+  return _node(
+    title, items, path, subtree_renderer, suffix="}", expand=not prefix or _holds_edit(mv)
+  )
 
 
 def _shows(mv: ModuleView) -> bool:
   """Whether a module has a saved or edited site anywhere below it."""
   sites = ([mv.out] if mv.out is not None else []) + list(mv.ops)
   return any(s.value is not None or s.state in ("keep", "cut") for s in sites) or any(
-      _shows(c) for c in mv.children.values())
+    _shows(c) for c in mv.children.values()
+  )
 
 
 def _holds_edit(mv: ModuleView) -> bool:
   sites = ([mv.out] if mv.out is not None else []) + list(mv.ops)
   return any(s.state in ("keep", "cut") for s in sites) or any(
-      _holds_edit(c) for c in mv.children.values())
+    _holds_edit(c) for c in mv.children.values()
+  )
 
 
 def _render_edit(edit, path, subtree_renderer):
@@ -413,37 +474,55 @@ def _render_edit(edit, path, subtree_renderer):
       items.append((k, v))
   mark = "jl.keep_grad(" if getattr(edit, "keep_grad", False) else ""
   comment = ("keeps the gradient" if keeps else "cuts the gradient") + (
-      "; keep_grad: checked when it fires" if mark else "")
+    "; keep_grad: checked when it fires" if mark else ""
+  )
   prefix = f"{mark}jl.{getattr(edit, 'name', type(edit).__name__)}("
-  return _node(prefix, items, path, subtree_renderer, color=KEEP if keeps else CUT,
-               comment=comment, suffix="))" if mark else ")")
+  return _node(
+    prefix,
+    items,
+    path,
+    subtree_renderer,
+    color=KEEP if keeps else CUT,
+    comment=comment,
+    suffix="))" if mark else ")",
+  )
 
 
 def _render_rule(rule: RuleView, path, subtree_renderer):
   where = None
   if rule.fired_at is not None:
     where = ("fired at " + ", ".join(rule.fired_at)) if rule.fired_at else "fired nowhere"
-  return _node("jl.when(", [(None, SelectorView(rule.selector)), (None, EditView(rule.edit))],
-               path, subtree_renderer, comment=where)
+  return _node(
+    "jl.when(",
+    [(None, SelectorView(rule.selector)), (None, EditView(rule.edit))],
+    path,
+    subtree_renderer,
+    comment=where,
+  )
 
 
 def _render_spec(sv: SpecView, path, subtree_renderer):
   items = [(None, _render_rule(r, None, subtree_renderer)) for r in sv.rules]
   items += [(None, _render_rule(r, None, subtree_renderer)) for r in sv.staged]
-  comment = f"{len(sv.rules)} rules" + (f", {len(sv.staged)} staged (run() executes them)"
-                                        if sv.staged else "")
+  comment = f"{len(sv.rules)} rules" + (
+    f", {len(sv.staged)} staged (run() executes them)" if sv.staged else ""
+  )
   return _node("jl.Spec(", items, path, subtree_renderer, comment=comment, expand=True)
 
 
 def _render_trace(tv: TraceView, path, subtree_renderer):
   c = tv.counts
-  summary = (f"{c['saved']} of {c['sites']} sites saved; {c['edited']} edited, "
-             f"{c['downstream']} recomputed downstream" +
-             (f", {c['frontier']} frontier values" if c["frontier"] else "") +
-             ("; stale: staged edits not run" if tv.stale else ""))
+  summary = (
+    f"{c['saved']} of {c['sites']} sites saved; {c['edited']} edited, "
+    f"{c['downstream']} recomputed downstream"
+    + (f", {c['frontier']} frontier values" if c["frontier"] else "")
+    + ("; stale: staged edits not run" if tv.stale else "")
+  )
   # The output is the model's own site (``out`` at the top of the site tree).
-  items = [("sites", _render_module(tv.sites, None, subtree_renderer)),
-           ("spec", _render_spec(tv.spec, None, subtree_renderer))]
+  items = [
+    ("sites", _render_module(tv.sites, None, subtree_renderer)),
+    ("spec", _render_spec(tv.spec, None, subtree_renderer)),
+  ]
   if tv.frontier:
     items.append(("frontier", tv.frontier))
   return _node("jl.Trace(", items, path, subtree_renderer, comment=summary, expand=True)
@@ -453,6 +532,7 @@ def _handler(node, path, subtree_renderer):
   """treescope's handler for jaxlens objects and their views."""
   import jaxlens as jl
   from jaxlens._src.edit import Edit
+
   if isinstance(node, (jl.Trace, jl.Spec, Edit, jl.Site)):
     node = view(node)
   if isinstance(node, TraceView):
@@ -487,9 +567,20 @@ def register() -> None:
     return
   import jaxlens as jl
   from jaxlens._src.edit import Edit
+
   registry = _treescope().type_registries.TREESCOPE_HANDLER_REGISTRY
-  for cls in (jl.Trace, jl.Spec, Edit, jl.Site, TraceView, SpecView, EditView, SelectorView,
-              ModuleView, SiteView):
+  for cls in (
+    jl.Trace,
+    jl.Spec,
+    Edit,
+    jl.Site,
+    TraceView,
+    SpecView,
+    EditView,
+    SelectorView,
+    ModuleView,
+    SiteView,
+  ):
     registry[cls] = _handler
   _registered = True
 
@@ -537,8 +628,7 @@ def to_html(obj, path=None, *, title: str | None = None, trace=None) -> str:
   register()
   treescope = _treescope()
   with treescope.active_autovisualizer.set_scoped(None):
-    body = treescope.render_to_html(view(obj, trace=trace), roundtrip_mode=False,
-                                    compressed=False)
+    body = treescope.render_to_html(view(obj, trace=trace), roundtrip_mode=False, compressed=False)
   title = title or f"jaxlens {type(obj).__name__}"
   legend = "".join(f'<span style="background:{c}">{html.escape(t)}</span>' for t, c in _LEGEND)
   page = _PAGE.format(title=html.escape(title), legend=legend, body=body)

@@ -38,8 +38,9 @@ def _model(dtype):
     @nn.compact
     def __call__(self, x):
       h = nn.Dense(HIDDEN, dtype=dtype, param_dtype=dtype, name="up")(x)
-      return x + jnp.cumsum(nn.Dense(WIDTH, dtype=dtype, param_dtype=dtype, name="down")(
-          jnp.tanh(h)), axis=1)
+      return x + jnp.cumsum(
+        nn.Dense(WIDTH, dtype=dtype, param_dtype=dtype, name="down")(jnp.tanh(h)), axis=1
+      )
 
   class Net(nn.Module):
     @nn.compact
@@ -67,12 +68,14 @@ class Placement:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+
     a = np.asarray(a)
     if self.mesh is None:
       return jnp.asarray(a)
     # Every process holds the same host value; each places the shards of its devices.
-    return jax.make_array_from_callback(a.shape, NamedSharding(self.mesh, P(*spec)),
-                                        lambda index: a[index])
+    return jax.make_array_from_callback(
+      a.shape, NamedSharding(self.mesh, P(*spec)), lambda index: a[index]
+    )
 
   def variables(self, host):
     """Dense kernels split on their output axis over ``model``, biases alike (tensor parallel)."""
@@ -85,12 +88,14 @@ class Placement:
       if name == "bias" and leaf.shape[0] % 2 == 0:
         return ("model",)
       return ()
+
     return jax.tree_util.tree_map_with_path(lambda p, a: self.put(a, *spec(p, a)), host)
 
 
 def _host_variables(model, x, seed):
   """numpy-drawn variables (no initialiser compiles), identical in every process."""
   import jax
+
   rng = np.random.default_rng(seed)
   shapes = jax.eval_shape(model.init, jax.random.key(0), x)
 
@@ -98,11 +103,13 @@ def _host_variables(model, x, seed):
     if "bias" in jax.tree_util.keystr(path[-1:]):
       return rng.normal(0.0, 0.1, leaf.shape).astype(leaf.dtype)
     return rng.normal(0.0, 0.4, leaf.shape).astype(leaf.dtype)
+
   return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 def _flat(prefix, tree, out):
   import jax
+
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     out[prefix + jax.tree_util.keystr(path)] = leaf
 
@@ -116,13 +123,23 @@ def _probe(fn):
     import traceback
 
     import jaxlens as jl
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if f"jaxlens{os.sep}" in f.filename]
-    where = f"{frames[-1].filename.split(os.sep + 'jaxlens' + os.sep)[-1]}:{frames[-1].lineno} " \
-            f"({frames[-1].name})" if frames else None
-    return {"type": type(error).__name__, "jaxlens": isinstance(error, jl.JaxlensError),
-            "code": getattr(error, "fields", {}).get("code"), "where": where,
-            "message": str(error).splitlines()[0][:300]}
+
+    frames = [
+      f for f in traceback.extract_tb(error.__traceback__) if f"jaxlens{os.sep}" in f.filename
+    ]
+    where = (
+      f"{frames[-1].filename.split(os.sep + 'jaxlens' + os.sep)[-1]}:{frames[-1].lineno} "
+      f"({frames[-1].name})"
+      if frames
+      else None
+    )
+    return {
+      "type": type(error).__name__,
+      "jaxlens": isinstance(error, jl.JaxlensError),
+      "code": getattr(error, "fields", {}).get("code"),
+      "where": where,
+      "message": str(error).splitlines()[0][:300],
+    }
 
 
 def run_scenarios(mesh, dtype, facts, spec_dir=None):
@@ -200,26 +217,31 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
   basis = place.put(basis_h, "model", None)
   edits = {"live_keep": jl.when(site, keep_grad(jl.steer(direction, 2.0, feature_axis=-1)))}
   if full:
-    edits.update({
+    edits.update(
+      {
         "live_cut": jl.when(site, jl.zero_ablate()),
         "select_units": jl.when(jl.units(site, mask), jl.scale(3.0)),
         "select_subspace": jl.when(jl.subspace(site, basis), jl.patch_from(donor_trace)),
-        "select_subspace_zero": jl.when(jl.subspace(site, basis), jl.zero_ablate())})
+        "select_subspace_zero": jl.when(jl.subspace(site, basis), jl.zero_ablate()),
+      }
+    )
 
   def loss(v, x, spec):
     y = spec.bind(model)(v, x)
-    return jnp.sum(y ** 2), y
+    return jnp.sum(y**2), y
 
   @jax.jit
   def grads(v, x, edits):
     return {name: jax.grad(loss, has_aux=True)(v, x, spec) for name, spec in edits.items()}
+
   for name, (g, y) in grads(v, x, edits).items():
     out[f"{name}/output"] = y
     _flat(f"{name}/grad", g, out)
   refusals = {}
-  for name, spec in {"zero_ablate": jl.when(site, keep_grad(jl.zero_ablate())),
-                     "replace_with": jl.when(site, keep_grad(jl.replace_with(
-                         place.put(donor_h, "data"))))}.items():
+  for name, spec in {
+    "zero_ablate": jl.when(site, keep_grad(jl.zero_ablate())),
+    "replace_with": jl.when(site, keep_grad(jl.replace_with(place.put(donor_h, "data")))),
+  }.items():
     try:
       jax.grad(lambda v, spec=spec: jnp.sum(spec.bind(model)(v, x)))(v)
       refusals[name] = None
@@ -234,9 +256,15 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
     r = replay(t)
     out["replay/output"] = r.output
     out["replay/block_1"] = r["block_1"].out
-    patched = jax.jit(lambda v, x, d: jl.trace(
-        model, v, x, intervene=jl.when(jl.module("block_1"), jl.patch_from(d)),
-        save=jl.module("block_1")))(v, x, donor_trace)
+    patched = jax.jit(
+      lambda v, x, d: jl.trace(
+        model,
+        v,
+        x,
+        intervene=jl.when(jl.module("block_1"), jl.patch_from(d)),
+        save=jl.module("block_1"),
+      )
+    )(v, x, donor_trace)
     out["patch_from/output"] = patched.output
     out["patch_from/block_1"] = patched["block_1"].out
     out["patch_from/donor_block_1"] = donor_trace["block_1"].out
@@ -269,8 +297,7 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
     new = {}
     for name, spec in train.items():
       f = spec.bind(model)
-      value, g = jax.value_and_grad(lambda p, f=f: jnp.mean((f(p, x) - target) ** 2))(
-          params[name])
+      value, g = jax.value_and_grad(lambda p, f=f: jnp.mean((f(p, x) - target) ** 2))(params[name])
       updates, state = opt.update(g, states[name], params[name])
       new[name] = (optax.apply_updates(params[name], updates), state, value)
     return new
@@ -299,13 +326,14 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
     facts["spec_sha256"] = json.loads((path / "spec.json").read_text())["sha256"]
     # The host boundary without the helpers: what a user who does not gather gets.
     facts["probes"] = {
-        "spec.save": _probe(lambda: spec.save(Path(spec_dir) / f"plain_{jax.process_index()}")),
-        "repr(trace)": _probe(lambda: repr(t)),
-        "repr(spec)": _probe(lambda: repr(spec)),
-        "spec.check": _probe(lambda: spec.check(model, v, x).ok),
-        # An eager door with a units mask split over processes (jitted, it works above).
-        "eager units mask": _probe(lambda: jl.when(jl.units(site, mask), jl.scale(3.0)).bind(
-            model)(v, x)),
+      "spec.save": _probe(lambda: spec.save(Path(spec_dir) / f"plain_{jax.process_index()}")),
+      "repr(trace)": _probe(lambda: repr(t)),
+      "repr(spec)": _probe(lambda: repr(spec)),
+      "spec.check": _probe(lambda: spec.check(model, v, x).ok),
+      # An eager door with a units mask split over processes (jitted, it works above).
+      "eager units mask": _probe(
+        lambda: jl.when(jl.units(site, mask), jl.scale(3.0)).bind(model)(v, x)
+      ),
     }
   else:
     spec = jl.when(site, jl.replace_with(jnp.asarray(donor_h)))  # one process: no saving
@@ -319,19 +347,29 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
     from jax.sharding import PartitionSpec as P
 
     from jaxlens import store
+
     rows = x.addressable_shards[0].index[0]  # this process's slice of the batch
     local = x_h[rows]
     half = len(local) // 2
     root = Path(spec_dir) / f"store_{dtype}" / f"process_{jax.process_index()}"
-    store.collect(model, variables_h, [local[:half], local[half:]], root, sites=["block_1"],
-                  progress=False)
+    store.collect(
+      model, variables_h, [local[:half], local[half:]], root, sites=["block_1"], progress=False
+    )
     back = store.open(root).array("block_1")
     out["store/block_1"] = jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P("data")), back, (BATCH, SEQ, WIDTH))
+      NamedSharding(mesh, P("data")), back, (BATCH, SEQ, WIDTH)
+    )
     facts["store_local_rows"] = [rows.start or 0, rows.stop]
-    facts["probes"]["store.collect of a global batch"] = _probe(lambda: store.collect(
-        model, v, [x], Path(spec_dir) / f"store_global_{jax.process_index()}",
-        sites=["block_1"], progress=False))
+    facts["probes"]["store.collect of a global batch"] = _probe(
+      lambda: store.collect(
+        model,
+        v,
+        [x],
+        Path(spec_dir) / f"store_global_{jax.process_index()}",
+        sites=["block_1"],
+        progress=False,
+      )
+    )
   elif full:
     out["store/block_1"] = t["block_1"].out
   mark("store")
@@ -341,27 +379,37 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
 def _init_distributed(args):
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
   import jax
+
   jax.config.update("jax_enable_x64", True)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
-                             num_processes=args.num_processes, process_id=args.process_id,
-                             initialization_timeout=args.init_timeout,
-                             heartbeat_timeout_seconds=args.heartbeat_timeout,
-                             shutdown_timeout_seconds=10)
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{args.port}",
+    num_processes=args.num_processes,
+    process_id=args.process_id,
+    initialization_timeout=args.init_timeout,
+    heartbeat_timeout_seconds=args.heartbeat_timeout,
+    shutdown_timeout_seconds=10,
+  )
   return jax
 
 
 def _parity(args, out_dir):
   jax = _init_distributed(args)
   from jaxlens import distributed as jd
+
   n = jax.process_count()
   # Auto axes: XLA propagates the shardings of the inputs (the usual multi-host recipe).
-  mesh = jax.make_mesh((n, jax.local_device_count()), ("data", "model"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  facts = {"process_index": jax.process_index(), "process_count": n,
-           "devices": len(jax.devices()), "local_devices": jax.local_device_count(),
-           "mesh_data_processes": sorted({d.process_index for d in mesh.devices[0]}),
-           "seconds": {}}
+  mesh = jax.make_mesh(
+    (n, jax.local_device_count()), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
+  facts = {
+    "process_index": jax.process_index(),
+    "process_count": n,
+    "devices": len(jax.devices()),
+    "local_devices": jax.local_device_count(),
+    "mesh_data_processes": sorted({d.process_index for d in mesh.devices[0]}),
+    "seconds": {},
+  }
   values = {}
   for dtype in DTYPES:
     start = time.perf_counter()
@@ -386,11 +434,12 @@ def _fault(args, out_dir):
   from jax.sharding import PartitionSpec as P
 
   from jaxlens import distributed as jd
-  mesh = jax.make_mesh((len(jax.devices()),), ("cells",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  a = jax.make_array_from_callback((8,), NamedSharding(mesh, P("cells")),
-                                   lambda index: np.arange(8.0)[index])
-  total = jax.jit(lambda a: jnp.sum(a ** 2))
+
+  mesh = jax.make_mesh((len(jax.devices()),), ("cells",), axis_types=(jax.sharding.AxisType.Auto,))
+  a = jax.make_array_from_callback(
+    (8,), NamedSharding(mesh, P("cells")), lambda index: np.arange(8.0)[index]
+  )
+  total = jax.jit(lambda a: jnp.sum(a**2))
   jd.wait(total(a), timeout_s=args.step_timeout)  # compiled and run once by everyone
   report = {"process_index": jax.process_index()}
   if args.process_id == 1:
@@ -402,16 +451,23 @@ def _fault(args, out_dir):
     jd.wait(total(2 * a), timeout_s=args.step_timeout, what="step 2")
     report["error"] = None
   except jd.DistributedError as error:
-    report["error"] = {"type": type(error).__name__, "code": error.code,
-                       "message": str(error), "fields": error.fields}
+    report["error"] = {
+      "type": type(error).__name__,
+      "code": error.code,
+      "message": str(error),
+      "fields": error.fields,
+    }
   report["seconds"] = round(time.monotonic() - start, 2)
   if args.scenario == "hang":
     try:
       jd.barrier("after-step-2", timeout_s=args.step_timeout)
       report["barrier_error"] = None
     except jd.DistributedError as error:
-      report["barrier_error"] = {"type": type(error).__name__, "code": error.code,
-                                 "message": str(error)}
+      report["barrier_error"] = {
+        "type": type(error).__name__,
+        "code": error.code,
+        "message": str(error),
+      }
   (out_dir / f"meta_{args.process_id}.json").write_text(json.dumps(report, indent=1))
   sys.stdout.flush()
   # The step that never finished still holds a thread inside the collective: leave at once

@@ -19,8 +19,10 @@ def matrix_weights():
   ``jax.random`` draw otherwise."""
   if importlib.util.find_spec("torch") is None:
     from jaxlens import contract
+
     return contract.spec_model
   from torch_bridge import matrix
+
   return matrix.spec_model
 
 

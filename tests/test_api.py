@@ -37,6 +37,7 @@ def test_every_edit_builder_is_in_intervention():
 
 def test_every_verb_is_public_under_its_name():
   from jaxlens._src.edit import REGISTRY
+
   for name, verb in REGISTRY.items():
     if verb.wraps:  # units/subspace edits come from jl.units / jl.subspace (.wrap)
       assert hasattr(ji, name)

@@ -45,7 +45,7 @@ def test_site_grads_is_the_gradient_at_the_site_value():
   model = Tanh()
   x = normal(3, (3, 4))
   v = jax.jit(model.init)(jax.random.key(0), x)
-  g = jl.site_grads(model, v, x, metric=lambda y: (y ** 2).sum(), sites=["layers_0"])
+  g = jl.site_grads(model, v, x, metric=lambda y: (y**2).sum(), sites=["layers_0"])
   h = jl.trace(model, v, x)["layers_0"].out
   # The rest of the model as a function of the site value, by hand.
   rest = lambda h: (nn.Dense(2).apply({"params": v["params"]["layers_1"]}, jnp.tanh(h)) ** 2).sum()
@@ -53,8 +53,9 @@ def test_site_grads_is_the_gradient_at_the_site_value():
   np.testing.assert_allclose(g["layers_0"].out, h)
   np.testing.assert_allclose(g.value, (model.apply(v, x) ** 2).sum())
   # Jitted: the same numbers, and a pytree out of jit.
-  gj = jax.jit(lambda v, x: jl.site_grads(model, v, x, metric=lambda y: (y ** 2).sum(),
-                                          sites=["layers_0"]))(v, x)
+  gj = jax.jit(
+    lambda v, x: jl.site_grads(model, v, x, metric=lambda y: (y**2).sum(), sites=["layers_0"])
+  )(v, x)
   np.testing.assert_allclose(gj.grad["layers_0"], g.grad["layers_0"], rtol=1e-12)
 
 
@@ -89,7 +90,8 @@ def test_attribution_patching_approximates_a_nonlinear_model():
   m = lambda out: out[:, -1, 0].mean()
   approx = jl.attribution_patching(model, v, clean, corrupt, m, sites=["layers_0"])
   exact = jl.sweep.patching_sweep(model, v, clean, corrupt, m, sites=["layers_0"]) - m(
-      model.apply(v, corrupt))
+    model.apply(v, corrupt)
+  )
   np.testing.assert_allclose(approx, exact, rtol=1e-2, atol=1e-9)
 
 
@@ -127,8 +129,7 @@ def test_site_inputs_are_the_call_arguments(linear):
   t = jl.trace(model, v, clean, save_inputs=True)
   np.testing.assert_array_equal(t["layers_0"].input[0][0], clean)
   np.testing.assert_allclose(t["layers_1"].input[0][0], t["layers_0"].out)
-  np.testing.assert_allclose(t["layers_2"].input[0][0],
-                             t["layers_1"].out + t["layers_0"].out)
+  np.testing.assert_allclose(t["layers_2"].input[0][0], t["layers_1"].out + t["layers_0"].out)
   assert t["layers_2"].input[1] == {}
   # Without save_inputs the program and its op labels are unchanged.
   plain = jl.trace(model, v, clean, save=jl.all_sites())

@@ -7,7 +7,6 @@ values change, for what ``jl.depends_on`` and ``keep_grad`` report, and for ever
 typed error it raises.
 """
 
-
 import chex
 import flax.linen as nn
 import jax
@@ -29,13 +28,13 @@ def _halve_negatives(g):
 
 # name -> (edit, the cotangent transform it should apply, written by hand).
 CASES = {
-    "grad_scale": (jl.grad_scale(2.5), lambda g: 2.5 * g),
-    "grad_scale(-1)": (jl.grad_scale(-1.0), lambda g: -g),
-    "grad_zero": (jl.grad_zero(), jnp.zeros_like),
-    "grad_clip(limit)": (jl.grad_clip(0.6), lambda g: jnp.clip(g, -0.6, 0.6)),
-    "grad_clip(min,max)": (jl.grad_clip(min=-0.2, max=0.9), lambda g: jnp.clip(g, -0.2, 0.9)),
-    "grad_clip(max)": (jl.grad_clip(max=0.1), lambda g: jnp.minimum(g, 0.1)),
-    "backward_hook": (jl.backward_hook(_halve_negatives), _halve_negatives),
+  "grad_scale": (jl.grad_scale(2.5), lambda g: 2.5 * g),
+  "grad_scale(-1)": (jl.grad_scale(-1.0), lambda g: -g),
+  "grad_zero": (jl.grad_zero(), jnp.zeros_like),
+  "grad_clip(limit)": (jl.grad_clip(0.6), lambda g: jnp.clip(g, -0.6, 0.6)),
+  "grad_clip(min,max)": (jl.grad_clip(min=-0.2, max=0.9), lambda g: jnp.clip(g, -0.2, 0.9)),
+  "grad_clip(max)": (jl.grad_clip(max=0.1), lambda g: jnp.minimum(g, 0.1)),
+  "backward_hook": (jl.backward_hook(_halve_negatives), _halve_negatives),
 }
 
 
@@ -49,8 +48,10 @@ def _hand_grads(model, variables, x, transform):
   b0 = variables["params"]["layers_0"]["bias"]
   h = x @ k0 + b0
   g_h = transform(W_OUT @ k1.T)  # the cotangent at the site, then the verb's transform
-  return {"layers_0": {"kernel": x.T @ g_h, "bias": g_h.sum(0)},
-          "layers_1": {"kernel": h.T @ W_OUT, "bias": W_OUT.sum(0)}}
+  return {
+    "layers_0": {"kernel": x.T @ g_h, "bias": g_h.sum(0)},
+    "layers_1": {"kernel": h.T @ W_OUT, "bias": W_OUT.sum(0)},
+  }
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -60,8 +61,9 @@ def test_forward_value_is_unchanged(spec_model, name):
   out = jl.when(SITE, edit).bind(model)(variables, x)
   assert np.array_equal(out, model.apply(variables, x))
   t = jl.trace(model, variables, x, intervene=jl.when(SITE, edit))
-  assert np.array_equal(t["layers_0"].out, model.apply(variables, x, method=lambda m, y:
-                                                       m.layers[0](y)))
+  assert np.array_equal(
+    t["layers_0"].out, model.apply(variables, x, method=lambda m, y: m.layers[0](y))
+  )
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -84,8 +86,9 @@ def test_jit_and_grad_in_either_order_agree(spec_model, name):
   chex.assert_trees_all_close(jax.jit(jax.grad(loss))(variables), eager, atol=1e-12, rtol=0)
   chex.assert_trees_all_close(jax.grad(jax.jit(loss))(variables), eager, atol=1e-12, rtol=0)
   # The trace door gives the same gradient as the bind door.
-  traced = jax.grad(lambda v: (jl.trace(model, v, x, intervene=jl.when(SITE, CASES[name][0]))
-                               .output * W_OUT).sum())(variables)
+  traced = jax.grad(
+    lambda v: (jl.trace(model, v, x, intervene=jl.when(SITE, CASES[name][0])).output * W_OUT).sum()
+  )(variables)
   chex.assert_trees_all_close(traced, eager, atol=1e-12, rtol=0)
 
 
@@ -113,12 +116,13 @@ def test_vmap_of_per_example_gradients_equals_a_loop(spec_model, name):
   batched = jax.vmap(jax.grad(per_example), in_axes=(None, 0, 0))(variables, x, W_OUT)
   for i in range(x.shape[0]):
     one = jax.grad(per_example)(variables, x[i], W_OUT[i])
-    chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], batched), one, atol=1e-12, rtol=0)
+    chex.assert_trees_all_close(jax.tree.map(lambda a, i=i: a[i], batched), one, atol=1e-12, rtol=0)
     # ... and each per-example gradient is the hand-transformed one.
     k1 = variables["params"]["layers_1"]["kernel"]
     g_h = transform(W_OUT[i][None] @ k1.T)
-    np.testing.assert_allclose(one["params"]["layers_0"]["kernel"], x[i][:, None] @ g_h,
-                               atol=1e-12, rtol=0)
+    np.testing.assert_allclose(
+      one["params"]["layers_0"]["kernel"], x[i][:, None] @ g_h, atol=1e-12, rtol=0
+    )
 
 
 def test_new_values_do_not_recompile(spec_model):
@@ -206,10 +210,14 @@ def test_gradient_reversal_trains_upstream_away(spec_model):
   model, variables, x, _, _ = spec_model
   plain = jax.grad(_loss(model, jl.when(SITE, jl.scale(1.0)), x))(variables)
   reversed_ = jax.grad(_loss(model, jl.when(SITE, jl.grad_scale(-1.0)), x))(variables)
-  chex.assert_trees_all_close(reversed_["params"]["layers_0"],
-                              jax.tree.map(jnp.negative, plain["params"]["layers_0"]), atol=1e-12)
-  chex.assert_trees_all_close(reversed_["params"]["layers_1"], plain["params"]["layers_1"],
-                              atol=1e-12)
+  chex.assert_trees_all_close(
+    reversed_["params"]["layers_0"],
+    jax.tree.map(jnp.negative, plain["params"]["layers_0"]),
+    atol=1e-12,
+  )
+  chex.assert_trees_all_close(
+    reversed_["params"]["layers_1"], plain["params"]["layers_1"], atol=1e-12
+  )
 
 
 def test_forward_mode_is_refused_by_jax():
@@ -222,25 +230,31 @@ def test_forward_mode_is_refused_by_jax():
 # Typed errors.
 
 
-@pytest.mark.parametrize("build, match", [
+@pytest.mark.parametrize(
+  "build, match",
+  [
     (lambda: jl.grad_clip(), "needs a limit"),
     (lambda: jl.grad_clip(1.0, min=-1.0), "not both"),
     (lambda: jl.grad_clip(-1.0), "non-negative"),
     (lambda: jl.grad_clip(min=1.0, max=0.5), "above max"),
     (lambda: jl.backward_hook(3), "function of the cotangent"),
     (lambda: jl.backward_hook(jl.scale(2.0)), "function of the cotangent"),
-])
+  ],
+)
 def test_factory_errors(build, match):
   with pytest.raises(jl.InvalidArgumentError, match=match) as info:
     build()
   assert info.value.fields["code"] == "invalid_argument"
 
 
-@pytest.mark.parametrize("fn, code, match", [
+@pytest.mark.parametrize(
+  "fn, code, match",
+  [
     (lambda g: g[:1], "backward_hook_shape_mismatch", r"shape \(1, 4\) for a site"),
     (lambda g: g.astype(jnp.float32), "backward_hook_dtype_mismatch", "dtype float32"),
     (lambda g: 1.0, "backward_hook_shape_mismatch", "returned a float, not an array"),
-])
+  ],
+)
 def test_backward_hook_result_is_checked(spec_model, fn, code, match):
   model, variables, x, _, _ = spec_model
   loss = _loss(model, jl.when(SITE, jl.backward_hook(fn)), x)
@@ -251,11 +265,14 @@ def test_backward_hook_result_is_checked(spec_model, fn, code, match):
   assert info.value.fields["site"] == "layers_0"
 
 
-@pytest.mark.parametrize("edit, code, match", [
+@pytest.mark.parametrize(
+  "edit, code, match",
+  [
     (jl.grad_scale(jnp.ones(5)), "shape_mismatch", r"factor of shape \(5,\) does not broadcast"),
     (jl.grad_scale(jnp.asarray([True])), "dtype_mismatch", "factor must be a number"),
     (jl.grad_clip(jnp.ones((2, 2))), "shape_mismatch", "limit of shape"),
-])
+  ],
+)
 def test_argument_errors_at_fire_time(spec_model, edit, code, match):
   model, variables, x, _, _ = spec_model
   with pytest.raises(jl.ShapeError, match=match) as info:
@@ -275,8 +292,9 @@ class _ArgMax(nn.Module):
     return jnp.argmax(x, axis=-1)
 
 
-@pytest.mark.parametrize("edit", [jl.grad_scale(2.0), jl.grad_zero(), jl.grad_clip(1.0),
-                                  jl.backward_hook(lambda g: g)])
+@pytest.mark.parametrize(
+  "edit", [jl.grad_scale(2.0), jl.grad_zero(), jl.grad_clip(1.0), jl.backward_hook(lambda g: g)]
+)
 def test_an_integer_site_is_refused(edit):
   model = _IntSite()
   x = jnp.ones((2, 3), jnp.float64)
@@ -284,4 +302,3 @@ def test_an_integer_site_is_refused(edit):
   with pytest.raises(jl.InvalidArgumentError, match="no gradient to transform") as info:
     jl.when(jl.module("argmax"), edit).bind(model)(variables, x)
   assert info.value.fields["code"] == "site_not_float"
-

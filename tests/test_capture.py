@@ -28,7 +28,8 @@ def test_every_op_is_a_labelled_site_attributed_to_its_module(mlp):
   assert by_label["tanh_3"].path == ""  # the jnp.tanh between the shared calls
   assert by_label["block_0/mlp"].kind == "module"
   assert [i.label for i in t.sites if i.func == "dot_general"] == [
-      f"dot_general_{k}" for k in range(1, 6)]
+    f"dot_general_{k}" for k in range(1, 6)
+  ]
   # Saved op values are the values the ops computed.
   np.testing.assert_allclose(t["tanh_1"].out, jnp.tanh(X), atol=0)
   fc = v["params"]["block_0"]["mlp"]["fc"]
@@ -85,11 +86,13 @@ class ScanModel(nn.Module):
   @nn.compact
   def __call__(self, x):
     x = nn.Dense(4, name="pre")(x)
-    x, _ = nn.scan(_Cell, variable_axes={"params": 0}, split_rngs={"params": True},
-                   length=2)(name="cells")(x, None)
+    x, _ = nn.scan(_Cell, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)(
+      name="cells"
+    )(x, None)
     x, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c), None), x, None, length=3)
-    x = nn.cond(x.sum() > 0, lambda m, y: m(y) * 2.0, lambda m, y: -m(y), nn.Dense(4, name="gate"),
-                x)
+    x = nn.cond(
+      x.sum() > 0, lambda m, y: m(y) * 2.0, lambda m, y: -m(y), nn.Dense(4, name="gate"), x
+    )
     return nn.Dense(2, name="post")(x)
 
 
@@ -121,8 +124,9 @@ def test_trace_under_grad_jit_vmap_matches_apply(mlp):
   for a, b in zip(jax.tree.leaves(jax.jit(jax.grad(f))(v, X)), jax.tree.leaves(jax.grad(g)(v, X))):
     np.testing.assert_allclose(a, b, atol=1e-12)
   xs = jnp.stack([X, -X])
-  np.testing.assert_allclose(jax.vmap(f, (None, 0))(v, xs), jax.vmap(g, (None, 0))(v, xs),
-                             atol=1e-12)
+  np.testing.assert_allclose(
+    jax.vmap(f, (None, 0))(v, xs), jax.vmap(g, (None, 0))(v, xs), atol=1e-12
+  )
 
 
 class _RematBlock(nn.Module):
@@ -148,8 +152,9 @@ def test_edits_under_remat_on_every_door():
   assert t.labels == ("block_0/fc", "block_0", "block_1/fc", "block_1", "head")
   assert "sin_1" in {i.label for i in t.sites}
   np.testing.assert_allclose(spec.bind(model)(v, X), t.output, atol=1e-12)
-  np.testing.assert_allclose(jl.trace(model, v, X).do(jl.module("block_1/fc"), jl.scale(0.0))
-                             .output, t.output, atol=1e-12)
+  np.testing.assert_allclose(
+    jl.trace(model, v, X).do(jl.module("block_1/fc"), jl.scale(0.0)).output, t.output, atol=1e-12
+  )
   g_live = jax.grad(lambda v: spec.bind(model)(v, X).sum())(v)
   g_trace = jax.grad(lambda v: jl.trace(model, v, X, intervene=spec).output.sum())(v)
   for a, b in zip(jax.tree.leaves(g_live), jax.tree.leaves(g_trace)):

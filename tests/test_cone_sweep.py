@@ -13,10 +13,16 @@ from jaxlens.models import GPT2, GPT2Config, Llama, LlamaConfig
 
 VOCAB, SEQ = 40, 7
 MODELS = {
-    "llama": lambda: Llama(LlamaConfig(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4,
-                                       n_kv_heads=2, d_mlp=48, rope_base=500.0)),
-    "gpt2": lambda: GPT2(GPT2Config(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4,
-                                    max_len=16, tie_embeddings=False)),
+  "llama": lambda: Llama(
+    LlamaConfig(
+      vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_mlp=48, rope_base=500.0
+    )
+  ),
+  "gpt2": lambda: GPT2(
+    GPT2Config(
+      vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4, max_len=16, tie_embeddings=False
+    )
+  ),
 }
 
 
@@ -31,6 +37,7 @@ def _init(model):
     if "scale" in name or "weight" in name:
       return jnp.ones(leaf.shape, leaf.dtype)
     return jnp.asarray(rng.normal(0.0, 0.3, leaf.shape), leaf.dtype)
+
   return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
@@ -38,7 +45,7 @@ def logit_diff(logits):
   return (logits[:, -1, 3] - logits[:, -1, 5]).mean()
 
 
-def whole_output(logits):   # reads every position: the cells' earlier columns must be right
+def whole_output(logits):  # reads every position: the cells' earlier columns must be right
   return (logits * jnp.linspace(-1.0, 1.0, logits.shape[1])[None, :, None]).sum() / 100.0
 
 
@@ -53,23 +60,34 @@ def test_cone_sweep_equals_the_plain_sweep(family):
   site = "resid_pre" if family == "gpt2" else "resid_post"
   layers, positions = (0, 1, 2), (0, 2, 3, 6)
   cone = cone_sweep(model, variables, clean, corrupt, metric, positions=positions, site=site)
-  plain = jl.sweep.patching_sweep(model, variables, clean, corrupt, metric, positions=positions,
-                                  sites=[f"blocks_{k}/{site}" for k in layers])
+  plain = jl.sweep.patching_sweep(
+    model,
+    variables,
+    clean,
+    corrupt,
+    metric,
+    positions=positions,
+    sites=[f"blocks_{k}/{site}" for k in layers],
+  )
   np.testing.assert_allclose(cone, plain, atol=1e-5, rtol=1e-5)
-  assert float(jnp.abs(plain - plain[:, :1]).max()) > 1e-2      # the cells differ
+  assert float(jnp.abs(plain - plain[:, :1]).max()) > 1e-2  # the cells differ
   if family == "gpt2":
     return
   # a subset of layers, in another order, gives the same rows
-  sub = cone_sweep(model, variables, clean, corrupt, metric, layers=(2, 0), positions=positions,
-                   site=site)
+  sub = cone_sweep(
+    model, variables, clean, corrupt, metric, layers=(2, 0), positions=positions, site=site
+  )
   np.testing.assert_allclose(sub, plain[jnp.asarray([2, 0])], atol=1e-5, rtol=1e-5)
 
 
 def test_bad_input_gets_typed_errors():
   model = MODELS["llama"]()
   x = jnp.zeros((1, SEQ), jnp.int32)
-  cases = [({"positions": (SEQ,)}, "index_out_of_range"), ({"layers": (3,)}, "index_out_of_range"),
-           ({"site": "mlp_out"}, "invalid_argument")]
+  cases = [
+    ({"positions": (SEQ,)}, "index_out_of_range"),
+    ({"layers": (3,)}, "index_out_of_range"),
+    ({"site": "mlp_out"}, "invalid_argument"),
+  ]
   for kw, code in cases:
     with pytest.raises(jl.InvalidArgumentError) as e:
       cone_sweep(model, {}, x, x, logit_diff, **kw)
@@ -77,6 +95,7 @@ def test_bad_input_gets_typed_errors():
   with pytest.raises(jl.ShapeError):
     cone_sweep(model, {}, x, x[:, :3], logit_diff)
   import flax.linen as nn
+
   with pytest.raises(jl.InvalidArgumentError) as e:
     cone_sweep(nn.Dense(3), {}, x, x, logit_diff)
   assert e.value.code == "invalid_argument"

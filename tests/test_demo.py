@@ -17,9 +17,28 @@ def test_main_trains_sweeps_and_draws_the_heatmap(tmp_path, capsys, monkeypatch)
   figures = []
   real_run = demo.run_demo
   monkeypatch.setattr(demo, "run_demo", lambda **kw: figures.append(real_run(**kw)) or figures[-1])
-  status = demo.main(["--steps", "20", "--batch", "16", "--d-model", "16", "--heads", "2",
-                      "--seq-len", str(SEQ), "--vocab", "11", "--marker-at", str(MARKER_AT),
-                      "--top", "100", "--out", str(out)])
+  status = demo.main(
+    [
+      "--steps",
+      "20",
+      "--batch",
+      "16",
+      "--d-model",
+      "16",
+      "--heads",
+      "2",
+      "--seq-len",
+      str(SEQ),
+      "--vocab",
+      "11",
+      "--marker-at",
+      str(MARKER_AT),
+      "--top",
+      "100",
+      "--out",
+      str(out),
+    ]
+  )
   assert status == 0
   printed = capsys.readouterr()
   # tqdm's bar goes to stderr and ends at the last step.
@@ -37,8 +56,11 @@ def test_main_trains_sweeps_and_draws_the_heatmap(tmp_path, capsys, monkeypatch)
   # or the last block at the query position, restores all; patching earlier changes nothing.
   assert scores[("embed", MARKER_AT + 1)] == 1.0
   assert scores[("block_1", SEQ - 1)] == 1.0
-  assert all(scores[(site, p)] == 0.0 for site in ("embed", "block_0", "block_1")
-             for p in range(MARKER_AT + 1))
+  assert all(
+    scores[(site, p)] == 0.0
+    for site in ("embed", "block_0", "block_1")
+    for p in range(MARKER_AT + 1)
+  )
   assert f"heatmap: {out}" in printed.out
 
   # The figure shows what was printed: the grid, the site and position labels, a title.
@@ -56,13 +78,18 @@ def test_python_m_jaxlens_summary_fits_100_columns(tmp_path, capsys, monkeypatch
   """The command's own layout, on stand-in cells (the matrix itself is tested elsewhere)."""
   from jaxlens import __main__ as entry
   from jaxlens import contract as matrix
+
   doors = {k: matrix.DOORS[k] for k in ("live_bind", "replay", "units:differentiable_replay")}
-  cells = {(d, r.name): tuple(matrix.Cell(o) for o in matrix.expected(d, r))
-           for d in doors for r in matrix.ROWS}
+  cells = {
+    (d, r.name): tuple(matrix.Cell(o) for o in matrix.expected(d, r))
+    for d in doors
+    for r in matrix.ROWS
+  }
   monkeypatch.setattr(entry, "_torch_available", lambda: False)
   monkeypatch.setattr(matrix, "DOORS", doors)
-  monkeypatch.setattr(matrix, "run_matrix", lambda doors_: {
-      k: v for k, v in cells.items() if k[0] in doors_})
+  monkeypatch.setattr(
+    matrix, "run_matrix", lambda doors_: {k: v for k, v in cells.items() if k[0] in doors_}
+  )
   monkeypatch.setattr(matrix, "spec_model", lambda: (None,) * 4 + ("jax.random",))
   table = tmp_path / "matrix.md"
   assert entry.main(["--no-demo", "--no-progress", "--table-out", str(table)]) == 0

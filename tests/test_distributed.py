@@ -54,17 +54,39 @@ class Workers:
     self.out, self.procs, self.killed = out, [], []
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")]), JAX_PLATFORMS="cpu",
-        PYTHONUNBUFFERED="1")
+    env = dict(
+      os.environ,
+      PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+      JAX_PLATFORMS="cpu",
+      PYTHONUNBUFFERED="1",
+    )
     env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     try:
       for i in range(n):
         with open(out / f"log_{i}.txt", "wb") as log:
-          self.procs.append(subprocess.Popen(
-              [sys.executable, str(WORKER), "--process-id", str(i), "--num-processes", str(n),
-               "--port", str(port), "--devices", str(DEVICES), "--out", str(out), *args],
-              stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+          self.procs.append(
+            subprocess.Popen(
+              [
+                sys.executable,
+                str(WORKER),
+                "--process-id",
+                str(i),
+                "--num-processes",
+                str(n),
+                "--port",
+                str(port),
+                "--devices",
+                str(DEVICES),
+                "--out",
+                str(out),
+                *args,
+              ],
+              stdout=log,
+              stderr=subprocess.STDOUT,
+              env=env,
+              start_new_session=True,
+            )
+          )
     except BaseException:
       self.kill()
       raise
@@ -112,8 +134,13 @@ def jobs(tmp_path_factory):
     started["parity"] = (Workers(out, PROCESSES, "--scenario", "parity"), out, time.monotonic())
     for name in ("die", "hang"):
       out = tmp_path_factory.mktemp(name)
-      started[name] = (Workers(out, PROCESSES, "--scenario", name, "--step-timeout", "3",
-                               "--heartbeat-timeout", "20"), out, time.monotonic())
+      started[name] = (
+        Workers(
+          out, PROCESSES, "--scenario", name, "--step-timeout", "3", "--heartbeat-timeout", "20"
+        ),
+        out,
+        time.monotonic(),
+      )
     yield started
   finally:
     for job, _, _ in started.values():
@@ -137,9 +164,11 @@ def parity_run(jobs, reference):
   job, out, start = jobs["parity"]
   codes = job.wait(max(1.0, PARITY_DEADLINE_S - (time.monotonic() - start)))
   if codes != [0] * PROCESSES:
-    pytest.fail(f"distributed workers failed (exit codes {codes}, killed at the deadline: "
-                f"{job.killed}):\n" + "\n".join(
-                    f"--- process {i} ---\n{job.log(i)}" for i in range(PROCESSES)))
+    pytest.fail(
+      f"distributed workers failed (exit codes {codes}, killed at the deadline: "
+      f"{job.killed}):\n"
+      + "\n".join(f"--- process {i} ---\n{job.log(i)}" for i in range(PROCESSES))
+    )
   values = [dict(np.load(out / f"result_{i}.npz")) for i in range(PROCESSES)]
   facts = [job.meta(i) for i in range(PROCESSES)]
   facts[0]["wall_seconds"] = round(time.monotonic() - start, 1)
@@ -170,12 +199,35 @@ def test_the_mesh_spans_both_processes(parity_run):
       assert f[dtype]["host_trace_type"] == "Trace"
 
 
-GROUPS = ["trace", "host", "eager", "live_keep", "live_cut", "replay", "patch_from",
-          "select_units", "select_subspace", "select_subspace_zero", "sweep", "train_keep",
-          "spec", "store"]
+GROUPS = [
+  "trace",
+  "host",
+  "eager",
+  "live_keep",
+  "live_cut",
+  "replay",
+  "patch_from",
+  "select_units",
+  "select_subspace",
+  "select_subspace_zero",
+  "sweep",
+  "train_keep",
+  "spec",
+  "store",
+]
 # run in float64 only (tests/_dist_worker.py), to keep the suite lean
-FLOAT64_ONLY = {"eager", "live_cut", "replay", "patch_from", "select_units", "select_subspace",
-                "select_subspace_zero", "train_keep", "spec", "store"}
+FLOAT64_ONLY = {
+  "eager",
+  "live_cut",
+  "replay",
+  "patch_from",
+  "select_units",
+  "select_subspace",
+  "select_subspace_zero",
+  "train_keep",
+  "spec",
+  "store",
+}
 
 
 def _error(a, b) -> float:
@@ -207,8 +259,15 @@ def test_edits_are_live_and_cuts_cut(reference):
   """The parity above compares values that an edit changes (else it would prove little)."""
   ref, _ = reference["float64"]
   plain = ref["trace/output"]
-  for key in ("live_keep/output", "live_cut/output", "replay/output", "patch_from/output",
-              "select_units/output", "select_subspace/output", "spec/output"):
+  for key in (
+    "live_keep/output",
+    "live_cut/output",
+    "replay/output",
+    "patch_from/output",
+    "select_units/output",
+    "select_subspace/output",
+    "spec/output",
+  ):
     assert _error(ref[key], plain) > 1e-3, key
   np.testing.assert_array_equal(ref["patch_from/block_1"], ref["patch_from/donor_block_1"])
   cut_grads = [k for k in ref if k.startswith("live_cut/grad") and "block_0" in k]
@@ -221,8 +280,10 @@ def test_edits_are_live_and_cuts_cut(reference):
 def test_keep_grad_refuses_the_same_way(parity_run, reference, dtype):
   _, facts, _ = parity_run
   want = reference[dtype][1]["keep_grad_refusals"]
-  assert want == {"zero_ablate": ["edit_detached_from_graph", "block_0"],
-                  "replace_with": ["edit_detached_from_graph", "block_0"]}
+  assert want == {
+    "zero_ablate": ["edit_detached_from_graph", "block_0"],
+    "replace_with": ["edit_detached_from_graph", "block_0"],
+  }
   for f in facts:
     assert f[dtype]["keep_grad_refusals"] == want
 
@@ -258,6 +319,7 @@ def test_a_cut_gives_exact_zero_gradients_upstream_and_training_learns(parity_ru
 
 def test_a_spec_is_written_once_and_loaded_by_every_process(parity_run):
   import jaxlens as jl
+
   _, facts, out = parity_run
   path = out / "spec_float64"
   digest = json.loads((path / "spec.json").read_text())["sha256"]
@@ -288,8 +350,10 @@ def test_a_hung_process_gives_a_typed_error_and_is_killed(fault_runs):
   # else by the launcher (SIGKILL).
   assert codes[1] in (-signal.SIGABRT, -signal.SIGKILL), job.log(1)
   report = job.meta(0)
-  assert (report["error"]["type"], report["error"]["code"]) == ("DistributedError",
-                                                                 "process_timeout")
+  assert (report["error"]["type"], report["error"]["code"]) == (
+    "DistributedError",
+    "process_timeout",
+  )
   assert 3 <= report["seconds"] < 20
   barrier = report["barrier_error"]
   assert (barrier["type"], barrier["code"]) == ("DistributedError", "barrier_timeout")
@@ -301,6 +365,7 @@ def test_bounded_waits_return_at_once_on_one_process():
   import jax.numpy as jnp
 
   from jaxlens import distributed as jd
+
   value = jnp.arange(3.0)
   assert jd.wait({"a": value}, timeout_s=5)["a"] is value
   jd.barrier("one-process", timeout_s=1)  # no jax.distributed here: nothing to wait for
@@ -316,33 +381,47 @@ def test_the_cell_sweep_on_one_process_matches_jl_sweep(reference):
 
   import jaxlens as jl
   from jaxlens import distributed as jd
-  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2,
-                       devices=jax.devices()[:4])
+
+  mesh = jax.make_mesh(
+    (2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4]
+  )
   place = worker.Placement(mesh)
   model = worker._model(np.float64)
   rng = np.random.default_rng(1)
   x = rng.normal(size=(worker.BATCH, worker.SEQ, worker.WIDTH))
   variables = worker._host_variables(model, x, seed=2)
   sites = ("block_0", "block_1")
-  grid = jd.patching_sweep(model, place.variables(variables), place.put(2 * x), place.put(x),
-                           worker.metric, mesh=mesh, sites=sites, positions=(3, 1, 2),
-                           cell_axes=("data",), batch_size=1)
+  grid = jd.patching_sweep(
+    model,
+    place.variables(variables),
+    place.put(2 * x),
+    place.put(x),
+    worker.metric,
+    mesh=mesh,
+    sites=sites,
+    positions=(3, 1, 2),
+    cell_axes=("data",),
+    batch_size=1,
+  )
   assert grid.shape == (2, 3)  # 3 cells, padded to 4 over the two data shards, then cut
   want = reference["float64"][0]["sweep/grid"][:, [3, 1, 2]]
   np.testing.assert_allclose(np.asarray(grid), want, rtol=0, atol=1e-12)
   with pytest.raises(jl.InvalidArgumentError) as error:
-    jd.patching_sweep(model, variables, 2 * x, x, worker.metric, mesh=mesh, sites=sites,
-                      cell_axes=("cells",))
+    jd.patching_sweep(
+      model, variables, 2 * x, x, worker.metric, mesh=mesh, sites=sites, cell_axes=("cells",)
+    )
   assert error.value.code == "invalid_argument" and "cell_axes" in str(error.value)
   with pytest.raises(jl.InvalidArgumentError) as error:
-    jd.patching_sweep(model, variables, 2 * x, x, worker.metric, mesh=mesh, sites=sites,
-                      positions=(worker.SEQ,))
+    jd.patching_sweep(
+      model, variables, 2 * x, x, worker.metric, mesh=mesh, sites=sites, positions=(worker.SEQ,)
+    )
   assert error.value.code == "index_out_of_range"
 
 
 def test_each_process_stores_its_rows_and_they_read_back_as_the_global_array(parity_run):
   """jaxlens.store per process, in parallel; the value itself is compared in the parity test."""
   from jaxlens import store
+
   _, facts, out = parity_run
   assert [f["float64"]["store_local_rows"] for f in facts] == [[0, 4], [4, 8]]
   for i in range(PROCESSES):
@@ -365,15 +444,15 @@ def test_reading_a_trace_or_spec_needs_no_gather(parity_run):
 # for `jax.Array` that spans non-addressable ... devices is not possible") instead of a
 # typed jaxlens error; the probes in tests/_dist_worker.py record where.
 HOST_READ_BUGS = {
-    "spec.save": "jaxlens/_src/portable.py _Writer.array: np.asarray(a) of a spec array "
-                 "split over processes; expected a typed refusal (e.g. spec_not_portable, "
-                 "fix: jaxlens.distributed.save_spec)",
-    "store.collect of a global batch": "jaxlens/store.py _Writer.run: np.asarray of site "
-                                       "values split over processes in the writer thread; "
-                                       "expected a typed StoreError (or one store per process)",
-    "eager units mask": "jaxlens/_src/selections.py _host (from _mask/_units): np.asarray of "
-                        "a concrete units mask split over processes in an eager door; "
-                        "expected the value checks skipped as for a tracer (jitted, it works)",
+  "spec.save": "jaxlens/_src/portable.py _Writer.array: np.asarray(a) of a spec array "
+  "split over processes; expected a typed refusal (e.g. spec_not_portable, "
+  "fix: jaxlens.distributed.save_spec)",
+  "store.collect of a global batch": "jaxlens/store.py _Writer.run: np.asarray of site "
+  "values split over processes in the writer thread; "
+  "expected a typed StoreError (or one store per process)",
+  "eager units mask": "jaxlens/_src/selections.py _host (from _mask/_units): np.asarray of "
+  "a concrete units mask split over processes in an eager door; "
+  "expected the value checks skipped as for a tracer (jitted, it works)",
 }
 
 

@@ -35,7 +35,7 @@ def python_blocks(path: Path) -> list[tuple[int, str]]:
       if j == len(lines):
         raise AssertionError(f"{path}:{i + 1}: unterminated python block")
       if previous != "<!-- no-run -->":
-        blocks.append((i + 2, "\n".join(lines[i + 1:j])))
+        blocks.append((i + 2, "\n".join(lines[i + 1 : j])))
       i = j
     i += 1
   return blocks
@@ -58,11 +58,13 @@ def test_docs_examples_run(path):
     expected = _EXPECTED.search(code)
     if expected:
       assert namespace.get("RESULT") == ast.literal_eval(expected.group(1)), (
-          f"{path}:{line}: RESULT is {namespace.get('RESULT')!r}")
+        f"{path}:{line}: RESULT is {namespace.get('RESULT')!r}"
+      )
 
 
 def test_the_runner_skips_marked_blocks(tmp_path):
   page = tmp_path / "page.md"
-  page.write_text("text\n\n```python\nA = 1\n```\n\n<!-- no-run -->\n```python\nraise SystemExit\n"
-                  "```\n")
+  page.write_text(
+    "text\n\n```python\nA = 1\n```\n\n<!-- no-run -->\n```python\nraise SystemExit\n```\n"
+  )
   assert python_blocks(page) == [(4, "A = 1")]

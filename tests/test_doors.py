@@ -18,6 +18,7 @@ def _hand_steer(model, variables, x, path=("layers_0",), magnitude=2.0):
   def icpt(next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
     return out + magnitude * D if context.module.path == path else out
+
   with nn.intercept_methods(icpt):
     return model.apply(variables, x)
 
@@ -38,11 +39,15 @@ def test_bound_and_unbound_bind_agree(spec_model):
 def test_trace_is_a_pytree_that_leaves_jit(spec_model):
   model, variables, x, _, _ = spec_model
   t = jax.jit(lambda v, xi: jl.trace(model, v, xi, intervene=jl.when(SITE, jl.scale(3.0))))(
-      variables, x)
+    variables, x
+  )
   assert isinstance(t, jl.Trace)
   assert t.labels == ("layers_0", "layers_1")
-  np.testing.assert_allclose(t["layers_0"].out, 3.0 * model.apply(
-      variables, x, method=lambda m, y: m.layers[0](y)), atol=1e-12)
+  np.testing.assert_allclose(
+    t["layers_0"].out,
+    3.0 * model.apply(variables, x, method=lambda m, y: m.layers[0](y)),
+    atol=1e-12,
+  )
   leaves = jax.tree.leaves(t)
   # output, two saved sites, the call's five input leaves and the edit's factor.
   assert len(leaves) == 1 + 2 + 5 + 1
@@ -57,14 +62,16 @@ def _loss_fns(model, x):
   return ours, hand
 
 
-@pytest.mark.parametrize("transform", [
-    "grad", "jit(grad)", "grad(jit)", "jit(grad(jit))"])
+@pytest.mark.parametrize("transform", ["grad", "jit(grad)", "grad(jit)", "jit(grad(jit))"])
 def test_grad_compositions(spec_model, transform):
   model, variables, x, _, _ = spec_model
   ours, hand = _loss_fns(model, x)
-  wrap = {"grad": lambda f: jax.grad(f), "jit(grad)": lambda f: jax.jit(jax.grad(f)),
-          "grad(jit)": lambda f: jax.grad(jax.jit(f)),
-          "jit(grad(jit))": lambda f: jax.jit(jax.grad(jax.jit(f)))}[transform]
+  wrap = {
+    "grad": lambda f: jax.grad(f),
+    "jit(grad)": lambda f: jax.jit(jax.grad(f)),
+    "grad(jit)": lambda f: jax.grad(jax.jit(f)),
+    "jit(grad(jit))": lambda f: jax.jit(jax.grad(jax.jit(f))),
+  }[transform]
   got, want = wrap(ours)(variables), jax.grad(hand)(variables)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, atol=1e-12, rtol=0)
@@ -133,15 +140,27 @@ def test_keep_grad_scale_zero_gives_zero_gradient_not_none(spec_model):
 def test_intervention_decision_runs_the_same_check(spec_model):
   model, variables, x, _, _ = spec_model
   with pytest.raises(jl.GradientContractError, match="edit_detached_from_graph"):
-    jl.trace(model, variables, x,
-             intervene=jl.when(SITE, InterventionDecision(jl.zero_ablate(), keep_grad=True)))
+    jl.trace(
+      model,
+      variables,
+      x,
+      intervene=jl.when(SITE, InterventionDecision(jl.zero_ablate(), keep_grad=True)),
+    )
   jl.trace(model, variables, x, intervene=jl.when(SITE, InterventionDecision(jl.zero_ablate())))
   # A hook can ask for the check on the value it returns.
   with pytest.raises(jl.GradientContractError, match="edit_detached_from_graph"):
-    jl.trace(model, variables, x, intervene=jl.when(
-        SITE, lambda y: InterventionDecision(jnp.zeros_like(y), keep_grad=True)))
-  t = jl.trace(model, variables, x, intervene=jl.when(
-      SITE, lambda y: InterventionDecision(2 * y, keep_grad=True)))
+    jl.trace(
+      model,
+      variables,
+      x,
+      intervene=jl.when(SITE, lambda y: InterventionDecision(jnp.zeros_like(y), keep_grad=True)),
+    )
+  t = jl.trace(
+    model,
+    variables,
+    x,
+    intervene=jl.when(SITE, lambda y: InterventionDecision(2 * y, keep_grad=True)),
+  )
   np.testing.assert_allclose(t["layers_0"].out, 2 * jl.trace(model, variables, x)["layers_0"].out)
 
 
@@ -152,6 +171,7 @@ def test_hook_gets_the_site_context(spec_model):
   def hook_fn(y, *, hook):
     seen.append((hook.label, hook.module_type))
     return y
+
   jl.trace(model, variables, x, intervene=jl.when(jl.module("layers_*"), hook_fn))
   assert seen == [("layers_0", "Dense"), ("layers_1", "Dense")]
 
@@ -161,8 +181,17 @@ def test_nested_paths_combined_selectors_and_repeated_calls():
   x = jnp.linspace(-1, 1, 12).reshape(3, 4)
   v = init(model, x)
   t = jl.trace(model, v, x)
-  assert t.labels == ("block_0/mlp/fc", "block_0/mlp", "block_0", "block_1/mlp/fc",
-                      "block_1/mlp", "block_1", "shared", "shared:2", "head")
+  assert t.labels == (
+    "block_0/mlp/fc",
+    "block_0/mlp",
+    "block_0",
+    "block_1/mlp/fc",
+    "block_1/mlp",
+    "block_1",
+    "shared",
+    "shared:2",
+    "head",
+  )
   # Only the second call of the shared module.
   t2 = jl.trace(model, v, x, intervene=jl.when(jl.module("shared", call=2), jl.zero_ablate()))
   assert np.array_equal(t2["shared"].out, t["shared"].out)
@@ -185,10 +214,12 @@ def test_specs_combine_and_apply_in_order(spec_model):
   clean = jl.trace(model, variables, x)["layers_0"].out
   a = jl.when(SITE, jl.scale(2.0)) + jl.when(SITE, jl.add(1.0))
   b = [jl.when(SITE, jl.add(1.0)), jl.when(SITE, jl.scale(2.0))]
-  np.testing.assert_allclose(jl.trace(model, variables, x, intervene=a)["layers_0"].out,
-                             2 * clean + 1, atol=1e-12)
-  np.testing.assert_allclose(jl.trace(model, variables, x, intervene=b)["layers_0"].out,
-                             2 * (clean + 1), atol=1e-12)
+  np.testing.assert_allclose(
+    jl.trace(model, variables, x, intervene=a)["layers_0"].out, 2 * clean + 1, atol=1e-12
+  )
+  np.testing.assert_allclose(
+    jl.trace(model, variables, x, intervene=b)["layers_0"].out, 2 * (clean + 1), atol=1e-12
+  )
 
 
 def test_save_selects_what_is_kept(spec_model):
@@ -196,15 +227,18 @@ def test_save_selects_what_is_kept(spec_model):
   assert jl.trace(model, variables, x, save=False).labels == ()
   assert jl.trace(model, variables, x, save=jl.module("layers_1")).labels == ("layers_1",)
   assert jl.trace(model, variables, x, save=["layers_0", "layers_1"]).labels == (
-      "layers_0", "layers_1")
+    "layers_0",
+    "layers_1",
+  )
 
 
 def test_swap_with_an_earlier_site():
   model = MLP()
   x = jnp.linspace(-1, 1, 12).reshape(3, 4)
   v = init(model, x)
-  t = jl.trace(model, v, x, intervene=jl.when(jl.module("block_1/mlp"),
-                                              jl.swap_with(jl.module("block_0/mlp"))))
+  t = jl.trace(
+    model, v, x, intervene=jl.when(jl.module("block_1/mlp"), jl.swap_with(jl.module("block_0/mlp")))
+  )
   assert np.array_equal(t["block_1/mlp"].out, t["block_0/mlp"].out)
 
 
@@ -245,12 +279,13 @@ def test_one_element_of_a_tuple_output_on_every_door():
   head = v["params"]["Dense_0"]
   want = jnp.tanh(h) @ head["kernel"] + head["bias"]  # the first element zeroed, the second kept
   outs = {
-      "bind": jl.when(site, edit).bind(model)(v, x),
-      "trace": jl.trace(model, v, x, intervene=jl.when(site, edit)).output,
-      "replay": jl.trace(model, v, x).fork().do(site, edit).output,
-      "rerun": jl.trace(model, v, x).fork().do(site, edit, model=model.bind(v), inputs=x).output,
-      "op-site bind": (jl.when(site, edit) + jl.when(jl.func("tanh"), jl.scale(1.0))).bind(
-          model)(v, x),
+    "bind": jl.when(site, edit).bind(model)(v, x),
+    "trace": jl.trace(model, v, x, intervene=jl.when(site, edit)).output,
+    "replay": jl.trace(model, v, x).fork().do(site, edit).output,
+    "rerun": jl.trace(model, v, x).fork().do(site, edit, model=model.bind(v), inputs=x).output,
+    "op-site bind": (jl.when(site, edit) + jl.when(jl.func("tanh"), jl.scale(1.0))).bind(model)(
+      v, x
+    ),
   }
   for door, out in outs.items():
     np.testing.assert_allclose(out, want, atol=1e-12, err_msg=door)

@@ -58,7 +58,9 @@ def test_ambiguous_site_on_a_trace(spec_model):
   assert np.array_equal(t[jl.module("layers_0")].out, t["layers_0"].out)
 
 
-@pytest.mark.parametrize("edit, match", [
+@pytest.mark.parametrize(
+  "edit, match",
+  [
     (lambda: jl.steer(jnp.ones(5), 1.0), r"\[shape_mismatch\].*length 5"),
     (lambda: jl.steer(jnp.ones((2, 4)), 1.0), r"\[shape_mismatch\].*must be 1-D"),
     (lambda: jl.project_out(jnp.ones(3), feature_axis=-1), r"\[shape_mismatch\].*feature_axis"),
@@ -70,7 +72,8 @@ def test_ambiguous_site_on_a_trace(spec_model):
     (lambda: jl.steer(jnp.ones(4, jnp.bool_), 1.0), r"\[dtype_mismatch\].*float array"),
     (lambda: ji.resample_rows_from(jnp.ones((5, 3)), seed=0), r"\[shape_mismatch\].*rows"),
     (lambda: ji.scramble_elements(seed=0, source=jnp.ones(5)), r"\[shape_mismatch\].*5 elements"),
-])
+  ],
+)
 def test_wrong_shape_or_dtype(spec_model, edit, match):
   with pytest.raises(jl.ShapeError, match=match) as info:
     _trace(spec_model, edit())
@@ -86,14 +89,21 @@ def test_ambiguous_feature_axis(spec_model, verb):
     jl.trace(model, variables, x4, intervene=jl.when(SITE, verb(jnp.arange(1.0, 5.0))))
   assert info.value.fields["candidates"] == [0, 1]
   assert "feature_axis=-1" in info.value.fields["fix"]
-  fixed = jl.trace(model, variables, x4,
-                   intervene=jl.when(SITE, verb(jnp.arange(1.0, 5.0), feature_axis=-1)))
+  fixed = jl.trace(
+    model, variables, x4, intervene=jl.when(SITE, verb(jnp.arange(1.0, 5.0), feature_axis=-1))
+  )
   assert fixed.output.shape == (4, 2)
 
 
-@pytest.mark.parametrize("edit", [
-    lambda: jl.add_noise(0.1), lambda: ji.permute_batch(), lambda: ji.scramble_elements(),
-    lambda: ji.resample_rows_from(jnp.ones((5, 4)))])
+@pytest.mark.parametrize(
+  "edit",
+  [
+    lambda: jl.add_noise(0.1),
+    lambda: ji.permute_batch(),
+    lambda: ji.scramble_elements(),
+    lambda: ji.resample_rows_from(jnp.ones((5, 4))),
+  ],
+)
 def test_random_verb_needs_a_seed(spec_model, edit):
   with pytest.raises(jl.InvalidArgumentError, match=r"\[seed_required\].*explicit seed") as info:
     _trace(spec_model, edit())
@@ -120,12 +130,15 @@ def test_edit_on_a_tuple_site_is_refused():
     jl.trace(model, v, x, intervene=jl.when(jl.module("pair"), jl.scale(2.0)))
 
 
-@pytest.mark.parametrize("fn, code", [
+@pytest.mark.parametrize(
+  "fn, code",
+  [
     (lambda x: x[:2], "hook_shape_mismatch"),
     (lambda x: x.sum(), "hook_shape_mismatch"),
     (lambda x: "nope", "hook_shape_mismatch"),
     (lambda x: x.astype(jnp.float32), "hook_dtype_mismatch"),
-])
+  ],
+)
 def test_hook_returning_the_wrong_shape(spec_model, fn, code):
   with pytest.raises(jl.ShapeError, match=rf"\[{code}\]") as info:
     _trace(spec_model, fn)
@@ -146,9 +159,11 @@ def test_site_has_no_graph():
   x = jnp.ones((3, 4))
   v = init(model, x)
   spec = jl.when(jl.module("frozen"), keep_grad(jl.scale(2.0)))
-  for f in (lambda v: jl.trace(model, v, x, intervene=spec).output,
-            jax.jit(lambda v: spec.bind(model)(v, x)),
-            lambda v: jax.grad(lambda w: spec.bind(model)(w, x).sum())(v)):
+  for f in (
+    lambda v: jl.trace(model, v, x, intervene=spec).output,
+    jax.jit(lambda v: spec.bind(model)(v, x)),
+    lambda v: jax.grad(lambda w: spec.bind(model)(w, x).sum())(v),
+  ):
     with pytest.raises(jl.GradientContractError, match=r"\[site_has_no_graph\]") as info:
       f(v)
     assert info.value.fields["site"] == "frozen"
@@ -175,7 +190,9 @@ def test_grad_disabled(spec_model):
   assert np.any(g["params"]["layers_0"]["kernel"] != 0)
 
 
-@pytest.mark.parametrize("call, code, match", [
+@pytest.mark.parametrize(
+  "call, code, match",
+  [
     (lambda m, v, x: jl.when(SITE, object()), "invalid_edit", "expected an edit"),
     (lambda m, v, x: jl.when(3, jl.scale(2.0)), "invalid_site", "selector"),
     (lambda m, v, x: jl.module(3), "invalid_site", "module path string"),
@@ -187,14 +204,28 @@ def test_grad_disabled(spec_model):
     (lambda m, v, x: ji.compose(), "invalid_argument", "at least one"),
     (lambda m, v, x: jl.InterventionOptions(engine="fast"), "invalid_argument", "engine"),
     (lambda m, v, x: jl.population(), "invalid_source", "at least one"),
-    (lambda m, v, x: jl.trace(m, v, x, intervene=jl.when(SITE, jl.mean_ablate(source="a"))),
-     "invalid_source", "source must be"),
-    (lambda m, v, x: jl.trace(m, v, x, intervene=jl.when(SITE, jl.swap_with("layers_1"))),
-     "swap_source_unavailable", "already ran"),
-    (lambda m, v, x: jl.trace(m, v, x, intervene=jl.when(
-        SITE, jl.patch_from(jl.trace(m, v, x, save=jl.module("layers_1"))))),
-     "donor_site_missing", "saved no value"),
-])
+    (
+      lambda m, v, x: jl.trace(m, v, x, intervene=jl.when(SITE, jl.mean_ablate(source="a"))),
+      "invalid_source",
+      "source must be",
+    ),
+    (
+      lambda m, v, x: jl.trace(m, v, x, intervene=jl.when(SITE, jl.swap_with("layers_1"))),
+      "swap_source_unavailable",
+      "already ran",
+    ),
+    (
+      lambda m, v, x: jl.trace(
+        m,
+        v,
+        x,
+        intervene=jl.when(SITE, jl.patch_from(jl.trace(m, v, x, save=jl.module("layers_1")))),
+      ),
+      "donor_site_missing",
+      "saved no value",
+    ),
+  ],
+)
 def test_bad_arguments(spec_model, call, code, match):
   model, variables, x, _, _ = spec_model
   with pytest.raises(jl.InvalidArgumentError, match=match) as info:
@@ -202,19 +233,25 @@ def test_bad_arguments(spec_model, call, code, match):
   assert info.value.code == code
 
 
-@pytest.mark.parametrize("wrap", [
+@pytest.mark.parametrize(
+  "wrap",
+  [
     lambda e: ji.at_positions(jnp.array([0]), e, axis=0),
     lambda e: ji.compose(jl.scale(1.0), e),
     lambda e: ji.gate(True, e),
-], ids=["at_positions", "compose", "gate"])
+  ],
+  ids=["at_positions", "compose", "gate"],
+)
 def test_site_has_no_graph_for_keep_grad_nested_in_another_edit(wrap):
   """Regression: keep_grad inside at_positions skipped the site_has_no_graph probe."""
   model = WithDetached()
   x = jnp.ones((3, 4))
   v = init(model, x)
   spec = jl.when(jl.module("frozen"), wrap(keep_grad(jl.scale(2.0))))
-  for f in (lambda v: jl.trace(model, v, x, intervene=spec).output,
-            lambda v: spec.bind(model)(v, x)):
+  for f in (
+    lambda v: jl.trace(model, v, x, intervene=spec).output,
+    lambda v: spec.bind(model)(v, x),
+  ):
     with pytest.raises(jl.GradientContractError, match=r"\[site_has_no_graph\]"):
       f(v)
 
@@ -224,14 +261,18 @@ def test_reprs_show_every_argument():
   assert repr(jl.scale(0.5)) == "jl.scale(0.5)"
   assert repr(keep_grad(jl.clamp(min=-1.0))) == "jl.keep_grad(jl.clamp(min=-1.0))"
   assert repr(jl.steer(np.array([1.0, 2.0]), 3.0, feature_axis=-1)) == (
-      "jl.steer(jnp.array([1.0, 2.0], dtype=jnp.float64), magnitude=3.0, feature_axis=-1)")
+    "jl.steer(jnp.array([1.0, 2.0], dtype=jnp.float64), magnitude=3.0, feature_axis=-1)"
+  )
   assert repr(ji.compose(jl.scale(2.0), jl.zero_ablate())) == (
-      "jl.compose(jl.scale(2.0), jl.zero_ablate())")
+    "jl.compose(jl.scale(2.0), jl.zero_ablate())"
+  )
   assert repr(jl.mean_ablate(dim=0)) == "jl.mean_ablate(dim=0)"
   assert repr(ji.permute_batch(seed=3)) == "jl.permute_batch(seed=3)"
   spec = jl.when(jl.units("layers_0", [1, 3]), jl.add_noise(0.1, seed=0))
-  assert repr(spec) == ("jl.when(jl.units(jl.label('layers_0'), jnp.array([1, 3], "
-                        "dtype=jnp.int64)), jl.add_noise(0.1, seed=0))")
+  assert repr(spec) == (
+    "jl.when(jl.units(jl.label('layers_0'), jnp.array([1, 3], "
+    "dtype=jnp.int64)), jl.add_noise(0.1, seed=0))"
+  )
   # A repr of plain values is code that builds the same edit.
   edit = jl.clamp(min=-1.0, max=2.0)
   assert repr(eval(repr(edit), {"jl": jl, "jnp": jnp})) == repr(edit)

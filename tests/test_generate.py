@@ -35,10 +35,12 @@ def _numpy_init(model, seed=0):
 
 
 FAMILIES = {
-    "llama": lambda: Llama(LlamaConfig(vocab_size=VOCAB, d_model=D, n_layers=2, n_heads=4,
-                                       n_kv_heads=2, d_mlp=48, rope_base=500.0)),
-    "gpt2": lambda: GPT2(GPT2Config(vocab_size=VOCAB, d_model=D, n_layers=2, n_heads=4,
-                                    max_len=16)),
+  "llama": lambda: Llama(
+    LlamaConfig(
+      vocab_size=VOCAB, d_model=D, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=48, rope_base=500.0
+    )
+  ),
+  "gpt2": lambda: GPT2(GPT2Config(vocab_size=VOCAB, d_model=D, n_layers=2, n_heads=4, max_len=16)),
 }
 TOKENS, MASK = left_pad(ROWS)
 S = TOKENS.shape[1]
@@ -67,15 +69,19 @@ def _uncached(model, variables, n, spec=None, save=None):
   store = {}
   full = jl.Spec(()) if spec is None else spec
   if save is not None:
-    full = full + jl.when(jl.module(save), jl.intervention.hook(
-        lambda x, hook: store.__setitem__("v", x) or x))
+    full = full + jl.when(
+      jl.module(save), jl.intervention.hook(lambda x, hook: store.__setitem__("v", x) or x)
+    )
 
   @jax.jit
   def forward(spec_, seq):
     mask = jnp.concatenate([MASK, jnp.ones((len(ROWS), n), MASK.dtype)], 1)
     positions = jnp.maximum(jnp.cumsum(mask, 1) - 1, 0)
-    out = spec_.bind(model)(variables, seq, mask, positions) if spec_.rules else \
-        model.apply(variables, seq, mask, positions)
+    out = (
+      spec_.bind(model)(variables, seq, mask, positions)
+      if spec_.rules
+      else model.apply(variables, seq, mask, positions)
+    )
     return out, store.get("v")
 
   seq = jnp.concatenate([TOKENS, jnp.zeros((len(ROWS), n), jnp.int32)], 1)
@@ -97,7 +103,7 @@ def test_greedy_equals_the_uncached_forward_for_every_decoder(family):
   # the most padded row generates what it generates alone
   alone = generate(model, variables, jnp.asarray([ROWS[1]]), N)
   np.testing.assert_array_equal(out.tokens[1], alone.tokens[0])
-  assert len(set(np.asarray(out.tokens).ravel().tolist())) >= 3   # not a degenerate model
+  assert len(set(np.asarray(out.tokens).ravel().tolist())) >= 3  # not a degenerate model
   np.testing.assert_array_equal(out.lengths, [N] * len(ROWS))
   assert out.sequences.shape == (len(ROWS), S + N)
 
@@ -112,7 +118,7 @@ def test_steering_on_every_token_equals_the_uncached_steered_forward(llama):
   np.testing.assert_array_equal(out.tokens, ref_tokens, err_msg=name)
   np.testing.assert_allclose(out.logits, ref_logits, atol=1e-4, rtol=1e-4)
   plain = generate(model, variables, TOKENS, N, attention_mask=MASK)
-  assert (out.tokens != plain.tokens).any()     # the steering changed the generation
+  assert (out.tokens != plain.tokens).any()  # the steering changed the generation
 
 
 def test_prefill_decode_chosen_steps_and_saved_sites(llama):
@@ -122,25 +128,33 @@ def test_prefill_decode_chosen_steps_and_saved_sites(llama):
   model, variables = llama
   a, b, c = _direction(2), _direction(3), _direction(4)
   out = generate(
-      model, variables, TOKENS, N, attention_mask=MASK,
-      prefill=jl.when(jl.module(SITE), jl.at_positions(jnp.asarray([3]), jl.steer(a, 4.0))),
-      decode=jl.when(jl.module(SITE), jl.steer(b, 2.0)),
-      intervene=jl.when(jl.module("blocks_0/mlp_out"), at_steps([2, 4], jl.steer(c, 5.0))),
-      save=[jl.module(SITE), jl.module("blocks_0/attn/pattern")])
+    model,
+    variables,
+    TOKENS,
+    N,
+    attention_mask=MASK,
+    prefill=jl.when(jl.module(SITE), jl.at_positions(jnp.asarray([3]), jl.steer(a, 4.0))),
+    decode=jl.when(jl.module(SITE), jl.steer(b, 2.0)),
+    intervene=jl.when(jl.module("blocks_0/mlp_out"), at_steps([2, 4], jl.steer(c, 5.0))),
+    save=[jl.module(SITE), jl.module("blocks_0/attn/pattern")],
+  )
   ref_spec = (
-      jl.when(jl.module("blocks_0/mlp_out"),
-              jl.at_positions(jnp.asarray([S + 1, S + 3]), jl.steer(c, 5.0)))
-      + jl.when(jl.module(SITE), jl.at_positions(jnp.asarray([3]), jl.steer(a, 4.0)))
-      + jl.when(jl.module(SITE), jl.at_positions(jnp.arange(S, S + N - 1), jl.steer(b, 2.0))))
+    jl.when(
+      jl.module("blocks_0/mlp_out"), jl.at_positions(jnp.asarray([S + 1, S + 3]), jl.steer(c, 5.0))
+    )
+    + jl.when(jl.module(SITE), jl.at_positions(jnp.asarray([3]), jl.steer(a, 4.0)))
+    + jl.when(jl.module(SITE), jl.at_positions(jnp.arange(S, S + N - 1), jl.steer(b, 2.0)))
+  )
   ref_tokens, ref_logits, values = _uncached(model, variables, N, ref_spec, save=SITE)
   np.testing.assert_array_equal(out.tokens, ref_tokens)
   np.testing.assert_allclose(out.logits, ref_logits, atol=1e-4, rtol=1e-4)
   assert out.prefill[SITE].shape == (len(ROWS), S, D)
   assert out.steps[SITE].shape == (N - 1, len(ROWS), 1, D)
   assert out.steps["blocks_0/attn/pattern"].shape == (N - 1, len(ROWS), 4, 1, S + N)
-  real = np.asarray(MASK, bool)   # padded positions attend to nothing real: not compared
-  np.testing.assert_allclose(np.asarray(out.prefill[SITE])[real], np.asarray(values[0])[:, :S][real],
-                             atol=1e-4)
+  real = np.asarray(MASK, bool)  # padded positions attend to nothing real: not compared
+  np.testing.assert_allclose(
+    np.asarray(out.prefill[SITE])[real], np.asarray(values[0])[:, :S][real], atol=1e-4
+  )
   for t in range(1, N):
     np.testing.assert_allclose(out.steps[SITE][t - 1, :, 0], values[t][:, S + t - 1], atol=1e-4)
   # Each edit changed something: without c the logits of call 2 differ.
@@ -151,17 +165,25 @@ def test_prefill_decode_chosen_steps_and_saved_sites(llama):
 def test_patch_from_another_prompt_at_prefill(llama):
   model, variables = llama
   other = (TOKENS + 13) % VOCAB
-  donor = jax.jit(lambda v, x: jl.trace(model, v, x, save=jl.module("embed"),
-                                        keep_inputs=False))(variables, other)
+  donor = jax.jit(lambda v, x: jl.trace(model, v, x, save=jl.module("embed"), keep_inputs=False))(
+    variables, other
+  )
   # Patching every prompt embedding fills the cache with the other prompt's keys and values:
   # from there on the generation is the other prompt's.
-  out = generate(model, variables, TOKENS, N, attention_mask=MASK,
-                 prefill=jl.when(jl.module("embed"), jl.patch_from(donor)))
+  out = generate(
+    model,
+    variables,
+    TOKENS,
+    N,
+    attention_mask=MASK,
+    prefill=jl.when(jl.module("embed"), jl.patch_from(donor)),
+  )
   from_other = generate(model, variables, other, N, attention_mask=MASK)
   np.testing.assert_array_equal(out.tokens, from_other.tokens)
   np.testing.assert_allclose(out.logits, from_other.logits, atol=1e-5)
-  assert (from_other.tokens != generate(model, variables, TOKENS, N, attention_mask=MASK).tokens
-          ).any()
+  assert (
+    from_other.tokens != generate(model, variables, TOKENS, N, attention_mask=MASK).tokens
+  ).any()
 
 
 def test_sampling(llama):
@@ -169,8 +191,9 @@ def test_sampling(llama):
   greedy = generate(model, variables, TOKENS, N, attention_mask=MASK)
 
   def sample(seed, k, p):
-    return generate(model, variables, TOKENS, N, attention_mask=MASK, temperature=1.5,
-                    seed=seed, top_k=k, top_p=p)
+    return generate(
+      model, variables, TOKENS, N, attention_mask=MASK, temperature=1.5, seed=seed, top_k=k, top_p=p
+    )
 
   np.testing.assert_array_equal(sample(0, 1, 1.0).tokens, greedy.tokens)
   np.testing.assert_array_equal(sample(0, VOCAB, 1e-6).tokens, greedy.tokens)
@@ -178,7 +201,7 @@ def test_sampling(llama):
   np.testing.assert_array_equal(a.tokens, b.tokens)
   assert (a.tokens != c.tokens).any()
   assert (a.tokens != greedy.tokens).any()
-  k3 = sample(3, 3, 1.0)   # every sampled token is among the 3 most probable
+  k3 = sample(3, 3, 1.0)  # every sampled token is among the 3 most probable
   top3 = np.argsort(-np.asarray(k3.logits), axis=-1)[..., :3]
   assert (top3 == np.asarray(k3.tokens)[..., None]).any(-1).all()
 
@@ -188,8 +211,16 @@ def test_stop_tokens(llama):
   greedy = generate(model, variables, TOKENS, N, attention_mask=MASK)
   stop = int(greedy.tokens[0, 2])
   for early in (True, False):
-    out = generate(model, variables, TOKENS, N, attention_mask=MASK, stop_tokens=(stop,),
-                   pad_token=47, early_stop=early)
+    out = generate(
+      model,
+      variables,
+      TOKENS,
+      N,
+      attention_mask=MASK,
+      stop_tokens=(stop,),
+      pad_token=47,
+      early_stop=early,
+    )
     for i in range(len(ROWS)):
       hits = np.flatnonzero(np.asarray(greedy.tokens[i]) == stop)
       n = hits[0] + 1 if hits.size else N
@@ -202,22 +233,29 @@ def test_a_keeping_prefill_edit_is_differentiable(llama):
   model, variables = llama
   probe = jnp.asarray(np.random.default_rng(4).normal(size=(len(ROWS), N, VOCAB)), jnp.float32)
   direction = _direction(5)
-  out = generate(model, variables, TOKENS, N, attention_mask=MASK,
-                 prefill=jl.when(jl.module(SITE), jl.steer(direction, 1.0)))
+  out = generate(
+    model,
+    variables,
+    TOKENS,
+    N,
+    attention_mask=MASK,
+    prefill=jl.when(jl.module(SITE), jl.steer(direction, 1.0)),
+  )
 
-  def through_generation(v):   # keep_grad: the structural check runs inside the loop
+  def through_generation(v):  # keep_grad: the structural check runs inside the loop
     keep = jl.intervention.keep_grad(jl.steer(v, 1.0))
-    g = generate(model, variables, TOKENS, N, attention_mask=MASK,
-                 prefill=jl.when(jl.module(SITE), keep))
+    g = generate(
+      model, variables, TOKENS, N, attention_mask=MASK, prefill=jl.when(jl.module(SITE), keep)
+    )
     return jnp.sum(g.logits * probe)
 
   mask = jnp.concatenate([MASK, jnp.ones((len(ROWS), N), MASK.dtype)], 1)
   positions = jnp.maximum(jnp.cumsum(mask, 1) - 1, 0)
   seq = jnp.concatenate([TOKENS, out.tokens], 1)
 
-  def uncached(v):   # the same edit on the prompt's columns, then every token's forward
+  def uncached(v):  # the same edit on the prompt's columns, then every token's forward
     spec = jl.when(jl.module(SITE), jl.at_positions(jnp.arange(S), jl.steer(v, 1.0)))
-    logits = spec.bind(model)(variables, seq, mask, positions)[:, S - 1:S + N - 1]
+    logits = spec.bind(model)(variables, seq, mask, positions)[:, S - 1 : S + N - 1]
     return jnp.sum(logits * probe)
 
   g = jax.jit(jax.grad(through_generation))(direction)
@@ -232,8 +270,14 @@ def test_training_a_steering_vector_through_a_generation(llama):
   @jax.jit
   @jax.value_and_grad
   def loss(v):
-    out = generate(model, variables, TOKENS, N, attention_mask=MASK,
-                   intervene=jl.when(jl.module(SITE), jl.steer(v, 6.0)))
+    out = generate(
+      model,
+      variables,
+      TOKENS,
+      N,
+      attention_mask=MASK,
+      intervene=jl.when(jl.module(SITE), jl.steer(v, 6.0)),
+    )
     return -jnp.mean(jax.nn.log_softmax(out.logits)[..., target])
 
   opt = optax.adam(0.1)
@@ -245,8 +289,14 @@ def test_training_a_steering_vector_through_a_generation(llama):
     updates, state = opt.update(g, state)
     v = optax.apply_updates(v, updates)
   assert float(loss(v)[0]) < 0.5 * first
-  out = generate(model, variables, TOKENS, N, attention_mask=MASK,
-                 intervene=jl.when(jl.module(SITE), jl.steer(v, 6.0)))
+  out = generate(
+    model,
+    variables,
+    TOKENS,
+    N,
+    attention_mask=MASK,
+    intervene=jl.when(jl.module(SITE), jl.steer(v, 6.0)),
+  )
   assert (np.asarray(out.tokens) == target).all()
 
 
@@ -266,6 +316,7 @@ def test_bad_input_gets_typed_errors(llama):
     at_steps(1, jl.scale(2.0))(jnp.ones(3), jl.intervention.FireContext("x"))
   assert e.value.code == "outside_generation"
   import flax.linen as nn
+
   with pytest.raises(jl.InvalidArgumentError) as e:
     generate(nn.Dense(3), {}, row, 2)
   assert e.value.code == "no_kv_cache"

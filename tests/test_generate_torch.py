@@ -22,15 +22,23 @@ def _build(family):
   torch.manual_seed(0)
   if family == "llama":
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        tie_word_embeddings=False, attn_implementation="eager")
+      vocab_size=64,
+      hidden_size=32,
+      intermediate_size=48,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      max_position_embeddings=32,
+      rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+      tie_word_embeddings=False,
+      attn_implementation="eager",
+    )
     hf = transformers.LlamaForCausalLM(cfg)
     layer = hf.model.layers[1]
   else:
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                                  attn_implementation="eager")
+    cfg = transformers.GPT2Config(
+      vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, attn_implementation="eager"
+    )
     hf = transformers.GPT2LMHeadModel(cfg)
     layer = hf.transformer.h[1]
   for p in hf.parameters():
@@ -43,19 +51,27 @@ def _build(family):
 def _hf_generate(hf, layer, direction):
   handle = None
   if direction is not None:
-    def steer(module, args, output):   # a plain forward hook on the decoder layer
+
+    def steer(module, args, output):  # a plain forward hook on the decoder layer
       if isinstance(output, tuple):
         return (output[0] + MAGNITUDE * direction,) + tuple(output[1:])
       return output + MAGNITUDE * direction
+
     handle = layer.register_forward_hook(steer)
   try:
     with torch.no_grad():
-      out = hf.generate(torch.tensor(PROMPT), max_new_tokens=N, do_sample=False,
-                        output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+      out = hf.generate(
+        torch.tensor(PROMPT),
+        max_new_tokens=N,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+      )
   finally:
     if handle is not None:
       handle.remove()
-  tokens = out.sequences[:, PROMPT.shape[1]:].numpy()
+  tokens = out.sequences[:, PROMPT.shape[1] :].numpy()
   return tokens, np.stack([s.numpy() for s in out.logits], axis=1)
 
 
@@ -70,4 +86,4 @@ def test_steered_greedy_generation_matches_transformers(family):
   err = np.abs(np.asarray(ours.logits) - ref_logits).max() / np.abs(ref_logits).max()
   assert err <= 1e-4, err
   plain_tokens, _ = _hf_generate(hf, layer, None)
-  assert (plain_tokens != ref_tokens).any()      # the steering changed the generation
+  assert (plain_tokens != ref_tokens).any()  # the steering changed the generation

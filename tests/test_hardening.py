@@ -23,19 +23,22 @@ def _run(setup, site, edit):
 
 def test_traced_out_of_range_position_edits_no_other_place(setup):
   model, variables, x = setup
-  f = jax.jit(lambda p: jl.when(SITE, jl.at_positions(p, jl.zero_ablate(), axis=1)).bind(model)(
-      variables, x))
+  f = jax.jit(
+    lambda p: jl.when(SITE, jl.at_positions(p, jl.zero_ablate(), axis=1)).bind(model)(variables, x)
+  )
   assert np.all(np.isnan(f(jnp.array([7]))))  # 7 % 4 == 3 would have edited position 3
-  np.testing.assert_array_equal(f(jnp.array([3])), _run(
-      setup, SITE, jl.at_positions(np.array([3]), jl.zero_ablate(), axis=1)))
+  np.testing.assert_array_equal(
+    f(jnp.array([3])), _run(setup, SITE, jl.at_positions(np.array([3]), jl.zero_ablate(), axis=1))
+  )
 
 
 def test_traced_out_of_range_unit_index_is_visible(setup):
   model, variables, x = setup
   f = jax.jit(lambda i: jl.when(jl.units(SITE, i), jl.zero_ablate()).bind(model)(variables, x))
   assert np.all(np.isnan(f(jnp.array([9]))))
-  np.testing.assert_array_equal(f(jnp.array([1])), _run(
-      setup, jl.units(SITE, np.array([1])), jl.zero_ablate()))
+  np.testing.assert_array_equal(
+    f(jnp.array([1])), _run(setup, jl.units(SITE, np.array([1])), jl.zero_ablate())
+  )
 
 
 def test_traced_rank_deficient_basis_is_visible(setup):
@@ -57,8 +60,13 @@ def test_nan_outside_the_subspace_does_not_spread(setup):
   model, variables, x = setup
   basis = jnp.asarray([[1.0], [0.0], [0.0], [0.0]])
   donor = jnp.full((3, 4), jnp.nan).at[:, 0].set(2.0)
-  out = jl.trace(model, variables, x, intervene=jl.when(jl.subspace(SITE, basis),
-                                                         jl.patch_from(donor)), save=SITE)
+  out = jl.trace(
+    model,
+    variables,
+    x,
+    intervene=jl.when(jl.subspace(SITE, basis), jl.patch_from(donor)),
+    save=SITE,
+  )
   site = out["layers_0"].out
   assert not np.any(np.isnan(site))
   np.testing.assert_array_equal(site[:, 0], np.full(3, 2.0))
@@ -72,15 +80,19 @@ def test_subspace_edit_on_a_half_precision_site(dtype):
   basis = jnp.eye(4)[:, :2]
   out = jl.subspace_zero(basis)(x)
   assert out.dtype == dtype
-  np.testing.assert_array_equal(np.asarray(out[:, 2:], np.float32),
-                                np.asarray(x[:, 2:], np.float32))
+  np.testing.assert_array_equal(
+    np.asarray(out[:, 2:], np.float32), np.asarray(x[:, 2:], np.float32)
+  )
   np.testing.assert_array_equal(np.asarray(out[:, :2], np.float32), np.zeros((3, 2)))
 
 
 def test_replay_frontier_of_the_wrong_shape_is_refused(setup):
   model, variables, x = setup
-  r = jl.trace(model, variables, x).fork().do(
-      SITE, jl.scale(2.0), intervention=jl.InterventionOptions(differentiable=True))
+  r = (
+    jl.trace(model, variables, x)
+    .fork()
+    .do(SITE, jl.scale(2.0), intervention=jl.InterventionOptions(differentiable=True))
+  )
   bad = {k: jnp.zeros((1,) + v.shape) for k, v in r.frontier.items()}
   with pytest.raises(jl.ShapeError, match=r"\[shape_mismatch\]"):
     r.replay(bad)
@@ -88,14 +100,18 @@ def test_replay_frontier_of_the_wrong_shape_is_refused(setup):
     r.replay({"nope": jnp.zeros(3)})
 
 
-@pytest.mark.parametrize("make, code", [
+@pytest.mark.parametrize(
+  "make, code",
+  [
     (lambda: jl.scale(jnp.ones(7)), "shape_mismatch"),
     (lambda: jl.steer(jnp.ones(4), jnp.ones(3)), "shape_mismatch"),
     (lambda: jl.mean_ablate(dim=5), "invalid_argument"),
     (lambda: jl.permute_batch(seed=0, axis=5), "invalid_argument"),
     (lambda: jl.add_noise(0.1, seed=-1), "invalid_seed"),
     (lambda: jl.steer(jnp.ones(4) * 1j), "dtype_mismatch"),
-], ids=["scale", "steer", "mean_ablate", "permute_batch", "seed", "complex"])
+  ],
+  ids=["scale", "steer", "mean_ablate", "permute_batch", "seed", "complex"],
+)
 def test_bad_arguments_are_typed_errors(setup, make, code):
   with pytest.raises(jl.InvalidArgumentError) as info:
     _run(setup, SITE, make())

@@ -13,29 +13,35 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "jaxlens" / "_src"
 
 FLOORS = {
-    # 0: typed errors; structural dependence on jaxprs.
-    "errors": 0, "dependence": 0,
-    # 1: site infos and selectors; how a door calls a linen or NNX model; named values
-    # (identity modules whose call is a site).
-    "sites": 1, "model_calls": 1, "named": 1,
-    # 2: the edit type, firing, the keep_grad check, donors, the verb registry.
-    "edit": 2,
-    # 3: forward verbs (and gate, keep_grad, compose, hook); backward verbs.
-    "verbs": 3, "backward": 3,
-    # 4: selections: units, subspace and the subspace_* edits.
-    "selections": 4,
-    # 5: the one rule-firing loop and no_grad; rules <-> saved spec files.
-    "runtime": 5, "saving": 5,
-    # 6: the live interceptor door; the model call as a program.
-    "interceptor": 6, "program": 6,
-    # 7: evaluating a program (edits, saves, replay cones, scan bodies).
-    "interpret": 7,
-    # 8: Spec, when, bind, load/save/check.
-    "doors": 8,
-    # 9: Trace and the trace doors.
-    "tracing": 9,
-    # 10: patching sweeps.
-    "sweep": 10,
+  # 0: typed errors; structural dependence on jaxprs.
+  "errors": 0,
+  "dependence": 0,
+  # 1: site infos and selectors; how a door calls a linen or NNX model; named values
+  # (identity modules whose call is a site).
+  "sites": 1,
+  "model_calls": 1,
+  "named": 1,
+  # 2: the edit type, firing, the keep_grad check, donors, the verb registry.
+  "edit": 2,
+  # 3: forward verbs (and gate, keep_grad, compose, hook); backward verbs.
+  "verbs": 3,
+  "backward": 3,
+  # 4: selections: units, subspace and the subspace_* edits.
+  "selections": 4,
+  # 5: the one rule-firing loop and no_grad; rules <-> saved spec files.
+  "runtime": 5,
+  "saving": 5,
+  # 6: the live interceptor door; the model call as a program.
+  "interceptor": 6,
+  "program": 6,
+  # 7: evaluating a program (edits, saves, replay cones, scan bodies).
+  "interpret": 7,
+  # 8: Spec, when, bind, load/save/check.
+  "doors": 8,
+  # 9: Trace and the trace doors.
+  "tracing": 9,
+  # 10: patching sweeps.
+  "sweep": 10,
 }
 
 
@@ -74,7 +80,8 @@ def test_imports_go_down(name):
     assert top, f"{where}: imports {target} inside a function (move it to module level)"
     assert target != "jaxlens", f"{where}: _src imports the public package"
     assert FLOORS[target] < FLOORS[name], (
-        f"{where}: {name} (floor {FLOORS[name]}) imports {target} (floor {FLOORS[target]})")
+      f"{where}: {name} (floor {FLOORS[name]}) imports {target} (floor {FLOORS[target]})"
+    )
 
 
 @pytest.mark.parametrize("name", _modules())
@@ -84,7 +91,8 @@ def test_no_function_level_imports(name):
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
       for inner in ast.walk(node):
         assert not isinstance(inner, (ast.Import, ast.ImportFrom)), (
-            f"jaxlens/_src/{name}.py:{inner.lineno}: an import inside {node.name}()")
+          f"jaxlens/_src/{name}.py:{inner.lineno}: an import inside {node.name}()"
+        )
 
 
 def test_the_checker_sees_an_upward_import():

@@ -28,29 +28,31 @@ def _perm(seed, n):
 # The same edits written by hand in plain JAX, independent of jaxlens. `d` is the
 # donor's value at the site (it carries a graph: hand cutting edits detach it).
 HAND = {
-    "scale": lambda x, d, pop: x * 0.5,
-    "clamp": lambda x, d, pop: jnp.clip(x, -0.3, 0.4),
-    "add_noise": lambda x, d, pop: x + 0.1 * jax.random.normal(jax.random.key(0), x.shape, x.dtype),
-    "steer": lambda x, d, pop: x + 2.0 * DIRECTION[None, :],
-    "add": lambda x, d, pop: x + DELTA,
-    "project_onto": lambda x, d, pop: (x @ _unit())[:, None] * _unit()[None, :],
-    "project_out": lambda x, d, pop: x - (x @ _unit())[:, None] * _unit()[None, :],
-    "mean_ablate(dim=)": lambda x, d, pop: jnp.broadcast_to(x.mean(0, keepdims=True), x.shape),
-    "scramble_elements(seed=)": lambda x, d, pop: x.reshape(-1)[_perm(0, 12)].reshape(3, 4),
-    "splice_module": lambda x, d, pop: jnp.tanh(x),
-    "permute_batch": lambda x, d, pop: x[_perm(1, 3)],
-    "set_direction_mean": lambda x, d, pop: (
-        x - (x @ _unit())[:, None] * _unit() + jnp.mean(_sg(pop) @ _unit()) * _unit()),
-    "compose": lambda x, d, pop: x * 0.0 + DELTA,
-    "hook callable": lambda x, d, pop: x * x,
-    "zero_ablate": lambda x, d, pop: jnp.zeros_like(x),
-    "replace_with": lambda x, d, pop: _sg(d),
-    "swap_with": lambda x, d, pop: _sg(d),
-    "patch_from": lambda x, d, pop: _sg(d),
-    "resample_rows_from": lambda x, d, pop: _sg(pop)[
-        jax.random.randint(jax.random.key(0), (3,), 0, 6)],
-    "mean_ablate(source=)": lambda x, d, pop: jnp.broadcast_to(_sg(pop).mean(0), x.shape),
-    "scramble_elements(source=)": lambda x, d, pop: _sg(d).reshape(-1)[_perm(0, 12)].reshape(3, 4),
+  "scale": lambda x, d, pop: x * 0.5,
+  "clamp": lambda x, d, pop: jnp.clip(x, -0.3, 0.4),
+  "add_noise": lambda x, d, pop: x + 0.1 * jax.random.normal(jax.random.key(0), x.shape, x.dtype),
+  "steer": lambda x, d, pop: x + 2.0 * DIRECTION[None, :],
+  "add": lambda x, d, pop: x + DELTA,
+  "project_onto": lambda x, d, pop: (x @ _unit())[:, None] * _unit()[None, :],
+  "project_out": lambda x, d, pop: x - (x @ _unit())[:, None] * _unit()[None, :],
+  "mean_ablate(dim=)": lambda x, d, pop: jnp.broadcast_to(x.mean(0, keepdims=True), x.shape),
+  "scramble_elements(seed=)": lambda x, d, pop: x.reshape(-1)[_perm(0, 12)].reshape(3, 4),
+  "splice_module": lambda x, d, pop: jnp.tanh(x),
+  "permute_batch": lambda x, d, pop: x[_perm(1, 3)],
+  "set_direction_mean": lambda x, d, pop: (
+    x - (x @ _unit())[:, None] * _unit() + jnp.mean(_sg(pop) @ _unit()) * _unit()
+  ),
+  "compose": lambda x, d, pop: x * 0.0 + DELTA,
+  "hook callable": lambda x, d, pop: x * x,
+  "zero_ablate": lambda x, d, pop: jnp.zeros_like(x),
+  "replace_with": lambda x, d, pop: _sg(d),
+  "swap_with": lambda x, d, pop: _sg(d),
+  "patch_from": lambda x, d, pop: _sg(d),
+  "resample_rows_from": lambda x, d, pop: _sg(pop)[
+    jax.random.randint(jax.random.key(0), (3,), 0, 6)
+  ],
+  "mean_ablate(source=)": lambda x, d, pop: jnp.broadcast_to(_sg(pop).mean(0), x.shape),
+  "scramble_elements(source=)": lambda x, d, pop: _sg(d).reshape(-1)[_perm(0, 12)].reshape(3, 4),
 }
 
 
@@ -59,8 +61,14 @@ _Q, _R = np.linalg.qr(_RAW)
 BASIS = jnp.asarray(_Q * np.sign(np.diag(_R)))  # orthonormal, 4 x 2
 W = jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]])
 B_AFF = jnp.asarray([0.1, -0.2])
-SOURCE_ROWS = {"replace_with", "swap_with", "patch_from", "resample_rows_from",
-               "mean_ablate(source=)", "scramble_elements(source=)"}
+SOURCE_ROWS = {
+  "replace_with",
+  "swap_with",
+  "patch_from",
+  "resample_rows_from",
+  "mean_ablate(source=)",
+  "scramble_elements(source=)",
+}
 
 
 def _hand_subspace_patch(x, d, pop):
@@ -132,8 +140,9 @@ def test_cell(spec_model, matrix_weights, door, row):
     return
   kind, _, base = door.rpartition(":")
   hand_out = _hand_output(model, variables, x, x_donor, row.name, kind)
-  hand_grad = jax.grad(
-      lambda v: _hand_output(model, v, x, x_donor, row.name, kind).sum())(variables)
+  hand_grad = jax.grad(lambda v: _hand_output(model, v, x, x_donor, row.name, kind).sum())(
+    variables
+  )
   hand_kernel = hand_grad["params"][SITE]["kernel"]
   for keep, cell in zip((False, True), cells):
     if cell.outcome.startswith("raises:"):
@@ -161,9 +170,12 @@ def test_edits_change_the_output(spec_model, matrix_weights):
 
 
 def test_matrix_formats_with_full_agreement(matrix_weights):
-  table = {(d, r.name): tuple(matrix.measured(d, r.name, k, matrix_weights) for k in (False, True))
-           for d in ("live_bind", "replay") for r in matrix.ROWS
-           if r.name in ("scale", "zero_ablate", "set_affine_coordinates")}
+  table = {
+    (d, r.name): tuple(matrix.measured(d, r.name, k, matrix_weights) for k in (False, True))
+    for d in ("live_bind", "replay")
+    for r in matrix.ROWS
+    if r.name in ("scale", "zero_ablate", "set_affine_coordinates")
+  }
   text = matrix.format_matrix(table)
   assert f"{len(table)} of {len(table)} rows agree" in text
   assert "raises:edit_detached_from_graph" in text

@@ -36,8 +36,9 @@ def test_small_gpt_shapes_abstractly():
   tokens = jax.ShapeDtypeStruct((8, 64), jnp.int32)
   variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
   params = variables["params"]
-  assert sorted(params) == sorted(["embed", "pos_embed", "ln_f", "head"]
-                                  + [f"block_{i}" for i in range(4)])
+  assert sorted(params) == sorted(
+    ["embed", "pos_embed", "ln_f", "head"] + [f"block_{i}" for i in range(4)]
+  )
   assert params["block_0"]["mlp"]["fc"]["kernel"].shape == (256, 1024)
   assert params["block_3"]["attn"]["query"]["kernel"].shape == (256, 256)
   assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(params))
@@ -77,10 +78,23 @@ def test_named_sites_exist(tiny):
   model, variables, tokens = tiny
   t = jax.eval_shape(lambda v, x: jl.trace(model, v, x, save=None), variables, tokens)
   labels = set(t.labels)
-  for label in ("embed", "pos_embed", "block_0", "block_0/ln_1", "block_0/attn",
-                "block_0/attn/query", "block_0/attn/key", "block_0/attn/value",
-                "block_0/attn/out", "block_0/ln_2", "block_1/mlp", "block_1/mlp/fc",
-                "block_1/mlp/proj", "ln_f", "head"):
+  for label in (
+    "embed",
+    "pos_embed",
+    "block_0",
+    "block_0/ln_1",
+    "block_0/attn",
+    "block_0/attn/query",
+    "block_0/attn/key",
+    "block_0/attn/value",
+    "block_0/attn/out",
+    "block_0/ln_2",
+    "block_1/mlp",
+    "block_1/mlp/fc",
+    "block_1/mlp/proj",
+    "ln_f",
+    "head",
+  ):
     assert label in labels, label
   assert t["block_1/mlp"].out.shape == (2, 8, 32)
   assert t["block_0/attn/query"].out.shape == (2, 8, 32)
@@ -97,11 +111,37 @@ def _load_bench():
 def test_bench_live_edit_main_tiny(tmp_path):
   bench = _load_bench()
   out = tmp_path / "live_edit.json"
-  result = bench.main(["--layers", "2", "--d-model", "32", "--seq", "8", "--batch", "2",
-                       "--repeats", "2", "--warmup", "1", "--compile-repeats", "0",
-                       "--no-warmup-compile", "--out", str(out)])
-  for key in ("config", "env", "runtime_s", "runtime_ratio", "compile_s",
-              "compile_ratio_first_call", "check", "programs"):
+  result = bench.main(
+    [
+      "--layers",
+      "2",
+      "--d-model",
+      "32",
+      "--seq",
+      "8",
+      "--batch",
+      "2",
+      "--repeats",
+      "2",
+      "--warmup",
+      "1",
+      "--compile-repeats",
+      "0",
+      "--no-warmup-compile",
+      "--out",
+      str(out),
+    ]
+  )
+  for key in (
+    "config",
+    "env",
+    "runtime_s",
+    "runtime_ratio",
+    "compile_s",
+    "compile_ratio_first_call",
+    "check",
+    "programs",
+  ):
     assert key in result, key
   assert result["config"]["site"] == "block_0"
   assert len(result["runtime_s"]["jaxlens_all"]) == len(result["runtime_s"]["hand_all"]) == 2

@@ -20,8 +20,10 @@ SITE = jl.module("layers/0")
 def _nnx_spec_model(spec_model):
   """The matrix model as nnx.Sequential, with the linen variables' weights."""
   _, variables, x, x_donor, _ = spec_model
-  m = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0), param_dtype=jnp.float64),
-                     nnx.Linear(4, 2, rngs=nnx.Rngs(0), param_dtype=jnp.float64))
+  m = nnx.Sequential(
+    nnx.Linear(4, 4, rngs=nnx.Rngs(0), param_dtype=jnp.float64),
+    nnx.Linear(4, 2, rngs=nnx.Rngs(0), param_dtype=jnp.float64),
+  )
   for i in range(2):
     p = variables["params"][f"layers_{i}"]
     m.layers[i].kernel.value = p["kernel"]
@@ -32,26 +34,32 @@ def _nnx_spec_model(spec_model):
 def _case(m, x_donor):
   donor_trace = jl.trace(m, x_donor)
   donor = donor_trace["layers/0"].out
-  return matrix.Case(x=None, donor_trace=donor_trace, donor=donor,
-                     population=jl.population(donor, donor[::-1] * 0.5),
-                     direction=jnp.asarray([1.0, -2.0, 0.5, 3.0]),
-                     delta=jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
-                     basis=matrix.matrix_basis(), units=np.asarray([1, 3]),
-                     W=jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]]),
-                     b=jnp.asarray([0.1, -0.2]))
+  return matrix.Case(
+    x=None,
+    donor_trace=donor_trace,
+    donor=donor,
+    population=jl.population(donor, donor[::-1] * 0.5),
+    direction=jnp.asarray([1.0, -2.0, 0.5, 3.0]),
+    delta=jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
+    basis=matrix.matrix_basis(),
+    units=np.asarray([1, 3]),
+    W=jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]]),
+    b=jnp.asarray([0.1, -0.2]),
+  )
 
 
 NNX_DOORS = {
-    "live_bind": lambda m, x, e: jl.when(SITE, e).bind(m)(x),
-    "live_trace": lambda m, x, e: jl.trace(m, x, intervene=jl.when(SITE, e)).output,
-    "replay": lambda m, x, e: jl.trace(m, x).fork().do(SITE, e).output,
-    "rerun": lambda m, x, e: jl.trace(m, x).fork().do(SITE, e, model=m, inputs=x).output,
+  "live_bind": lambda m, x, e: jl.when(SITE, e).bind(m)(x),
+  "live_trace": lambda m, x, e: jl.trace(m, x, intervene=jl.when(SITE, e)).output,
+  "replay": lambda m, x, e: jl.trace(m, x).fork().do(SITE, e).output,
+  "rerun": lambda m, x, e: jl.trace(m, x).fork().do(SITE, e, model=m, inputs=x).output,
 }
 
 
 @pytest.mark.parametrize("door", list(NNX_DOORS))
-@pytest.mark.parametrize("row", [r for r in matrix.ROWS if r.name not in matrix.SUBSPACE_ONLY],
-                         ids=lambda r: r.name)
+@pytest.mark.parametrize(
+  "row", [r for r in matrix.ROWS if r.name not in matrix.SUBSPACE_ONLY], ids=lambda r: r.name
+)
 def test_nnx_matrix_rows_match_linen(spec_model, matrix_weights, door, row):
   m, x, x_donor = _nnx_spec_model(spec_model)
   graphdef, state = nnx.split(m)
@@ -63,8 +71,9 @@ def test_nnx_matrix_rows_match_linen(spec_model, matrix_weights, door, row):
     edit = row.build(_case(mm, x_donor))
     return NNX_DOORS[door](mm, x, ji.keep_grad(edit) if keep else edit)
 
-  (_, out), grad = jax.value_and_grad(lambda s: (lambda o: (o.sum(), o))(out_fn(s)),
-                                     has_aux=True)(state)
+  (_, out), grad = jax.value_and_grad(lambda s: (lambda o: (o.sum(), o))(out_fn(s)), has_aux=True)(
+    state
+  )
   np.testing.assert_allclose(out, linen.output, atol=1e-12, rtol=0)
   kernel = grad["layers"][0]["kernel"].value
   np.testing.assert_allclose(kernel, linen.kernel_grad, atol=1e-12, rtol=0)
@@ -105,7 +114,13 @@ def test_nnx_sites_and_op_sites():
   net = Net(nnx.Rngs(0))
   t = jl.trace(net, X, save=jl.all_sites())
   assert [lbl for lbl in t.labels if "/" in lbl or lbl in ("inp", "out")] == [
-      "inp", "blocks/0/fc", "blocks/0", "blocks/1/fc", "blocks/1", "out"]
+    "inp",
+    "blocks/0/fc",
+    "blocks/0",
+    "blocks/1/fc",
+    "blocks/1",
+    "out",
+  ]
   assert {i.path for i in t.sites if i.func == "tanh"} == {"blocks/0", "blocks/1"}
   np.testing.assert_allclose(t.output, net(X), atol=0)
   with pytest.raises(jl.SiteError, match="blocks/1"):
@@ -134,8 +149,7 @@ def test_nnx_training_through_a_keeping_edit():
 
   @nnx.jit
   def step(net, optimizer):
-    loss, grads = nnx.value_and_grad(
-        lambda m: jnp.mean((spec.bind(m)(X) - target) ** 2))(net)
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((spec.bind(m)(X) - target) ** 2))(net)
     optimizer.update(net, grads)
     return loss
 

@@ -19,9 +19,13 @@ def _ticks(labels):
 
 def test_patching_heatmap_is_diverging_centred_at_zero_with_labels(tmp_path):
   grid = np.array([[0.5, -1.0, 0.0], [2.0, 0.25, -0.5]])
-  fig = plot.patching_heatmap(grid, row_labels=["embed", "block_0"],
-                              col_labels=["The", "cat", "sat"], title="restored",
-                              path=tmp_path / "h.png")
+  fig = plot.patching_heatmap(
+    grid,
+    row_labels=["embed", "block_0"],
+    col_labels=["The", "cat", "sat"],
+    title="restored",
+    path=tmp_path / "h.png",
+  )
   ax, bar = fig.axes
   image = ax.images[0]
   np.testing.assert_array_equal(image.get_array(), grid)
@@ -42,10 +46,12 @@ def test_patching_heatmap_is_diverging_centred_at_zero_with_labels(tmp_path):
 
 def test_patching_heatmap_draws_into_given_axes_and_refuses_bad_labels():
   from matplotlib.figure import Figure
+
   fig = Figure()
   ax = fig.add_subplot()
-  assert plot.patching_heatmap(np.eye(2), row_labels=["a", "b"], col_labels=["0", "1"],
-                               ax=ax) is fig
+  assert (
+    plot.patching_heatmap(np.eye(2), row_labels=["a", "b"], col_labels=["0", "1"], ax=ax) is fig
+  )
   with pytest.raises(jl.ShapeError, match="label_count_mismatch"):
     plot.patching_heatmap(np.eye(2), row_labels=["a"], col_labels=["0", "1"])
   with pytest.raises(jl.ShapeError, match="must be 2-D"):
@@ -67,8 +73,9 @@ def test_logit_lens_writes_the_top_token_per_layer_and_position():
   logits[0, :, 1] = 5.0  # layer 0: token 1 everywhere
   logits[1, :, 3] = [1.0, 2.0, 9.0]  # layer 1: token 3, growing confidence
   vocab = ["<s>", "cat", "dog", "mat"]
-  fig = plot.logit_lens(logits, vocab=vocab, row_labels=["block_0", "block_1"],
-                        col_labels=["x", "y", "z"], title="lens")
+  fig = plot.logit_lens(
+    logits, vocab=vocab, row_labels=["block_0", "block_1"], col_labels=["x", "y", "z"], title="lens"
+  )
   ax = fig.axes[0]
   assert [t.get_text() for t in ax.texts] == ["cat"] * 3 + ["mat"] * 3
   probs = ax.images[0].get_array()
@@ -96,9 +103,11 @@ def test_missing_matplotlib_is_a_typed_error(monkeypatch):
 
 
 def test_import_jaxlens_and_jaxlens_plot_do_not_import_matplotlib():
-  code = ("import sys, jaxlens, jaxlens.plot, jaxlens.store, "
-          "jaxlens.attribution; "
-          "print(sorted(m for m in ('matplotlib', 'tqdm', 'torch') "
-          "if m in sys.modules))")
+  code = (
+    "import sys, jaxlens, jaxlens.plot, jaxlens.store, "
+    "jaxlens.attribution; "
+    "print(sorted(m for m in ('matplotlib', 'tqdm', 'torch') "
+    "if m in sys.modules))"
+  )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]"

@@ -25,9 +25,15 @@ def mlp():
   return model, init(model, X)
 
 
-EDITS = [jl.scale(0.5), jl.zero_ablate(), jl.steer(jnp.arange(4.0), 2.0),
-         ji.permute_batch(seed=3), jl.add_noise(0.2, seed=1), lambda y: y ** 2,
-         jl.replace_with(jnp.ones((3, 4)))]
+EDITS = [
+  jl.scale(0.5),
+  jl.zero_ablate(),
+  jl.steer(jnp.arange(4.0), 2.0),
+  ji.permute_batch(seed=3),
+  jl.add_noise(0.2, seed=1),
+  lambda y: y**2,
+  jl.replace_with(jnp.ones((3, 4))),
+]
 
 
 @pytest.mark.parametrize("edit", EDITS, ids=lambda e: getattr(e, "name", "hook"))
@@ -35,10 +41,12 @@ def test_replay_rerun_and_set_only_equal_live(mlp, edit):
   model, v = mlp
   live = jl.trace(model, v, X, intervene=jl.when(SITE, edit))
   t = jl.trace(model, v, X)
-  for got in (t.fork().do(SITE, edit),
-              t.fork().do(SITE, edit, model=model.bind(v), inputs=X),
-              t.fork().do(SITE, edit, intervention=SET_ONLY).run(),
-              t.fork().do(SITE, edit, intervention=SET_ONLY).run(model.bind(v), X)):
+  for got in (
+    t.fork().do(SITE, edit),
+    t.fork().do(SITE, edit, model=model.bind(v), inputs=X),
+    t.fork().do(SITE, edit, intervention=SET_ONLY).run(),
+    t.fork().do(SITE, edit, intervention=SET_ONLY).run(model.bind(v), X),
+  ):
     np.testing.assert_allclose(got.output, live.output, atol=1e-12)
     for label in live.labels:
       np.testing.assert_allclose(got[label].out, live[label].out, atol=1e-12)
@@ -50,12 +58,14 @@ def test_replay_does_not_call_the_model(mlp, monkeypatch):
 
   def refuse(*a, **k):
     raise AssertionError("replay called Module.apply")
+
   monkeypatch.setattr(nn.Module, "apply", refuse)
   t.fork().do(SITE, jl.scale(2.0))
 
 
 def test_replay_evaluates_only_the_downstream_cone(mlp):
   from jaxlens._src import interpret as capture
+
   model, v = mlp
   t = jl.trace(model, v, X)
   prog = t._program
@@ -77,11 +87,13 @@ def test_several_edits_and_an_edit_downstream_of_another(mlp):
   live = jl.trace(model, v, X, intervene=a + b)
   t = jl.trace(model, v, X)
   np.testing.assert_allclose(t.do(a + b).output, live.output, atol=1e-12)
-  np.testing.assert_allclose(t.do(SITE, jl.scale(0.5)).do(LATER, jl.add(1.0)).output,
-                             live.output, atol=1e-12)
+  np.testing.assert_allclose(
+    t.do(SITE, jl.scale(0.5)).do(LATER, jl.add(1.0)).output, live.output, atol=1e-12
+  )
   # Downstream first, then upstream: the downstream edit is re-applied in the cone.
-  np.testing.assert_allclose(t.do(LATER, jl.add(1.0)).do(SITE, jl.scale(0.5)).output,
-                             live.output, atol=1e-12)
+  np.testing.assert_allclose(
+    t.do(LATER, jl.add(1.0)).do(SITE, jl.scale(0.5)).output, live.output, atol=1e-12
+  )
   # The same site twice stacks.
   twice = t.do(SITE, jl.scale(0.5)).do(SITE, jl.scale(0.5))
   np.testing.assert_allclose(twice["block_0/mlp"].out, 0.25 * t["block_0/mlp"].out, atol=1e-12)
@@ -123,16 +135,21 @@ def test_rerun_on_new_inputs(mlp):
   model, v = mlp
   t = jl.trace(model, v, X, intervene=jl.when(LATER, jl.scale(3.0)))
   got = t.do(SITE, jl.zero_ablate(), inputs=X2)
-  want = jl.trace(model, v, X2, intervene=jl.when(LATER, jl.scale(3.0)) +
-                  jl.when(SITE, jl.zero_ablate()))
+  want = jl.trace(
+    model, v, X2, intervene=jl.when(LATER, jl.scale(3.0)) + jl.when(SITE, jl.zero_ablate())
+  )
   np.testing.assert_allclose(got.output, want.output, atol=1e-12)
   # An unbound model reruns with the trace's own variables.
-  np.testing.assert_allclose(t.do(SITE, jl.zero_ablate(), model=model, inputs=X2).output,
-                             want.output, atol=1e-12)
+  np.testing.assert_allclose(
+    t.do(SITE, jl.zero_ablate(), model=model, inputs=X2).output, want.output, atol=1e-12
+  )
 
 
-@pytest.mark.parametrize("edit", [jl.scale(2.0), lambda y: y + 1.0, jnp.full((3, 4), 0.5)],
-                         ids=["verb", "callable", "array"])
+@pytest.mark.parametrize(
+  "edit",
+  [jl.scale(2.0), lambda y: y + 1.0, jnp.full((3, 4), 0.5)],
+  ids=["verb", "callable", "array"],
+)
 def test_set_only_stages_then_run_executes(mlp, edit):
   model, v = mlp
   t = jl.trace(model, v, X)
@@ -154,13 +171,13 @@ def test_null_patch_leaves_the_output_unchanged_on_every_door(mlp, tmp_path):
   patch = jl.patch_from(clean)
   spec = jl.when(SITE, patch)
   outs = {
-      "live_trace": jl.trace(model, v, X, intervene=spec).output,
-      "live_bind": spec.bind(model)(v, X),
-      "replay": clean.fork().do(SITE, patch).output,
-      "rerun": clean.fork().do(SITE, patch, model=model.bind(v), inputs=X).output,
-      "set_only_run": clean.fork().do(SITE, patch, intervention=SET_ONLY).run().output,
-      "spec_bind": jl.load_spec(spec.save(tmp_path / "s")).bind(model)(v, X),
-      "differentiable_replay": clean.fork().do(SITE, patch, intervention=DIFF).output,
+    "live_trace": jl.trace(model, v, X, intervene=spec).output,
+    "live_bind": spec.bind(model)(v, X),
+    "replay": clean.fork().do(SITE, patch).output,
+    "rerun": clean.fork().do(SITE, patch, model=model.bind(v), inputs=X).output,
+    "set_only_run": clean.fork().do(SITE, patch, intervention=SET_ONLY).run().output,
+    "spec_bind": jl.load_spec(spec.save(tmp_path / "s")).bind(model)(v, X),
+    "differentiable_replay": clean.fork().do(SITE, patch, intervention=DIFF).output,
   }
   for door, out in outs.items():
     assert np.array_equal(out, clean.output), door
@@ -206,6 +223,7 @@ def test_keep_grad_under_differentiable_replay_warns_once_per_session(mlp):
   with pytest.warns(jl.JaxlensWarning, match=r"\[keep_grad_replay_frontier\].*live door"):
     t.do(SITE, ji.keep_grad(jl.scale(0.5)), intervention=DIFF)
   import warnings
+
   with warnings.catch_warnings(record=True) as again:
     warnings.simplefilter("always")
     t.do(SITE, ji.keep_grad(jl.scale(0.5)), intervention=DIFF)
@@ -230,8 +248,9 @@ def test_replay_from_every_module_site_equals_live(mlp):
   t = jl.trace(model, v, X)
   for label in t.labels:
     live = jl.trace(model, v, X, intervene=jl.when(jl.label(label), jl.scale(0.5)))
-    np.testing.assert_allclose(t.do(jl.label(label), jl.scale(0.5)).output, live.output,
-                               atol=1e-12, err_msg=label)
+    np.testing.assert_allclose(
+      t.do(jl.label(label), jl.scale(0.5)).output, live.output, atol=1e-12, err_msg=label
+    )
 
 
 def test_keep_inputs_false_drops_the_inputs_and_refuses_replay(mlp):
@@ -245,12 +264,15 @@ def test_keep_inputs_false_drops_the_inputs_and_refuses_replay(mlp):
   # Returned from jit, the lean trace holds no copy of the variables and inputs.
   n_inputs = len(jax.tree.leaves((v, X)))
   assert len(jax.tree.leaves(full)) - len(jax.tree.leaves(lean)) >= n_inputs
-  lowered = {k: jax.jit(f).lower(v, X).compile().memory_analysis() for k, f in (
+  lowered = {
+    k: jax.jit(f).lower(v, X).compile().memory_analysis()
+    for k, f in (
       ("full", lambda v, x: jl.trace(model, v, x)),
-      ("lean", lambda v, x: jl.trace(model, v, x, keep_inputs=False)))}
+      ("lean", lambda v, x: jl.trace(model, v, x, keep_inputs=False)),
+    )
+  }
   input_bytes = sum(a.nbytes for a in jax.tree.leaves((v, X)))
-  assert (lowered["full"].output_size_in_bytes - lowered["lean"].output_size_in_bytes
-          >= input_bytes)
+  assert lowered["full"].output_size_in_bytes - lowered["lean"].output_size_in_bytes >= input_bytes
   # Replay and differentiable replay need the inputs; a rerun with a bound model and
   # inputs does not.
   with pytest.raises(jl.InvalidArgumentError, match=r"\[trace_without_inputs\]"):

@@ -73,13 +73,18 @@ def models():
 def _case(model, v, site):
   donor_trace = jl.trace(model, v, X_DONOR)
   donor = donor_trace[site].out
-  return matrix.Case(x=X, donor_trace=donor_trace, donor=donor,
-                     population=jl.population(donor, donor[::-1] * 0.5),
-                     direction=jnp.asarray([1.0, -2.0, 0.5, 3.0]),
-                     delta=jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
-                     basis=matrix.matrix_basis(), units=np.asarray([1, 3]),
-                     W=jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]]),
-                     b=jnp.asarray([0.1, -0.2]))
+  return matrix.Case(
+    x=X,
+    donor_trace=donor_trace,
+    donor=donor,
+    population=jl.population(donor, donor[::-1] * 0.5),
+    direction=jnp.asarray([1.0, -2.0, 0.5, 3.0]),
+    delta=jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
+    basis=matrix.matrix_basis(),
+    units=np.asarray([1, 3]),
+    W=jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]]),
+    b=jnp.asarray([0.1, -0.2]),
+  )
 
 
 def _fork(model, v):
@@ -87,14 +92,16 @@ def _fork(model, v):
 
 
 DOORS = {
-    "live_bind": lambda m, v, s, e: jl.when(s, e).bind(m)(v, X),
-    "live_trace": lambda m, v, s, e: jl.trace(m, v, X, intervene=jl.when(s, e)).output,
-    "replay": lambda m, v, s, e: _fork(m, v).do(s, e).output,
-    "rerun": lambda m, v, s, e: _fork(m, v).do(s, e, model=m.bind(v), inputs=X).output,
-    "differentiable_replay": lambda m, v, s, e: _fork(m, v).do(
-        s, e, intervention=jl.InterventionOptions(differentiable=True)).output,
-    "units:live_bind": lambda m, v, s, e: jl.when(
-        s, jl.units(s, np.asarray([1, 3])).wrap(e)).bind(m)(v, X),
+  "live_bind": lambda m, v, s, e: jl.when(s, e).bind(m)(v, X),
+  "live_trace": lambda m, v, s, e: jl.trace(m, v, X, intervene=jl.when(s, e)).output,
+  "replay": lambda m, v, s, e: _fork(m, v).do(s, e).output,
+  "rerun": lambda m, v, s, e: _fork(m, v).do(s, e, model=m.bind(v), inputs=X).output,
+  "differentiable_replay": lambda m, v, s, e: (
+    _fork(m, v).do(s, e, intervention=jl.InterventionOptions(differentiable=True)).output
+  ),
+  "units:live_bind": lambda m, v, s, e: jl.when(s, jl.units(s, np.asarray([1, 3])).wrap(e)).bind(m)(
+    v, X
+  ),
 }
 SCAN_SITE = jl.module("blocks/up", layer=LAYER)
 FLAT_SITE = jl.module(f"blocks_{LAYER}/up")
@@ -131,8 +138,9 @@ def test_every_row_at_one_scanned_layer_matches_the_unrolled_model(models, door,
   # Layers above the edit get the gradient of the unrolled model at theirs, and a
   # cutting verb cuts the edited layer's "up" kernel exactly like the unrolled one.
   up = g_s["params"]["blocks"]["up"]["kernel"]
-  assert (np.abs(up[LAYER]).max() == 0) == (np.abs(g_u["params"][f"blocks_{LAYER}"]["up"]
-                                                     ["kernel"]).max() == 0)
+  assert (np.abs(up[LAYER]).max() == 0) == (
+    np.abs(g_u["params"][f"blocks_{LAYER}"]["up"]["kernel"]).max() == 0
+  )
 
 
 def test_stack_is_not_unrolled_and_values_are_saved_stacked(models):
@@ -154,8 +162,12 @@ def test_stack_is_not_unrolled_and_values_are_saved_stacked(models):
   s = jl.trace(model, v, X, save=jl.module("blocks/down", layer=2))
   assert s.labels == ("blocks/down[2]",)
   np.testing.assert_allclose(s["blocks/down[2]"].out, tf["blocks_2/down"].out, atol=1e-12)
-  assert [i.label for i in t.sites if i.kind == "module"] == ["inp", "blocks/up", "blocks/down",
-                                                               "head"]
+  assert [i.label for i in t.sites if i.kind == "module"] == [
+    "inp",
+    "blocks/up",
+    "blocks/down",
+    "head",
+  ]
 
 
 def test_layer_selection_spellings_and_errors(models):
@@ -170,8 +182,10 @@ def test_layer_selection_spellings_and_errors(models):
   two = jl.module("blocks/up", layer=0) | jl.module("blocks/up", layer=2)
   flat_two = jl.module("blocks_0/up") | jl.module("blocks_2/up")
   np.testing.assert_allclose(
-      jl.when(two, jl.steer(jnp.ones(4), 1.5)).bind(model)(v, X),
-      jl.when(flat_two, jl.steer(jnp.ones(4), 1.5)).bind(flat)(fv, X), atol=1e-12)
+    jl.when(two, jl.steer(jnp.ones(4), 1.5)).bind(model)(v, X),
+    jl.when(flat_two, jl.steer(jnp.ones(4), 1.5)).bind(flat)(fv, X),
+    atol=1e-12,
+  )
   with pytest.raises(jl.SiteError, match=r"\[unknown_site\].*layer 7 is out of range.*3 layers"):
     jl.trace(model, v, X, intervene=jl.when(jl.module("blocks/up", layer=7), jl.zero_ablate()))
   with pytest.raises(jl.InvalidArgumentError, match=r"(?s)\[invalid_site\].*layer=0"):
@@ -213,8 +227,9 @@ def test_reverse_scan_layer_index_is_the_parameter_index():
   class Rev(nn.Module):
     @nn.compact
     def __call__(self, x):
-      stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L,
-                      reverse=True)
+      stack = nn.scan(
+        Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L, reverse=True
+      )
       return stack(name="blocks")(x, None)[0]
 
   model = Rev()
@@ -269,15 +284,17 @@ def _linen_from_nnx(m):
   lin = lambda mod: {"kernel": mod.kernel.value, "bias": mod.bias.value}
   p = {"inp": lin(m.inp), "head": lin(m.head)}
   for k in range(L):
-    p[f"blocks_{k}"] = {name: jax.tree.map(lambda a, k=k: a[k], lin(getattr(m.blocks, name)))
-                        for name in ("up", "down")}
+    p[f"blocks_{k}"] = {
+      name: jax.tree.map(lambda a, k=k: a[k], lin(getattr(m.blocks, name)))
+      for name in ("up", "down")
+    }
   return {"params": p}
 
 
 NNX_DOORS = {
-    "live_bind": lambda m, s, e: jl.when(s, e).bind(m)(X),
-    "live_trace": lambda m, s, e: jl.trace(m, X, intervene=jl.when(s, e)).output,
-    "replay": lambda m, s, e: jl.trace(m, X).fork().do(s, e).output,
+  "live_bind": lambda m, s, e: jl.when(s, e).bind(m)(X),
+  "live_trace": lambda m, s, e: jl.trace(m, X, intervene=jl.when(s, e)).output,
+  "replay": lambda m, s, e: jl.trace(m, X).fork().do(s, e).output,
 }
 
 
@@ -305,13 +322,16 @@ def test_nnx_scan_layer_edit_matches_the_unrolled_linen_model(door, verb):
   ref = DOORS[door](flat, fv, jl.module("blocks_2/down"), edit(flat, fv))
   np.testing.assert_allclose(nnx_out(state), ref, atol=1e-12, rtol=0)
   g = jax.grad(lambda s: nnx_out(s).sum())(state)
-  g_ref = jax.grad(lambda v: DOORS[door](flat, v, jl.module("blocks_2/down"),
-                                         edit(flat, v)).sum())(fv)
-  np.testing.assert_allclose(g["inp"]["kernel"].value, g_ref["params"]["inp"]["kernel"],
-                             atol=1e-12)
+  g_ref = jax.grad(lambda v: DOORS[door](flat, v, jl.module("blocks_2/down"), edit(flat, v)).sum())(
+    fv
+  )
+  np.testing.assert_allclose(g["inp"]["kernel"].value, g_ref["params"]["inp"]["kernel"], atol=1e-12)
   for k in range(L):
-    np.testing.assert_allclose(g["blocks"]["up"]["kernel"].value[k],
-                               g_ref["params"][f"blocks_{k}"]["up"]["kernel"], atol=1e-12)
+    np.testing.assert_allclose(
+      g["blocks"]["up"]["kernel"].value[k],
+      g_ref["params"][f"blocks_{k}"]["up"]["kernel"],
+      atol=1e-12,
+    )
   t = jl.trace(m, X)
   assert t["blocks/up"].out.shape == (L, 3, 4)
 
@@ -325,9 +345,11 @@ def test_every_layer_on_the_interceptor_door(models):
   np.testing.assert_allclose(got, want, atol=1e-12, rtol=0)
   m = NnxScanned(nnx.Rngs(0))
   np.testing.assert_allclose(
-      jl.when(jl.module("blocks/up"), jl.scale(0.0)).bind(m)(X),
-      jl.trace(m, X, intervene=jl.when(jl.module("blocks/up"), jl.scale(0.0))).output,
-      atol=1e-12, rtol=0)
+    jl.when(jl.module("blocks/up"), jl.scale(0.0)).bind(m)(X),
+    jl.trace(m, X, intervene=jl.when(jl.module("blocks/up"), jl.scale(0.0))).output,
+    atol=1e-12,
+    rtol=0,
+  )
 
 
 def test_a_saved_spec_keeps_the_layer_and_the_call(models, tmp_path):

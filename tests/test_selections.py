@@ -25,17 +25,19 @@ def _basis(seed=0, d=4, k=2):
 def test_units_write_only_the_selected_elements_on_every_door(spec_model, tmp_path):
   model, v, x, _, _ = spec_model
   clean = jl.trace(model, v, x)
-  mask = jnp.asarray([[True, False, False, True], [False, True, False, False],
-                      [False, False, True, True]])  # differs between rows
+  mask = jnp.asarray(
+    [[True, False, False, True], [False, True, False, False], [False, False, True, True]]
+  )  # differs between rows
   sel = jl.units(SITE, mask)
   want = jnp.where(mask, 0.0, _site(clean))
   live = jl.trace(model, v, x, intervene=jl.when(sel, jl.zero_ablate()))
-  results = [live, clean.do(sel, jl.zero_ablate()),
-             clean.do(sel, jl.zero_ablate(), model=model.bind(v), inputs=x),
-             clean.do(sel, jl.zero_ablate(),
-                      intervention=jl.InterventionOptions(engine="set_only")).run(),
-             clean.do(sel, jl.zero_ablate(),
-                      intervention=jl.InterventionOptions(differentiable=True))]
+  results = [
+    live,
+    clean.do(sel, jl.zero_ablate()),
+    clean.do(sel, jl.zero_ablate(), model=model.bind(v), inputs=x),
+    clean.do(sel, jl.zero_ablate(), intervention=jl.InterventionOptions(engine="set_only")).run(),
+    clean.do(sel, jl.zero_ablate(), intervention=jl.InterventionOptions(differentiable=True)),
+  ]
   for r in results:
     assert np.array_equal(_site(r), want)
   spec = jl.load_spec(jl.when(sel, jl.zero_ablate()).save(tmp_path / "s"))
@@ -52,14 +54,16 @@ def test_cutting_verb_under_units_keeps_the_gradient_of_the_rest(spec_model):
   k = g_some["params"]["layers_0"]["kernel"]
   assert np.all(k[:, :2] == 0) and np.all(k[:, 2:] != 0)
   # keep_grad passes: what the selection writes depends on the site value.
-  jl.trace(model, v, x, intervene=jl.when(jl.units(SITE, jnp.asarray([0])),
-                                          ji.keep_grad(jl.zero_ablate())))
+  jl.trace(
+    model, v, x, intervene=jl.when(jl.units(SITE, jnp.asarray([0])), ji.keep_grad(jl.zero_ablate()))
+  )
 
 
 def test_units_index_forms_agree(spec_model):
   model, v, x, _, _ = spec_model
-  run = lambda idx: _site(jl.trace(model, v, x, intervene=jl.when(jl.units(SITE, idx),
-                                                                   jl.scale(0.0))))
+  run = lambda idx: _site(
+    jl.trace(model, v, x, intervene=jl.when(jl.units(SITE, idx), jl.scale(0.0)))
+  )
   by_mask = run(jnp.asarray([[False, True, False, False]] * 3))
   by_feature = run(jnp.asarray([1]))
   by_tuples = run([(0, 1), (1, 1), (2, 1)])
@@ -91,8 +95,9 @@ def test_subspace_projection_semantics(spec_model):
     c = (clean - o) @ B
     np.testing.assert_allclose(got, clean + (coords(c) - c) @ B.T, atol=1e-12)
     # The complement is unchanged; the coordinates are the edited ones.
-    np.testing.assert_allclose((got - o) @ (jnp.eye(4) - P), (clean - o) @ (jnp.eye(4) - P),
-                               atol=1e-12)
+    np.testing.assert_allclose(
+      (got - o) @ (jnp.eye(4) - P), (clean - o) @ (jnp.eye(4) - P), atol=1e-12
+    )
     np.testing.assert_allclose((got - o) @ B, coords(c), atol=1e-12)
 
 
@@ -101,14 +106,16 @@ def test_complement_is_bit_for_bit_unchanged_outside_the_basis_support(spec_mode
   clean = jl.trace(model, v, x)
   donor = jl.trace(model, v, x_donor)
   axes = jnp.asarray([[0.0], [1.0], [0.0], [0.0]])  # spans feature 1 only
-  got = _site(jl.trace(model, v, x, intervene=jl.when(jl.subspace(SITE, axes),
-                                                      jl.patch_from(donor))))
+  got = _site(
+    jl.trace(model, v, x, intervene=jl.when(jl.subspace(SITE, axes), jl.patch_from(donor)))
+  )
   keep = np.asarray([0, 2, 3])
   assert np.array_equal(np.asarray(got)[:, keep], np.asarray(_site(clean))[:, keep])
   np.testing.assert_allclose(got[:, 1], _site(donor)[:, 1], atol=0)
   # The null patch is the identity, bit for bit, for any basis.
-  null = jl.trace(model, v, x, intervene=jl.when(jl.subspace(SITE, _basis(3)),
-                                                 jl.patch_from(clean)))
+  null = jl.trace(
+    model, v, x, intervene=jl.when(jl.subspace(SITE, _basis(3)), jl.patch_from(clean))
+  )
   assert np.array_equal(_site(null), _site(clean))
 
 
@@ -118,8 +125,9 @@ def test_origin_forms(spec_model):
   pop = jl.population(donor, site=SITE)
   mean = _site(donor).mean(0)
   B = _basis(1)
-  run = lambda o: _site(jl.trace(model, v, x, intervene=jl.when(jl.subspace(SITE, B, origin=o),
-                                                                 jl.zero_ablate())))
+  run = lambda o: _site(
+    jl.trace(model, v, x, intervene=jl.when(jl.subspace(SITE, B, origin=o), jl.zero_ablate()))
+  )
   np.testing.assert_allclose(run(pop), run(mean), atol=1e-12)
   np.testing.assert_allclose(run(jnp.broadcast_to(mean, (3, 4))), run(mean), atol=1e-12)
   assert not np.allclose(run(None), run(mean))
@@ -129,8 +137,9 @@ def test_non_orthonormal_basis_projects_onto_its_span(spec_model):
   model, v, x, _, _ = spec_model
   B = _basis(2)
   mixed = B @ jnp.asarray([[2.0, 1.0], [0.0, 0.5]])  # same span, not orthonormal
-  run = lambda basis: _site(jl.trace(model, v, x, intervene=jl.when(jl.subspace(SITE, basis),
-                                                                     jl.zero_ablate())))
+  run = lambda basis: _site(
+    jl.trace(model, v, x, intervene=jl.when(jl.subspace(SITE, basis), jl.zero_ablate()))
+  )
   np.testing.assert_allclose(run(mixed), run(B), atol=1e-12)
   with pytest.raises(jl.InvalidArgumentError, match=r"\[basis_rank_deficient\]"):
     run(jnp.concatenate([B[:, :1], 2 * B[:, :1]], axis=1))
@@ -145,8 +154,9 @@ def test_subspace_edit_family_and_affine(spec_model):
   sub = lambda e: _site(jl.trace(model, v, x, intervene=jl.when(jl.subspace(SITE, B), e)))
   np.testing.assert_allclose(run(ji.subspace_zero(B)), sub(jl.zero_ablate()), atol=1e-12)
   np.testing.assert_allclose(run(ji.subspace_scale(B, 2.0)), sub(jl.scale(2.0)), atol=1e-12)
-  np.testing.assert_allclose(run(ji.subspace_patch(B, donor)), sub(jl.patch_from(donor)),
-                             atol=1e-12)
+  np.testing.assert_allclose(
+    run(ji.subspace_patch(B, donor)), sub(jl.patch_from(donor)), atol=1e-12
+  )
   coords = jnp.asarray([1.0, -1.0])
   got = run(ji.subspace_set(B, coords))
   np.testing.assert_allclose(got @ B, jnp.broadcast_to(coords, (3, 2)), atol=1e-12)
@@ -168,8 +178,7 @@ def test_at_positions(spec_model):
   # It composes with other verbs and keeps the graph when its inner verb does.
   composed = ji.compose(jl.at_positions(jnp.asarray([1]), jl.zero_ablate()), jl.add(1.0))
   assert np.array_equal(composed(x)[:, 1], jnp.ones((2, 4)))
-  assert jl.depends_on(lambda y: jl.at_positions(jnp.asarray([1]), jl.scale(2.0))(y)[:, 1],
-                       x)
+  assert jl.depends_on(lambda y: jl.at_positions(jnp.asarray([1]), jl.scale(2.0))(y)[:, 1], x)
   g = jax.grad(lambda y: jl.at_positions(jnp.asarray([1]), jl.zero_ablate())(y).sum())(x)
   assert np.all(g[:, 1] == 0) and np.all(g[:, [0, 2]] == 1)
   # vmap over positions is one call equal to a loop.
@@ -177,7 +186,9 @@ def test_at_positions(spec_model):
   assert np.array_equal(sweep[1], jl.at_positions(jnp.asarray([2]), jl.zero_ablate())(x))
 
 
-@pytest.mark.parametrize("make, code", [
+@pytest.mark.parametrize(
+  "make, code",
+  [
     (lambda: jl.units(SITE, jnp.asarray([4])), "index_out_of_range"),
     (lambda: jl.units(SITE, [(0, 9)]), "index_out_of_range"),
     (lambda: jl.units(SITE, jnp.zeros((3, 4), bool)), "empty_selection"),
@@ -188,7 +199,8 @@ def test_at_positions(spec_model):
     (lambda: jl.subspace(SITE, jnp.ones((4,))), "shape_mismatch"),
     (lambda: jl.subspace(SITE, jnp.zeros((4, 0))), "empty_selection"),
     (lambda: jl.subspace(SITE, _basis(), origin=jnp.ones(3)), "shape_mismatch"),
-])
+  ],
+)
 def test_bad_selections(spec_model, make, code):
   model, v, x, _, _ = spec_model
   with pytest.raises(jl.InvalidArgumentError, match=rf"\[{code}\]") as info:
@@ -198,12 +210,14 @@ def test_bad_selections(spec_model, make, code):
 
 def test_row_coherent_verbs_need_the_same_mask_in_every_row(spec_model):
   model, v, x, _, _ = spec_model
-  per_row = jnp.asarray([[True, False, False, False], [False, True, False, False],
-                         [False, False, True, False]])
+  per_row = jnp.asarray(
+    [[True, False, False, False], [False, True, False, False], [False, False, True, False]]
+  )
   with pytest.raises(jl.InvalidArgumentError, match=r"\[mask_not_row_equivariant\]"):
     jl.trace(model, v, x, intervene=jl.when(jl.units(SITE, per_row), ji.permute_batch(seed=0)))
-  jl.trace(model, v, x, intervene=jl.when(jl.units(SITE, jnp.asarray([0, 2])),
-                                          ji.permute_batch(seed=0)))
+  jl.trace(
+    model, v, x, intervene=jl.when(jl.units(SITE, jnp.asarray([0, 2])), ji.permute_batch(seed=0))
+  )
 
 
 def test_subspace_refusals(spec_model):
@@ -216,9 +230,14 @@ def test_subspace_refusals(spec_model):
     with pytest.raises(jl.InvalidArgumentError, match=r"\[affine_source_needs_subspace\]"):
       jl.trace(model, v, x, intervene=jl.when(site, affine))
   with pytest.raises(jl.ShapeError, match="set_affine_coordinates"):
-    jl.trace(model, v, x, intervene=jl.when(jl.subspace(SITE, _basis()),
-                                            ji.set_affine_coordinates(jnp.zeros((3, 4)),
-                                                                      jnp.zeros(3))))
+    jl.trace(
+      model,
+      v,
+      x,
+      intervene=jl.when(
+        jl.subspace(SITE, _basis()), ji.set_affine_coordinates(jnp.zeros((3, 4)), jnp.zeros(3))
+      ),
+    )
 
 
 class _Toy(nn.Module):
@@ -273,17 +292,21 @@ def test_trainable_loreft_affine_loss_falls():
   target = model.apply(v, x) + 1.0
 
   def loss(p):
-    spec = jl.when(jl.subspace(jl.module("hidden"), ji.orthonormal(p["R"])),
-                   ji.set_affine_coordinates(p["W"], p["b"]))
+    spec = jl.when(
+      jl.subspace(jl.module("hidden"), ji.orthonormal(p["R"])),
+      ji.set_affine_coordinates(p["W"], p["b"]),
+    )
     return jnp.mean((spec.bind(model)(v, x) - target) ** 2)
 
-  p = {"R": jax.random.normal(jax.random.key(4), (6, 2)), "W": jnp.zeros((2, 6)),
-       "b": jnp.zeros(2)}
+  p = {"R": jax.random.normal(jax.random.key(4), (6, 2)), "W": jnp.zeros((2, 6)), "b": jnp.zeros(2)}
   opt = optax.adam(0.05)
   state = opt.init(p)
   first = loss(p)
-  step = jax.jit(lambda p, s: (lambda g: (lambda u: (optax.apply_updates(p, u[0]), u[1]))(
-      opt.update(g, s)))(jax.grad(loss)(p)))
+  step = jax.jit(
+    lambda p, s: (lambda g: (lambda u: (optax.apply_updates(p, u[0]), u[1]))(opt.update(g, s)))(
+      jax.grad(loss)(p)
+    )
+  )
   for _ in range(100):
     p, state = step(p, state)
   assert loss(p) < 0.2 * first

@@ -56,7 +56,8 @@ def _param_spec(path, leaf):
 
 def shard_variables(variables, mesh):
   return jax.tree_util.tree_map_with_path(
-      lambda path, a: jax.device_put(a, NamedSharding(mesh, _param_spec(path, a))), variables)
+    lambda path, a: jax.device_put(a, NamedSharding(mesh, _param_spec(path, a))), variables
+  )
 
 
 def put(a, mesh, *spec):
@@ -113,22 +114,32 @@ def _edits(mesh):
   basis = np.linalg.qr(rng.normal(size=(WIDTH, 2)))[0]
   mask = rng.random((BATCH, SEQ, WIDTH)) < 0.5
   positions = np.array([1, 3], np.int32)
-  one = dict(direction=jnp.asarray(direction), donor=jnp.asarray(donor),
-             basis=jnp.asarray(basis), mask=jnp.asarray(mask), positions=jnp.asarray(positions))
-  split = dict(direction=put(one["direction"], mesh, "model"),
-               donor=put(one["donor"], mesh, "data", None, "model"),
-               basis=put(one["basis"], mesh, "model", None),
-               mask=put(one["mask"], mesh, "data"), positions=put(one["positions"], mesh))
+  one = dict(
+    direction=jnp.asarray(direction),
+    donor=jnp.asarray(donor),
+    basis=jnp.asarray(basis),
+    mask=jnp.asarray(mask),
+    positions=jnp.asarray(positions),
+  )
+  split = dict(
+    direction=put(one["direction"], mesh, "model"),
+    donor=put(one["donor"], mesh, "data", None, "model"),
+    basis=put(one["basis"], mesh, "model", None),
+    mask=put(one["mask"], mesh, "data"),
+    positions=put(one["positions"], mesh),
+  )
 
   def build(a):
     return {
-        "steer": jl.when(SITE, jl.steer(a["direction"], 2.0, feature_axis=-1)),
-        "at_positions_patch": jl.when(SITE, jl.at_positions(a["positions"],
-                                                            jl.patch_from(a["donor"]))),
-        "subspace_zero": jl.when(jl.subspace(SITE, a["basis"]), jl.scale(0.0)),
-        "units_scale": jl.when(jl.units(SITE, a["mask"]), jl.scale(3.0)),
-        "replace_with": jl.when(SITE, jl.replace_with(a["donor"])),
+      "steer": jl.when(SITE, jl.steer(a["direction"], 2.0, feature_axis=-1)),
+      "at_positions_patch": jl.when(
+        SITE, jl.at_positions(a["positions"], jl.patch_from(a["donor"]))
+      ),
+      "subspace_zero": jl.when(jl.subspace(SITE, a["basis"]), jl.scale(0.0)),
+      "units_scale": jl.when(jl.units(SITE, a["mask"]), jl.scale(3.0)),
+      "replace_with": jl.when(SITE, jl.replace_with(a["donor"])),
     }
+
   b1, b8 = build(one), build(split)
   return {name: (b1[name], b8[name]) for name in b1}
 
@@ -150,7 +161,8 @@ def test_live_edits_match_one_device(net, plain_grad, name, request):
 
   def loss(v, x, spec):
     out = spec.bind(model)(v, x)
-    return jnp.sum(out ** 2), out
+    return jnp.sum(out**2), out
+
   run = jax.jit(jax.grad(loss, has_aux=True))
   (g1, out1), (g8, out8) = run(v, x, spec1), run(sv, sx, spec8)
   assert_close(out8, out1)
@@ -182,8 +194,11 @@ def test_replay_matches_one_device(net):
 def test_patch_from_a_donor_trace_matches_one_device(net):
   mesh, model, v, x, sv, sx = net
   capture = jax.jit(lambda v, x: jl.trace(model, v, x))
-  patched = jax.jit(lambda v, x, donor: jl.trace(
-      model, v, x, intervene=jl.when(jl.module("block_1"), jl.patch_from(donor))))
+  patched = jax.jit(
+    lambda v, x, donor: jl.trace(
+      model, v, x, intervene=jl.when(jl.module("block_1"), jl.patch_from(donor))
+    )
+  )
   one = patched(v, x, capture(v, 2.0 * x))
   donor8 = capture(sv, put(2.0 * x, mesh, "data"))
   split = patched(sv, sx, donor8)
@@ -198,8 +213,9 @@ def test_patch_from_a_donor_trace_matches_one_device(net):
 def test_donor_arrays_with_another_sharding_give_the_same_values(net, spec):
   mesh, model, v, x, sv, sx = net
   donor = jnp.linspace(-1.0, 1.0, BATCH * SEQ * WIDTH).reshape(BATCH, SEQ, WIDTH)
-  run = jax.jit(lambda v, x, d: jl.trace(model, v, x, intervene=jl.when(
-      SITE, jl.patch_from(d)), save=SITE))
+  run = jax.jit(
+    lambda v, x, d: jl.trace(model, v, x, intervene=jl.when(SITE, jl.patch_from(d)), save=SITE)
+  )
   one, split = run(v, x, donor), run(sv, sx, put(donor, mesh, *spec))
   assert_close(split["block_0"].out, donor)
   assert_close(split.output, one.output)
@@ -214,6 +230,7 @@ def test_a_replicated_donor_is_placed_like_the_site(net, jitted):
 
   def run(v, x, d):
     return jl.trace(model, v, x, intervene=jl.when(SITE, jl.replace_with(d)), save=SITE)
+
   t = (jax.jit(run) if jitted else run)(sv, sx, donor)
   assert batch_split(t["block_0"].out)
   assert batch_split(t.output)
@@ -221,17 +238,29 @@ def test_a_replicated_donor_is_placed_like_the_site(net, jitted):
 
 def test_gpt_under_data_and_tensor_parallelism():
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-  model, v, tokens = models.init_gpt(jax.random.key(0), "small", batch=BATCH, n_layers=1,
-                                     d_model=32, n_heads=4, max_len=8, dtype=jnp.float32)
+  model, v, tokens = models.init_gpt(
+    jax.random.key(0),
+    "small",
+    batch=BATCH,
+    n_layers=1,
+    d_model=32,
+    n_heads=4,
+    max_len=8,
+    dtype=jnp.float32,
+  )
   sv, st = shard_variables(v, mesh), put(tokens, mesh, "data")
   capture = jax.jit(lambda v, x: jl.trace(model, v, x))
   replay = jax.jit(lambda t: t.fork().do(jl.module("block_0"), jl.scale(0.5)).output)
-  patch = jax.jit(lambda v, x, d: jl.when(jl.module("block_0/mlp"), jl.patch_from(d)).bind(
-      model)(v, x))
+  patch = jax.jit(
+    lambda v, x, d: jl.when(jl.module("block_0/mlp"), jl.patch_from(d)).bind(model)(v, x)
+  )
   t1, t8 = capture(v, tokens), capture(sv, st)
   donor1, donor8 = capture(v, tokens[::-1]), capture(sv, put(tokens[::-1], mesh, "data"))
-  pairs = [(t8.output, t1.output), (replay(t8), replay(t1)),
-           (patch(sv, st, donor8), patch(v, tokens, donor1))]
+  pairs = [
+    (t8.output, t1.output),
+    (replay(t8), replay(t1)),
+    (patch(sv, st, donor8), patch(v, tokens, donor1)),
+  ]
   for split, one in pairs:
     assert_close(split, one, atol=1e-5)
     assert batch_split(split)

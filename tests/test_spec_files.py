@@ -23,7 +23,7 @@ def test_every_flipped_byte_and_every_truncation_is_refused_or_harmless(tmp_path
     target = path / name
     data = target.read_bytes()
     damaged = [data[:n] for n in range(len(data))]
-    damaged += [data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:] for i in range(len(data))]
+    damaged += [data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :] for i in range(len(data))]
     for blob in damaged:
       target.write_bytes(blob)
       try:
@@ -36,12 +36,16 @@ def test_every_flipped_byte_and_every_truncation_is_refused_or_harmless(tmp_path
   assert repr(jl.load_spec(path)) == want
 
 
-@pytest.mark.parametrize("doc", [
+@pytest.mark.parametrize(
+  "doc",
+  [
     '{"format": "jaxlens-spec", "version": 2, "rules": ' + "[" * 5000 + "]" * 5000 + "}",
     '{"format": "jaxlens-spec", "version": 2, "rules": [{"site": 3, "edit": []}]}',
     '{"format": "jaxlens-spec", "version": "2", "rules": []}',
     "[1, 2]",
-], ids=["deep", "wrong-types", "version-type", "not-an-object"])
+  ],
+  ids=["deep", "wrong-types", "version-type", "not-an-object"],
+)
 def test_hostile_structure_is_a_typed_error(tmp_path, doc):
   path = _spec(1).save(tmp_path / "s")
   (path / "spec.json").write_text(doc)
@@ -90,6 +94,7 @@ def test_a_failed_write_leaves_the_old_spec_and_no_debris(tmp_path, monkeypatch)
 
   def broken(target, at):
     raise OSError("disk full")
+
   monkeypatch.setattr(saving, "_link", broken)
   with pytest.raises(jl.SpecFormatError, match=r"\[spec_save_failed\]"):
     _spec(2).save(path)
@@ -105,5 +110,6 @@ def test_a_donor_trace_is_saved_as_the_site_it_reads(tmp_path, spec_model):
   with np.load(path / "arrays.npz") as npz:
     assert len(npz.files) == 1
   loaded = jl.load_spec(path)
-  np.testing.assert_array_equal(loaded.bind(model)(variables, x),
-                                jl.when(SITE, jl.patch_from(donor)).bind(model)(variables, x))
+  np.testing.assert_array_equal(
+    loaded.bind(model)(variables, x), jl.when(SITE, jl.patch_from(donor)).bind(model)(variables, x)
+  )

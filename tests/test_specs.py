@@ -20,14 +20,17 @@ def case(spec_model):
   return matrix.make_case(model, variables, x, x_donor)
 
 
-@pytest.mark.parametrize("row", [r for r in matrix.ROWS
-                                 if r.name not in ("hook callable", "splice_module")],
-                         ids=lambda r: r.name)
+@pytest.mark.parametrize(
+  "row",
+  [r for r in matrix.ROWS if r.name not in ("hook callable", "splice_module")],
+  ids=lambda r: r.name,
+)
 def test_every_portable_verb_round_trips(spec_model, case, row, tmp_path):
   model, variables, x, _, _ = spec_model
   site = jl.subspace(SITE, case.basis) if row.name in matrix.SUBSPACE_ONLY else SITE
-  spec = jl.when(site, row.build(case)) + jl.when(jl.module("layers_1"), ji.keep_grad(
-      jl.scale(2.0)))
+  spec = jl.when(site, row.build(case)) + jl.when(
+    jl.module("layers_1"), ji.keep_grad(jl.scale(2.0))
+  )
   loaded = jl.load_spec(spec.save(tmp_path / "spec"))
   # A donor trace is saved as the values the rule reads (the site it edits).
   donors = lambda s: re.sub(r"<donor: [^>]*>", "<donor>", repr(s))
@@ -42,9 +45,11 @@ def test_selectors_round_trip(tmp_path):
   assert loaded.rules[0][0] == sel
 
 
-@pytest.mark.parametrize("edit", [lambda y: y, jl.splice_module(jnp.tanh),
-                                  ji.compose(jl.scale(2.0), lambda y: y)],
-                         ids=["hook", "splice", "compose-with-hook"])
+@pytest.mark.parametrize(
+  "edit",
+  [lambda y: y, jl.splice_module(jnp.tanh), ji.compose(jl.scale(2.0), lambda y: y)],
+  ids=["hook", "splice", "compose-with-hook"],
+)
 def test_opaque_callables_are_refused(edit, tmp_path):
   with pytest.raises(jl.SpecFormatError, match=r"\[spec_not_portable\]") as info:
     jl.when(SITE, edit).save(tmp_path / "s")
@@ -102,8 +107,10 @@ def test_missing_spec(tmp_path):
 def test_a_failed_save_loses_nothing(tmp_path, case, spec_model):
   model, variables, x, _, _ = spec_model
   spec, path = _saved(tmp_path, case)
-  files = lambda: ({n: (path / n).read_bytes() for n in ("spec.json", "arrays.npz")},
-                   sorted(p.name for p in path.iterdir()))
+  files = lambda: (
+    {n: (path / n).read_bytes() for n in ("spec.json", "arrays.npz")},
+    sorted(p.name for p in path.iterdir()),
+  )
   before = files()
   with pytest.raises(jl.SpecFormatError, match="spec_not_portable"):
     jl.when(SITE, lambda y: y).save(path)
@@ -128,8 +135,11 @@ def test_refuses_to_replace_a_directory_that_is_not_a_spec(tmp_path):
 
 def test_check_reports_missing_and_mismatched_sites(spec_model, tmp_path):
   model, variables, x, _, _ = spec_model
-  spec = (jl.when(SITE, jl.scale(2.0)) + jl.when(jl.module("layers_7"), jl.scale(2.0)) +
-          jl.when(jl.module("layers_1"), jl.replace_with(jnp.ones((3, 5)))))
+  spec = (
+    jl.when(SITE, jl.scale(2.0))
+    + jl.when(jl.module("layers_7"), jl.scale(2.0))
+    + jl.when(jl.module("layers_1"), jl.replace_with(jnp.ones((3, 5))))
+  )
   loaded = jl.load_spec(spec.save(tmp_path / "s"))
   report = loaded.check(model, variables, x)
   assert not report.ok
@@ -145,14 +155,19 @@ def test_traced_values_cannot_be_saved(tmp_path):
   def f(d):
     jl.when(SITE, jl.steer(d)).save(tmp_path / "s")
     return d
+
   with pytest.raises(jl.SpecFormatError, match="traced values"):
     jax.jit(f)(jnp.ones(4))
 
 
-@pytest.mark.parametrize("edit", [jl.grad_scale(2.0), jl.grad_zero(), jl.grad_clip(0.5)],
-                         ids=["grad_scale", "grad_zero", "grad_clip"])
+@pytest.mark.parametrize(
+  "edit",
+  [jl.grad_scale(2.0), jl.grad_zero(), jl.grad_clip(0.5)],
+  ids=["grad_scale", "grad_zero", "grad_clip"],
+)
 def test_backward_verbs_round_trip(spec_model, edit, tmp_path):
   import jax
+
   model, variables, x, _, _ = spec_model
   spec = jl.when(SITE, edit)
   loaded = jl.load_spec(spec.save(tmp_path / "s"))

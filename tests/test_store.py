@@ -76,8 +76,9 @@ def test_collect_stores_every_row_and_reads_it_back(reference):
   assert "5 batches, 13 rows, complete" in repr(store.open(s.path))
 
 
-def test_crash_mid_write_then_resume_equals_an_uninterrupted_run(net, reference, tmp_path,
-                                                                 monkeypatch):
+def test_crash_mid_write_then_resume_equals_an_uninterrupted_run(
+  net, reference, tmp_path, monkeypatch
+):
   model, v = net
   path = tmp_path / "acts"
   real_save = store._save_shard
@@ -96,8 +97,9 @@ def test_crash_mid_write_then_resume_equals_an_uninterrupted_run(net, reference,
   monkeypatch.setattr(store, "_save_shard", real_save)
   crashed = store.open(path)
   assert not crashed.complete and crashed.num_batches == 2  # no partial batch is visible
-  np.testing.assert_array_equal(crashed.array("layers_0"),
-                                reference[0].array("layers_0")[:2 * BATCH])
+  np.testing.assert_array_equal(
+    crashed.array("layers_0"), reference[0].array("layers_0")[: 2 * BATCH]
+  )
 
   # A crash in the data loader, then a resume that completes it.
   with pytest.raises(RuntimeError, match="loader crashed"):
@@ -109,8 +111,9 @@ def test_crash_mid_write_then_resume_equals_an_uninterrupted_run(net, reference,
     np.testing.assert_array_equal(resumed.array(k), reference[0].array(k))
 
 
-def test_typed_errors_for_bad_paths_other_sites_and_a_full_disk(net, reference, tmp_path,
-                                                                monkeypatch):
+def test_typed_errors_for_bad_paths_other_sites_and_a_full_disk(
+  net, reference, tmp_path, monkeypatch
+):
   model, v = net
   a_file = tmp_path / "file"
   a_file.write_text("x")
@@ -133,14 +136,15 @@ def test_typed_errors_for_bad_paths_other_sites_and_a_full_disk(net, reference, 
   # Not enough free space for the batches announced: refused before any work.
   class Usage:
     free = 100
+
   monkeypatch.setattr(store.shutil, "disk_usage", lambda p: Usage)
   with pytest.raises(store.StoreError, match="disk_full"):
-    store.collect(model, v, list(data()), tmp_path / "small", sites=["layers_0"],
-                  progress=False)
+    store.collect(model, v, list(data()), tmp_path / "small", sites=["layers_0"], progress=False)
   monkeypatch.undo()
 
   # The disk fills up while writing: a typed error, and the complete batches stay.
   import safetensors.numpy
+
   real = safetensors.numpy.save_file
   count = []
 
@@ -188,8 +192,9 @@ MEMORY_SCRIPT = textwrap.dedent("""
 
 def test_a_dataset_larger_than_the_memory_cap_is_collected_within_it():
   cap = 80 * 2**20  # 20 batches of 4 MiB of activations; the dataset is 320 MiB
-  out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, "80"], capture_output=True,
-                       text=True, check=True)
+  out = subprocess.run(
+    [sys.executable, "-c", MEMORY_SCRIPT, "80"], capture_output=True, text=True, check=True
+  )
   got = json.loads(out.stdout.strip().splitlines()[-1])
   assert got["rows"] == 80 * 64 and got["stored"] == 320 * 2**20 == 4 * cap
   assert got["peak_growth"] < cap, got

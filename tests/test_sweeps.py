@@ -94,6 +94,7 @@ def _loop(model, variables, clean, corrupt, sites, positions):
   Each single patch is jitted (once per site; the position is an argument), as a user's
   loop would be; eager op-by-op dispatch would only make the test slower.
   """
+
   @functools.partial(jax.jit, static_argnums=0)
   def single(site, position):
     donor = jl.trace(model, variables, clean)
@@ -128,8 +129,9 @@ def test_the_sweep_equals_the_loop_on_the_gpt(gpt):
   """
   model, variables, clean, corrupt = gpt
   sites, positions = ("block_0/attn", "block_1"), (CORRUPTED, SEQ - 1)
-  grid = jl.sweep.patching_sweep(model, variables, clean, corrupt, logit_diff, sites=sites,
-                                 positions=positions)
+  grid = jl.sweep.patching_sweep(
+    model, variables, clean, corrupt, logit_diff, sites=sites, positions=positions
+  )
   want = _loop(model, variables, clean, corrupt, sites, positions)
   np.testing.assert_allclose(grid, want, atol=1e-7, rtol=0)
   assert np.ptp(want) > 1e-4
@@ -138,8 +140,11 @@ def test_the_sweep_equals_the_loop_on_the_gpt(gpt):
 def test_what_patching_must_give(seq_model):
   """Cells whose value follows from causality alone, without training."""
   model, variables, clean, corrupt = seq_model
-  grid = np.asarray(jl.sweep.patching_sweep(model, variables, clean, corrupt, logit_diff,
-                                            sites=("embed", "block_0", "block_1")))
+  grid = np.asarray(
+    jl.sweep.patching_sweep(
+      model, variables, clean, corrupt, logit_diff, sites=("embed", "block_0", "block_1")
+    )
+  )
   m_clean = float(logit_diff(model.apply(variables, clean)))
   m_corrupt = float(logit_diff(model.apply(variables, corrupt)))
   assert abs(m_clean - m_corrupt) > 1e-4
@@ -157,11 +162,11 @@ def test_defaults_chunks_and_no_recompile(seq_model):
   assert full.shape == (model.n_layers, SEQ)  # default sites: block_0 .. block_{L-1}
   chunked = jl.sweep.patching_sweep(model, variables, clean, corrupt, logit_diff, batch_size=5)
   np.testing.assert_allclose(chunked, full, atol=1e-12, rtol=0)
-  subset = jl.sweep.patching_sweep(model, variables, clean, corrupt, logit_diff,
-                                   positions=(5, 2))
+  subset = jl.sweep.patching_sweep(model, variables, clean, corrupt, logit_diff, positions=(5, 2))
   np.testing.assert_allclose(subset, full[:, [5, 2]], atol=1e-12, rtol=0)
   # New inputs of the same shape reuse the compiled sweep.
   from jaxlens._src import sweep  # the compiled sweep's cache
+
   before = sweep._sweep._cache_size()
   other = (corrupt + 3) % VOCAB
   again = jl.sweep.patching_sweep(model, variables, clean, other, logit_diff)
@@ -182,23 +187,35 @@ def test_gate_is_exactly_the_identity_or_the_edit():
   assert not on.keeps and jl.sweep.gate(True, jl.scale(2.0)).keeps
 
 
-@pytest.mark.parametrize("kwargs, error, code, match", [
+@pytest.mark.parametrize(
+  "kwargs, error, code, match",
+  [
     (dict(sites=()), jl.InvalidArgumentError, "invalid_argument", "at least one site"),
-    (dict(positions=(0, SEQ)), jl.InvalidArgumentError, "index_out_of_range",
-     r"positions \[6\] are out of range"),
+    (
+      dict(positions=(0, SEQ)),
+      jl.InvalidArgumentError,
+      "index_out_of_range",
+      r"positions \[6\] are out of range",
+    ),
     (dict(corrupt_shape=(3, SEQ - 1)), jl.ShapeError, "shape_mismatch", "same positions"),
     (dict(clean_1d=True), jl.ShapeError, "shape_mismatch", r"must be \(batch, seq"),
-    (dict(metric=lambda out: out[:, -1, 0]), jl.ShapeError, "metric_not_scalar",
-     r"metric returned shape \(3,\)"),
+    (
+      dict(metric=lambda out: out[:, -1, 0]),
+      jl.ShapeError,
+      "metric_not_scalar",
+      r"metric returned shape \(3,\)",
+    ),
     (dict(model="no_layers"), jl.InvalidArgumentError, "invalid_argument", "has no n_layers"),
-])
+  ],
+)
 def test_errors(gpt, kwargs, error, code, match):
   model, variables, clean, corrupt = gpt
   if kwargs.pop("model", None):
     import flax.linen as nn
+
     model = nn.Sequential([nn.Dense(2)])
   if "corrupt_shape" in kwargs:
-    corrupt = corrupt[:, :kwargs.pop("corrupt_shape")[1]]
+    corrupt = corrupt[:, : kwargs.pop("corrupt_shape")[1]]
   if kwargs.pop("clean_1d", False):
     clean, corrupt = clean[0], corrupt[0]
   metric = kwargs.pop("metric", logit_diff)

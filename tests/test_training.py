@@ -75,8 +75,11 @@ def _mse(out, y):
 DIRECTION = jnp.linspace(-1.0, 1.0, 16, dtype=F64)
 
 
-@pytest.mark.parametrize("edit", [jl.steer(DIRECTION, 0.5), keep_grad(jl.steer(DIRECTION, 0.5))],
-                         ids=["steer", "keep_grad(steer)"])
+@pytest.mark.parametrize(
+  "edit",
+  [jl.steer(DIRECTION, 0.5), keep_grad(jl.steer(DIRECTION, 0.5))],
+  ids=["steer", "keep_grad(steer)"],
+)
 def test_a_parameters_upstream_of_a_keeping_edit_train(edit):
   model, variables, x, y = _init()
   f = jl.when(jl.module("hidden"), edit).bind(model)
@@ -160,8 +163,9 @@ def test_changing_edit_values_does_not_recompile_the_train_step():
     direction = jnp.roll(DIRECTION, t)
     magnitude = jnp.asarray(0.1 * t, F64)
     donor = jnp.full((x.shape[0], 16), 0.01 * t, F64)
-    return (jl.when(jl.module("hidden"), jl.steer(direction, magnitude))
-            + jl.when(jl.module("branch"), jl.patch_from(donor)))
+    return jl.when(jl.module("hidden"), jl.steer(direction, magnitude)) + jl.when(
+      jl.module("branch"), jl.patch_from(donor)
+    )
 
   params, state = variables, opt.init(variables)
   for t in range(8):
@@ -171,7 +175,8 @@ def test_changing_edit_values_does_not_recompile_the_train_step():
   _, _, b = step(params, state, spec_for(5), x, y)
   assert abs(float(a) - float(b)) > 1e-6
   # The trace counter is live: a spec of another structure (another verb) retraces.
-  other = (jl.when(jl.module("hidden"), jl.scale(jnp.asarray(0.5, F64)))
-           + jl.when(jl.module("branch"), jl.patch_from(jnp.zeros((x.shape[0], 16), F64))))
+  other = jl.when(jl.module("hidden"), jl.scale(jnp.asarray(0.5, F64))) + jl.when(
+    jl.module("branch"), jl.patch_from(jnp.zeros((x.shape[0], 16), F64))
+  )
   with pytest.raises(AssertionError, match="traced"):
     step(params, state, other, x, y)

@@ -18,8 +18,9 @@ from jaxlens.models import init_gpt
 
 @pytest.fixture(scope="module")
 def traces():
-  model, v, tokens = init_gpt(0, n_layers=2, d_model=16, n_heads=2, max_len=6, vocab_size=11,
-                              batch=2)
+  model, v, tokens = init_gpt(
+    0, n_layers=2, d_model=16, n_heads=2, max_len=6, vocab_size=11, batch=2
+  )
   live = jl.when(jl.module("block_1/mlp"), ji.keep_grad(jl.scale(0.5)))
   # Jitted: one compile each, faster than running every op eagerly.
   t = jax.jit(lambda v, x: jl.trace(model, v, x, intervene=live))(v, tokens)
@@ -44,7 +45,8 @@ def test_trace_view_marks_edits_and_the_replayed_cone(traces):
   assert sites["block_0/attn"].edits[0].name == "zero_ablate"
   # Downstream of block_0/attn (a replay recomputes these); upstream and beside it, nothing.
   assert {"block_0", "block_0/ln_2", "block_1/attn", "ln_f", "head"} <= {
-      k for k, s in sites.items() if s.state == "downstream"}
+    k for k, s in sites.items() if s.state == "downstream"
+  }
   assert sites["embed"].state == sites["block_0/attn/query"].state == ""
   assert tv.sites.children["block_0"].children["attn"].module_type == "CausalSelfAttention"
   assert tv.counts["edited"] == 2 and tv.counts["saved"] == len(replayed.values)
@@ -62,16 +64,19 @@ def test_treescope_renders_traces_specs_edits_and_selectors(traces):
   spec = jl.when(jl.module("embed"), ji.compose(jl.scale(2.0), jl.zero_ablate()))
   text = treescope.render_to_text(spec)
   assert "jl.compose(" in text and "# cuts the gradient" in text and "# 1 rules" in text
-  assert treescope.render_to_text(jl.module("block_*") | jl.func("tanh")) == \
-      "(jl.module('block_*') | jl.func('tanh'))"
+  assert (
+    treescope.render_to_text(jl.module("block_*") | jl.func("tanh"))
+    == "(jl.module('block_*') | jl.func('tanh'))"
+  )
   matched = treescope.render_to_text(views.view(jl.module("block_*/mlp"), trace=replayed))
   assert matched == "jl.module('block_*/mlp')  # matches block_0/mlp, block_1/mlp"
   fired = treescope.render_to_text(views.view(jl.when("ln_f", jl.scale(2.0)), trace=replayed))
   assert "# fired at ln_f" in fired
   steer = treescope.render_to_text(ji.keep_grad(jl.steer(jnp.ones(3), 2.0)))
   assert steer.startswith("jl.keep_grad(jl.steer(") and "keep_grad: checked when it fires" in steer
-  differentiable = replayed.do(jl.module("block_1"), jl.scale(1.0),
-                               intervention=jl.InterventionOptions(differentiable=True))
+  differentiable = replayed.do(
+    jl.module("block_1"), jl.scale(1.0), intervention=jl.InterventionOptions(differentiable=True)
+  )
   assert "frontier={" in treescope.render_to_text(differentiable)
 
 
@@ -92,8 +97,7 @@ def test_repr_of_a_trace_whose_model_returns_a_pytree():
 
   x = jnp.ones((2, 4))
   t = jl.trace(Two(), Two().init(jax.random.key(0), x), x)
-  assert repr(t) == ("Trace(output={'h': (2, 3), 'y': ((2,), (2, 4))}, "
-                     "sites={'dense': (2, 3)})")
+  assert repr(t) == ("Trace(output={'h': (2, 3), 'y': ((2,), (2, 4))}, sites={'dense': (2, 3)})")
   assert "dense: Dense {" in treescope.render_to_text(t)
   pair = jl.trace(Pair(), Pair().init(jax.random.key(0), x), x)  # np.shape of it raised
   assert repr(pair).startswith("Trace(output=((2, 3), (2,)), ")
@@ -123,8 +127,9 @@ setTimeout(probe, 50);
 
 
 def _chromium():
-  return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which(
-      "google-chrome")
+  return (
+    shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+  )
 
 
 @pytest.mark.skipif(_chromium() is None, reason="no Chromium on this machine")
@@ -135,15 +140,35 @@ def test_html_page_renders_in_headless_chromium(traces, tmp_path):
   probe = tmp_path / "probe.html"
   probe.write_text(page.replace("</body>", _PROBE))
   out = subprocess.run(
-      [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-       "--no-first-run", "--disable-background-networking", "--disable-component-update",
-       "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000",
-       "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120,
-      check=False)
+    [
+      _chromium(),
+      "--headless",
+      "--no-sandbox",
+      "--disable-gpu",
+      "--disable-quic",
+      "--no-first-run",
+      "--disable-background-networking",
+      "--disable-component-update",
+      "--disable-sync",
+      f"--user-data-dir={tmp_path / 'profile'}",
+      "--virtual-time-budget=10000",
+      "--dump-dom",
+      probe.as_uri(),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
   m = re.search(r'<pre id="rendered">(.*?)</pre>', out.stdout, re.DOTALL)
   assert m, out.stdout[-2000:] + out.stderr[-2000:]
   rendered = m.group(1)
-  for name in ("block_0/attn: CausalSelfAttention", "block_1/mlp: MLP", "embed: Embed",
-               "fired at block_0/attn", "keep_grad(jl.scale(factor=0.5))"):
+  for name in (
+    "block_0/attn: CausalSelfAttention",
+    "block_1/mlp: MLP",
+    "embed: Embed",
+    "fired at block_0/attn",
+    "keep_grad(jl.scale(factor=0.5))",
+  ):
     assert name in rendered, name
   assert "<title>a replayed trace</title>" in out.stdout

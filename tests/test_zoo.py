@@ -28,15 +28,44 @@ from jaxlens.models import (
   params_from_hf,
 )
 
-LLAMA = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=48,
-                    rope_base=1e4, dtype=jnp.float64)
-GPT2_ = GPT2Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_len=16,
-                   tie_embeddings=False, dtype=jnp.float64)
-BERT = BertConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_mlp=48, max_len=16,
-                  dtype=jnp.float64)
+LLAMA = LlamaConfig(
+  vocab_size=64,
+  d_model=32,
+  n_layers=2,
+  n_heads=4,
+  n_kv_heads=2,
+  d_mlp=48,
+  rope_base=1e4,
+  dtype=jnp.float64,
+)
+GPT2_ = GPT2Config(
+  vocab_size=64,
+  d_model=32,
+  n_layers=2,
+  n_heads=4,
+  max_len=16,
+  tie_embeddings=False,
+  dtype=jnp.float64,
+)
+BERT = BertConfig(
+  vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_mlp=48, max_len=16, dtype=jnp.float64
+)
 TOKENS = jnp.asarray([[3, 9, 4, 17, 5, 9, 26, 2], [1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
-BLOCK_SITES = {"resid_pre", "attn/q", "attn/k", "attn/v", "attn/scores", "attn/pattern",
-               "attn/z", "attn_out", "resid_mid", "mlp/pre", "mlp/post", "mlp_out", "resid_post"}
+BLOCK_SITES = {
+  "resid_pre",
+  "attn/q",
+  "attn/k",
+  "attn/v",
+  "attn/scores",
+  "attn/pattern",
+  "attn/z",
+  "attn_out",
+  "resid_mid",
+  "mlp/pre",
+  "mlp/post",
+  "mlp_out",
+  "resid_post",
+}
 
 
 def _init(model):
@@ -60,7 +89,7 @@ def test_every_family_names_the_same_block_sites(family):
   name, model, variables = family
   t = jl.trace(model, variables, TOKENS)
   for i in range(2):
-    have = {lbl[len(f"blocks_{i}/"):] for lbl in t.labels if lbl.startswith(f"blocks_{i}/")}
+    have = {lbl[len(f"blocks_{i}/") :] for lbl in t.labels if lbl.startswith(f"blocks_{i}/")}
     assert BLOCK_SITES <= have, BLOCK_SITES - have
   heads, kv = (4, 2) if name == "llama" else (4, 4)
   assert t["blocks_1/attn/q"].out.shape == (2, 8, heads, 8)
@@ -72,13 +101,17 @@ def test_every_family_names_the_same_block_sites(family):
   np.testing.assert_allclose(pattern.sum(-1), 1.0, atol=1e-12)
   upper = np.triu(np.ones((8, 8), bool), 1)
   if name == "bert":
-    assert (pattern[..., upper] > 0).all()        # bidirectional
+    assert (pattern[..., upper] > 0).all()  # bidirectional
   else:
-    assert (pattern[..., upper] == 0).all()       # causal
+    assert (pattern[..., upper] == 0).all()  # causal
     assert t["logits"].out.shape == (2, 8, 64) and "ln_final" in t.labels
-  np.testing.assert_allclose(t["blocks_1/resid_post"].out,
-                             t["blocks_1/resid_mid"].out + t["blocks_1/mlp_out"].out
-                             if name != "bert" else t["blocks_1/ln_2"].out, atol=1e-12)
+  np.testing.assert_allclose(
+    t["blocks_1/resid_post"].out,
+    t["blocks_1/resid_mid"].out + t["blocks_1/mlp_out"].out
+    if name != "bert"
+    else t["blocks_1/ln_2"].out,
+    atol=1e-12,
+  )
 
 
 def test_a_named_site_on_every_door(llama, tmp_path):
@@ -90,8 +123,11 @@ def test_a_named_site_on_every_door(llama, tmp_path):
   base = jl.trace(model, variables, TOKENS)
   replayed = base.fork().do(site, jl.zero_ablate()).output
   rerun = base.do(site, jl.zero_ablate(), model=model, inputs=(TOKENS,)).output
-  set_only = base.do(site, jl.zero_ablate(),
-                     intervention=jl.InterventionOptions(engine="set_only")).run().output
+  set_only = (
+    base.do(site, jl.zero_ablate(), intervention=jl.InterventionOptions(engine="set_only"))
+    .run()
+    .output
+  )
   spec.save(tmp_path / "spec")
   saved = jl.load_spec(tmp_path / "spec").bind(model)(variables, TOKENS)
   assert not np.allclose(live, base.output)
@@ -102,8 +138,7 @@ def test_a_named_site_on_every_door(llama, tmp_path):
   assert not np.asarray(grads["blocks_1"]["mlp"]["up_proj"]["kernel"]).any()
   assert np.asarray(grads["blocks_0"]["mlp"]["up_proj"]["kernel"]).any()
   # Selections work on named sites: zero two features of one layer's residual stream.
-  some = jl.when(jl.units(jl.module("blocks_0/resid_post"), jnp.asarray([0, 2])),
-                 jl.zero_ablate())
+  some = jl.when(jl.units(jl.module("blocks_0/resid_post"), jnp.asarray([0, 2])), jl.zero_ablate())
   t = jl.trace(model, variables, TOKENS, intervene=some, save=jl.module("blocks_0/resid_post"))
   resid = np.asarray(t["blocks_0/resid_post"].out)
   assert not resid[..., [0, 2]].any() and resid[..., 1].all()
@@ -120,9 +155,11 @@ def test_dtypes_jit_vmap_grad(llama, llama_logits, dtype):
   _, variables64 = llama
   model = Llama(LlamaConfig(**{**LLAMA.__dict__, "dtype": dtype}))
   variables = jax.tree.map(lambda a: a.astype(dtype), variables64)
-  assert jax.eval_shape(model.init, jax.random.key(0), TOKENS)["params"]["embed"][
-      "embedding"].dtype == dtype
-  transforms = dtype == jnp.float32   # vmap and grad once; every dtype runs under jit
+  assert (
+    jax.eval_shape(model.init, jax.random.key(0), TOKENS)["params"]["embed"]["embedding"].dtype
+    == dtype
+  )
+  transforms = dtype == jnp.float32  # vmap and grad once; every dtype runs under jit
 
   @jax.jit
   def run(v):
@@ -136,14 +173,20 @@ def test_dtypes_jit_vmap_grad(llama, llama_logits, dtype):
   logits, rows, grads = run(variables)
   assert logits.dtype == dtype
   # the float64 reference runs the float64-cast weights of this dtype
-  ref = llama_logits if dtype != jnp.bfloat16 else np.asarray(jax.jit(Llama(LLAMA).apply)(
-      jax.tree.map(lambda a: a.astype(jnp.float64), variables), TOKENS))
+  ref = (
+    llama_logits
+    if dtype != jnp.bfloat16
+    else np.asarray(
+      jax.jit(Llama(LLAMA).apply)(jax.tree.map(lambda a: a.astype(jnp.float64), variables), TOKENS)
+    )
+  )
   tol = {jnp.float32: 1e-5, jnp.bfloat16: 0.05, jnp.float64: 1e-12}[dtype]
   scale = np.abs(ref).max()
   assert np.abs(np.asarray(logits, np.float64) - ref).max() < tol * scale
   if transforms:
     assert np.abs(np.asarray(rows, np.float64) - np.asarray(logits, np.float64)).max() < (
-        tol * scale)
+      tol * scale
+    )
     assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
     assert np.asarray(grads["params"]["blocks_0"]["attn"]["q_proj"]["kernel"]).any()
 
@@ -152,14 +195,15 @@ def test_padding_masks(family):
   name, model, variables = family
   row = TOKENS[:1, :5]
   pad = 3
-  if name == "bert":    # right padding: the real positions keep their hidden states
+  if name == "bert":  # right padding: the real positions keep their hidden states
     padded = jnp.concatenate([row, jnp.zeros((1, pad), jnp.int32)], 1)
     mask = jnp.asarray([[1] * 5 + [0] * pad])
     out = model.apply(variables, padded, None, mask)
     np.testing.assert_allclose(out[:, :5], model.apply(variables, row), atol=1e-10)
     emb = model.apply(variables, padded, mask, method="sentence_embedding")
-    np.testing.assert_allclose(emb, model.apply(variables, row, method="sentence_embedding"),
-                               atol=1e-10)
+    np.testing.assert_allclose(
+      emb, model.apply(variables, row, method="sentence_embedding"), atol=1e-10
+    )
     return
   # left padding for a decoder: per-row positions and a key mask, as generation batches do
   padded = jnp.concatenate([jnp.zeros((1, pad), jnp.int32), row], 1)
@@ -173,16 +217,18 @@ def test_padding_masks(family):
 def test_kv_cache_decoding_equals_the_full_forward(kind):
   model = Llama(LLAMA) if kind == "llama" else GPT2(GPT2_)
   variables = _init(model)
-  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2, 12), jnp.int32),
-                                             decode=True))["cache"]
+  shapes = jax.eval_shape(
+    lambda: model.init(jax.random.key(0), jnp.zeros((2, 12), jnp.int32), decode=True)
+  )["cache"]
 
   @jax.jit
   def run(v):
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     outs = []
-    for lo, hi in ((0, 6), (6, 7), (7, 8)):   # a prefill, then one token at a time
-      out, state = model.apply({**v, "cache": cache}, TOKENS[:, lo:hi], decode=True,
-                               mutable=["cache"])
+    for lo, hi in ((0, 6), (6, 7), (7, 8)):  # a prefill, then one token at a time
+      out, state = model.apply(
+        {**v, "cache": cache}, TOKENS[:, lo:hi], decode=True, mutable=["cache"]
+      )
       cache = state["cache"]
       outs.append(out)
     return model.apply(v, TOKENS), jnp.concatenate(outs, axis=1), cache["index"]
@@ -222,11 +268,15 @@ def test_named_in_a_users_linen_and_nnx_model():
 
 # ---------------------------------------------------------------------------- loaders
 
+
 def _hf_llama_tensors(params):
   """HF-named tensors of zoo Llama params (the inverse of the loader's map)."""
   p = params["params"]
-  out = {"model.embed_tokens.weight": p["embed"]["embedding"],
-         "model.norm.weight": p["ln_final"]["weight"], "lm_head.weight": p["lm_head"]["kernel"].T}
+  out = {
+    "model.embed_tokens.weight": p["embed"]["embedding"],
+    "model.norm.weight": p["ln_final"]["weight"],
+    "lm_head.weight": p["lm_head"]["kernel"].T,
+  }
   for i in range(LLAMA.n_layers):
     b, h = p[f"blocks_{i}"], f"model.layers.{i}."
     out[h + "input_layernorm.weight"] = b["ln_1"]["weight"]
@@ -254,24 +304,36 @@ def test_loader_errors_name_the_tensor(llama):
   with pytest.raises(LoadError, match=r"\[unknown_architecture\].*'t5'"):
     config_from_hf({"model_type": "t5"})
   unprefixed = {k.removeprefix("model."): v for k, v in tensors.items()}
-  assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()),
-                                   params_from_hf(LLAMA, unprefixed), variables))
+  assert jax.tree.all(
+    jax.tree.map(lambda a, b: bool((a == b).all()), params_from_hf(LLAMA, unprefixed), variables)
+  )
 
 
 def test_hf_directory_and_truncated_safetensors(llama, tmp_path):
   from safetensors.numpy import save_file
+
   model, variables = llama
-  config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48,
-            "rope_theta": 1e4, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+  config = {
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 48,
+    "rope_theta": 1e4,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+  }
   (tmp_path / "config.json").write_text(json.dumps(config))
   save_file(_hf_llama_tensors(variables), tmp_path / "model.safetensors")
   lm = load_hf(tmp_path, dtype=jnp.float64)
   assert lm.config == LLAMA and lm.tokenizer is None
-  np.testing.assert_array_equal(lm.model.apply(lm.variables, TOKENS),
-                                model.apply(variables, TOKENS))
+  np.testing.assert_array_equal(
+    lm.model.apply(lm.variables, TOKENS), model.apply(variables, TOKENS)
+  )
   data = (tmp_path / "model.safetensors").read_bytes()
-  (tmp_path / "model.safetensors").write_bytes(data[:len(data) // 2])
+  (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
   with pytest.raises(LoadError, match=r"\[truncated_file\].*model.safetensors"):
     load_hf(tmp_path)
   with pytest.raises(LoadError, match=r"\[file_not_found\]"):
@@ -282,12 +344,14 @@ def test_hf_directory_and_truncated_safetensors(llama, tmp_path):
 
 def _permute(w, n_heads):
   # llama.cpp's convert_hf_to_gguf.py permutation of the q/k rows.
-  return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2) \
-      .reshape(w.shape)
+  return (
+    w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+  )
 
 
 def _write_gguf(path, tensors, arch="llama", cfg=LLAMA):
   import gguf
+
   w = gguf.GGUFWriter(str(path), arch)
   w.add_block_count(cfg.n_layers)
   w.add_context_length(64)
@@ -298,15 +362,25 @@ def _write_gguf(path, tensors, arch="llama", cfg=LLAMA):
   w.add_rope_freq_base(cfg.rope_base)
   w.add_layer_norm_rms_eps(cfg.norm_eps)
   w.add_vocab_size(cfg.vocab_size)
-  names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
-           "output_norm.weight", "lm_head.weight": "output.weight"}
-  back = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj":
-          "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
-          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+  names = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+  }
+  back = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+  }
   for name, t in tensors.items():
     if name.startswith("model.layers."):
-      i, rest = name[len("model.layers."):].split(".", 1)
+      i, rest = name[len("model.layers.") :].split(".", 1)
       g = f"blk.{i}.{back[rest.removesuffix('.weight')]}.weight"
       if "q_proj" in rest:
         t = _permute(t, cfg.n_heads)
@@ -328,11 +402,13 @@ def test_gguf_undoes_the_rotary_permutation_and_refuses_bad_files(llama, tmp_pat
   _write_gguf(tmp_path / "m.gguf", _hf_llama_tensors(f32))
   lm = load_gguf(tmp_path / "m.gguf", dtype=jnp.float64, tokenizer=False)
   assert lm.config.n_kv_heads == 2 and not lm.config.tie_embeddings
-  np.testing.assert_allclose(lm.model.apply(lm.variables, TOKENS),
-                             model.apply(jax.tree.map(lambda a: a.astype(jnp.float64), f32),
-                                         TOKENS), atol=1e-12)
+  np.testing.assert_allclose(
+    lm.model.apply(lm.variables, TOKENS),
+    model.apply(jax.tree.map(lambda a: a.astype(jnp.float64), f32), TOKENS),
+    atol=1e-12,
+  )
   data = (tmp_path / "m.gguf").read_bytes()
-  (tmp_path / "cut.gguf").write_bytes(data[:len(data) // 2])
+  (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
   with pytest.raises(LoadError, match=r"\[truncated_file\]"):
     load_gguf(tmp_path / "cut.gguf")
   tensors = _hf_llama_tensors(f32)

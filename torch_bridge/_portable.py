@@ -35,9 +35,12 @@ def _inverse(site_map: Mapping[str, str]) -> dict[str, str]:
   for torch_name, flax_path in site_map.items():
     if flax_path in inverse:
       raise TorchSpecError(
-          f"the site map sends torch modules {inverse[flax_path]!r} and {torch_name!r} to the "
-          f"same Flax path {flax_path!r}", code="site_map_ambiguous", site=flax_path,
-          fix="pass the site map returned by torch_bridge.from_torch")
+        f"the site map sends torch modules {inverse[flax_path]!r} and {torch_name!r} to the "
+        f"same Flax path {flax_path!r}",
+        code="site_map_ambiguous",
+        site=flax_path,
+        fix="pass the site map returned by torch_bridge.from_torch",
+      )
     inverse[flax_path] = torch_name
   return inverse
 
@@ -53,14 +56,19 @@ class _Converter:
     path = selector.module_path()
     if path is None:
       raise TorchSpecError(
-          f"{where}: the selector {selector!r} does not name one module of the converted model",
-          code="selector_not_portable_to_torch", site=repr(selector),
-          fix='select modules by their Flax path: jl.module("layers_0")')
+        f"{where}: the selector {selector!r} does not name one module of the converted model",
+        code="selector_not_portable_to_torch",
+        site=repr(selector),
+        fix='select modules by their Flax path: jl.module("layers_0")',
+      )
     if path not in self.inverse:
       raise jl.SiteError(
-          f"{where}: no torch module maps to the Flax path {path!r}", code="unknown_site",
-          site=path, candidates=sorted(self.inverse)[:10],
-          fix=f"one of the converted model's paths, e.g. {sorted(self.inverse)[:3]}")
+        f"{where}: no torch module maps to the Flax path {path!r}",
+        code="unknown_site",
+        site=path,
+        candidates=sorted(self.inverse)[:10],
+        fix=f"one of the converted model's paths, e.g. {sorted(self.inverse)[:3]}",
+      )
     return self.inverse[path]
 
   def value(self, v: Any, where: str) -> Any:
@@ -83,16 +91,22 @@ class _Converter:
       return tuple(self.value(x, where) for x in v)
     if isinstance(v, jl.Site):
       return self.site(v, where)
-    raise TorchSpecError(f"{where}: cannot convert a {type(v).__name__} to torch",
-                         code="verb_not_in_reference", site=where,
-                         fix="save specs made of built-in verbs")
+    raise TorchSpecError(
+      f"{where}: cannot convert a {type(v).__name__} to torch",
+      code="verb_not_in_reference",
+      site=where,
+      fix="save specs made of built-in verbs",
+    )
 
   def edit(self, e, where: str) -> ref.Edit:
     factory = ref.VERBS.get(e.name)
     if factory is None:
-      raise TorchSpecError(f"{where}: the torch reference has no verb {e.name!r}",
-                           code="verb_not_in_reference", site=where,
-                           fix="add the verb to torch_bridge.reference (VERBS)")
+      raise TorchSpecError(
+        f"{where}: the torch reference has no verb {e.name!r}",
+        code="verb_not_in_reference",
+        site=where,
+        fix="add the verb to torch_bridge.reference (VERBS)",
+      )
     args = {k: self.value(v, where) for k, v in e.arguments.items()}
     out = _call(factory, args)
     return ref.keep_grad(out) if e.keep_grad else out

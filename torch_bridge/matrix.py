@@ -27,11 +27,24 @@ from torch_bridge._matrix import full_table as full_table
 from torch_bridge._matrix import spec_model as spec_model
 from torch_bridge._matrix import summary as summary
 
-__all__ = ["SITE", "TOL", "door_table", "format_both", "full_table", "main", "spec_model", "summary"]
+__all__ = [
+  "SITE",
+  "TOL",
+  "door_table",
+  "format_both",
+  "full_table",
+  "main",
+  "spec_model",
+  "summary",
+]
+
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m torch_bridge.matrix", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python -m torch_bridge.matrix",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   group = parser.add_mutually_exclusive_group()
   group.add_argument("--write", metavar="FILE", help="replace the matrix block of FILE")
   group.add_argument("--check", metavar="FILE", help="fail if FILE's matrix block is stale")
@@ -45,12 +58,16 @@ def main(argv=None) -> int:
   status = 0 if agree == spec == total else 1
   if args.write:
     changed = _matrix.write_block(args.write, block)
-    print(f"{args.write}: {'updated' if changed else 'already up to date'}; "
-          f"{agree} of {total} rows agree, {spec} of {total} match the specification")
+    print(
+      f"{args.write}: {'updated' if changed else 'already up to date'}; "
+      f"{agree} of {total} rows agree, {spec} of {total} match the specification"
+    )
   elif args.check:
     if _matrix.committed_block(args.check) != block:
-      print(f"{args.check}: the matrix block is stale; run "
-            f"python -m torch_bridge.matrix --write {args.check}")
+      print(
+        f"{args.check}: the matrix block is stale; run "
+        f"python -m torch_bridge.matrix --write {args.check}"
+      )
       status = 1
     else:
       print(f"{args.check}: up to date")

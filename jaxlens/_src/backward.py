@@ -81,27 +81,40 @@ def _site_check(x, ctx: FireContext, verb: str):
   """Refuses a site whose value has no gradient to transform (an integer one)."""
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     raise InvalidArgumentError(
-        f"{verb}: the site value has dtype {x.dtype}; an integer or boolean value has no "
-        "gradient to transform", code="site_not_float", site=ctx.label, verb=verb,
-        fix="apply backward verbs at a float site (a module output such as a Dense or a block)")
+      f"{verb}: the site value has dtype {x.dtype}; an integer or boolean value has no "
+      "gradient to transform",
+      code="site_not_float",
+      site=ctx.label,
+      verb=verb,
+      fix="apply backward verbs at a float site (a module output such as a Dense or a block)",
+    )
 
 
 def _as_param(value, x, ctx, verb, name):
   """A numeric argument cast to the site's dtype (so its zero cotangent matches it)."""
   arr = jnp.asarray(value)
   if not (jnp.issubdtype(arr.dtype, jnp.inexact) or jnp.issubdtype(arr.dtype, jnp.integer)):
-    raise ShapeError(f"{verb}: {name} must be a number, got dtype {arr.dtype}",
-                     code="dtype_mismatch", site=ctx.label, verb=verb,
-                     fix=f"pass {name} as a float, e.g. jnp.asarray({name}, jnp.{x.dtype})")
+    raise ShapeError(
+      f"{verb}: {name} must be a number, got dtype {arr.dtype}",
+      code="dtype_mismatch",
+      site=ctx.label,
+      verb=verb,
+      fix=f"pass {name} as a float, e.g. jnp.asarray({name}, jnp.{x.dtype})",
+    )
   try:
     ok = jnp.broadcast_shapes(arr.shape, x.shape) == x.shape
   except ValueError:
     ok = False
   if not ok:
-    raise ShapeError(f"{verb}: {name} of shape {arr.shape} does not broadcast to the site's "
-                     f"shape {x.shape}", code="shape_mismatch", site=ctx.label, verb=verb,
-                     fix=f"a scalar {name}, or one that broadcasts to {x.shape}",
-                     expected=str(x.shape), received=str(arr.shape))
+    raise ShapeError(
+      f"{verb}: {name} of shape {arr.shape} does not broadcast to the site's shape {x.shape}",
+      code="shape_mismatch",
+      site=ctx.label,
+      verb=verb,
+      fix=f"a scalar {name}, or one that broadcasts to {x.shape}",
+      expected=str(x.shape),
+      received=str(arr.shape),
+    )
   return arr.astype(x.dtype)
 
 
@@ -234,19 +247,29 @@ def grad_clip(limit=None, *, min=None, max=None) -> Edit:  # noqa: A002 (as jl.c
     [0.5, -0.25]
   """
   if limit is None and min is None and max is None:
-    raise InvalidArgumentError("grad_clip needs a limit, or min= and/or max=",
-                               code="invalid_argument", fix="jl.grad_clip(1.0)")
+    raise InvalidArgumentError(
+      "grad_clip needs a limit, or min= and/or max=",
+      code="invalid_argument",
+      fix="jl.grad_clip(1.0)",
+    )
   if limit is not None and (min is not None or max is not None):
     raise InvalidArgumentError(
-        "grad_clip takes either a symmetric limit or min=/max=, not both",
-        code="invalid_argument", fix="jl.grad_clip(1.0) or jl.grad_clip(min=-1.0, max=2.0)")
+      "grad_clip takes either a symmetric limit or min=/max=, not both",
+      code="invalid_argument",
+      fix="jl.grad_clip(1.0) or jl.grad_clip(min=-1.0, max=2.0)",
+    )
   if _concrete(limit) and bool(jnp.any(jnp.asarray(limit) < 0)):
-    raise InvalidArgumentError(f"grad_clip: limit must be non-negative, got {limit!r}",
-                               code="invalid_argument", fix="jl.grad_clip(abs(limit))")
+    raise InvalidArgumentError(
+      f"grad_clip: limit must be non-negative, got {limit!r}",
+      code="invalid_argument",
+      fix="jl.grad_clip(abs(limit))",
+    )
   if _concrete(min) and _concrete(max) and bool(jnp.any(jnp.asarray(min) > jnp.asarray(max))):
-    raise InvalidArgumentError(f"grad_clip: min={min!r} is above max={max!r}",
-                               code="invalid_argument",
-                               fix="jl.grad_clip(min=lo, max=hi) with lo <= hi")
+    raise InvalidArgumentError(
+      f"grad_clip: min={min!r} is above max={max!r}",
+      code="invalid_argument",
+      fix="jl.grad_clip(min=lo, max=hi) with lo <= hi",
+    )
   return _make("grad_clip", {"limit": limit, "min": min, "max": max})
 
 
@@ -271,9 +294,13 @@ class _HookRule:
     self.shape, self.dtype = shape, dtype
 
   def __eq__(self, other):
-    return (isinstance(other, _HookRule) and other.fn is self.fn
-            and other.ctx is self.ctx and other.shape == self.shape
-            and other.dtype == self.dtype)
+    return (
+      isinstance(other, _HookRule)
+      and other.fn is self.fn
+      and other.ctx is self.ctx
+      and other.shape == self.shape
+      and other.dtype == self.dtype
+    )
 
   def __hash__(self):
     return hash((id(self.fn), id(self.ctx), self.shape, str(self.dtype)))
@@ -283,21 +310,32 @@ class _HookRule:
     new = self.fn(g, hook=self.ctx) if self.takes_hook else self.fn(g)
     label = self.ctx.label
     if not hasattr(new, "shape") or not hasattr(new, "dtype"):
-      raise ShapeError(f"backward_hook: the hook returned a {type(new).__name__}, not an array",
-                       code="backward_hook_shape_mismatch", site=label,
-                       fix=f"return an array of shape {self.shape} and dtype {self.dtype}")
+      raise ShapeError(
+        f"backward_hook: the hook returned a {type(new).__name__}, not an array",
+        code="backward_hook_shape_mismatch",
+        site=label,
+        fix=f"return an array of shape {self.shape} and dtype {self.dtype}",
+      )
     if tuple(new.shape) != self.shape:
       raise ShapeError(
-          f"backward_hook: the hook returned a cotangent of shape {tuple(new.shape)} for a site "
-          f"of shape {self.shape}", code="backward_hook_shape_mismatch", site=label,
-          fix=f"return an array of shape {self.shape}", expected=str(self.shape),
-          received=str(tuple(new.shape)))
+        f"backward_hook: the hook returned a cotangent of shape {tuple(new.shape)} for a site "
+        f"of shape {self.shape}",
+        code="backward_hook_shape_mismatch",
+        site=label,
+        fix=f"return an array of shape {self.shape}",
+        expected=str(self.shape),
+        received=str(tuple(new.shape)),
+      )
     if new.dtype != self.dtype:
       raise ShapeError(
-          f"backward_hook: the hook returned a cotangent of dtype {new.dtype} for a site of "
-          f"dtype {self.dtype}", code="backward_hook_dtype_mismatch", site=label,
-          fix=f"return new.astype(jnp.{self.dtype})", expected=str(self.dtype),
-          received=str(new.dtype))
+        f"backward_hook: the hook returned a cotangent of dtype {new.dtype} for a site of "
+        f"dtype {self.dtype}",
+        code="backward_hook_dtype_mismatch",
+        site=label,
+        fix=f"return new.astype(jnp.{self.dtype})",
+        expected=str(self.dtype),
+        received=str(new.dtype),
+      )
     return new
 
 
@@ -341,8 +379,10 @@ def backward_hook(fn: Callable[..., Any]) -> Edit:
   """
   if isinstance(fn, Edit) or not callable(fn):
     raise InvalidArgumentError(
-        f"backward_hook needs a function of the cotangent, got {type(fn).__name__}",
-        code="invalid_argument", fix="jl.backward_hook(lambda g: 0.5 * g)")
+      f"backward_hook needs a function of the cotangent, got {type(fn).__name__}",
+      code="invalid_argument",
+      fix="jl.backward_hook(lambda g: 0.5 * g)",
+    )
   return _make("backward_hook", {}, fn=ByIdentity(fn))
 
 

@@ -155,7 +155,7 @@ def depends_on(fun: Callable[..., Any], *args: Any, argnums: int = 0) -> Any:
   leaves, _ = jax.tree.flatten(args)
   offsets = []
   start = 0
-  for i, arg in enumerate(args):
+  for arg in args:
     count = len(jax.tree.leaves(arg))
     offsets.append((start, start + count))
     start += count

@@ -65,8 +65,9 @@ class Spec:
   def keep_grad(self) -> bool:
     return runtime.asks_keep_grad(self.rules)
 
-  def bind(self, model, *, method: str | Callable | None = None,
-           **apply_kwargs) -> Callable[..., Any]:
+  def bind(
+    self, model, *, method: str | Callable | None = None, **apply_kwargs
+  ) -> Callable[..., Any]:
     """The model's function with this spec's edits live.
 
     Args:
@@ -85,12 +86,23 @@ class Spec:
       # Op-level sites, and single layers of a scanned stack (whose index only the
       # captured program sees), need the captured program.
       def run(call, variables, inputs, kwargs):
-        return interpret.capture(call, variables, inputs, kwargs, rules, None, save_given=False,
-                                 method=method, apply_kwargs=dict(apply_kwargs)).output
+        return interpret.capture(
+          call,
+          variables,
+          inputs,
+          kwargs,
+          rules,
+          None,
+          save_given=False,
+          method=method,
+          apply_kwargs=dict(apply_kwargs),
+        ).output
     else:
+
       def run(call, variables, inputs, kwargs):
-        return interceptor.run_live(call, variables, inputs, kwargs, rules, method=method,
-                                    apply_kwargs=apply_kwargs)[0]
+        return interceptor.run_live(
+          call, variables, inputs, kwargs, rules, method=method, apply_kwargs=apply_kwargs
+        )[0]
 
     if isinstance(model, nnx.Module):
       # An NNX module is mutable (optimisers update it in place): read its state
@@ -98,6 +110,7 @@ class Spec:
       def nnx_fn(*inputs, **kwargs):
         call, state = model_calls.split(model)
         return run(call, state, inputs, kwargs)
+
       return nnx_fn
     if bound_vars is not None:
       return lambda *inputs, **kwargs: run(call, bound_vars, inputs, kwargs)
@@ -150,8 +163,10 @@ def as_spec(obj) -> Spec:
       out = out + as_spec(item)
     return out
   raise InvalidArgumentError(
-      f"intervene= expects a spec from jl.when(...) or a list of them, got {type(obj).__name__}",
-      code="invalid_spec", fix='intervene=jl.when(jl.module("layers_0"), jl.zero_ablate())')
+    f"intervene= expects a spec from jl.when(...) or a list of them, got {type(obj).__name__}",
+    code="invalid_spec",
+    fix='intervene=jl.when(jl.module("layers_0"), jl.zero_ablate())',
+  )
 
 
 # --------------------------------------------------------------------------
@@ -200,16 +215,30 @@ def check_spec(spec: Spec, model, *args) -> SpecReport:
   call, variables = model_calls.split(model)
   if variables is None:
     if not args:
-      raise InvalidArgumentError("an unbound module needs its variables as the first argument",
-                                 code="missing_variables", fix="jl.check_spec(spec, model, "
-                                 "variables, x)")
+      raise InvalidArgumentError(
+        "an unbound module needs its variables as the first argument",
+        code="missing_variables",
+        fix="jl.check_spec(spec, model, variables, x)",
+      )
     variables, args = args[0], args[1:]
   missing, mismatched = [], []
   for i, r in enumerate(as_spec(spec).rules):
     try:
-      jax.eval_shape(lambda: interpret.capture(call, variables, tuple(args), {}, (r,), None,
-                                               save_given=False, method=None,
-                                               apply_kwargs={}).output)
+      jax.eval_shape(
+        lambda r=r: (
+          interpret.capture(
+            call,
+            variables,
+            tuple(args),
+            {},
+            (r,),
+            None,
+            save_given=False,
+            method=None,
+            apply_kwargs={},
+          ).output
+        )
+      )
     except SiteError as error:
       missing.append((i, repr(r[0]), str(error)))
     except InvalidArgumentError as error:

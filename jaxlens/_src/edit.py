@@ -111,9 +111,12 @@ class Verb:
         kwargs[name] = arguments[name]
     unknown = set(arguments) - set(self.signature.parameters)
     if unknown:
-      raise InvalidArgumentError(f"{self.name} takes no arguments {sorted(unknown)}",
-                                 code="invalid_argument", verb=self.name,
-                                 fix=f"jl.{self.name}{self.signature}")
+      raise InvalidArgumentError(
+        f"{self.name} takes no arguments {sorted(unknown)}",
+        code="invalid_argument",
+        verb=self.name,
+        fix=f"jl.{self.name}{self.signature}",
+      )
     return self.factory(*args, **kwargs)
 
 
@@ -129,9 +132,12 @@ def register(name: str, forward: Callable, factory: Callable, **attributes) -> V
 
 def verb_named(name: str) -> Verb:
   if name not in REGISTRY:
-    raise InvalidArgumentError(f"no verb named {name!r}", code="unknown_verb",
-                               candidates=sorted(REGISTRY),
-                               fix=f"one of: {', '.join(sorted(REGISTRY))}")
+    raise InvalidArgumentError(
+      f"no verb named {name!r}",
+      code="unknown_verb",
+      candidates=sorted(REGISTRY),
+      fix=f"one of: {', '.join(sorted(REGISTRY))}",
+    )
   return REGISTRY[name]
 
 
@@ -247,8 +253,11 @@ def show_arguments(verb: Verb, arguments: dict) -> str:
       parts.extend(show_value(v) for v in value)
     elif p.default is inspect.Parameter.empty and p.kind is not inspect.Parameter.KEYWORD_ONLY:
       parts.append(show_value(value))
-    elif p.default is inspect.Parameter.empty or value is not p.default and not (
-        _plain(value) and _plain(p.default) and value == p.default):
+    elif (
+      p.default is inspect.Parameter.empty
+      or value is not p.default
+      and not (_plain(value) and _plain(p.default) and value == p.default)
+    ):
       parts.append(f"{name}={show_value(value)}")
   return ", ".join(parts)
 
@@ -346,9 +355,11 @@ class SavedDonor(Donor):
     if static_layer is not None and f"{label}[{static_layer}]" in self.values:
       return self.values[f"{label}[{static_layer}]"]
     raise SiteError(
-        f"{verb}: the donor saved no value at {label!r} (it saved {list(self.values)})",
-        code="donor_site_missing", site=label,
-        fix=f"capture the donor with save=jl.label({label!r}) or the default save=None")
+      f"{verb}: the donor saved no value at {label!r} (it saved {list(self.values)})",
+      code="donor_site_missing",
+      site=label,
+      fix=f"capture the donor with save=jl.label({label!r}) or the default save=None",
+    )
 
   def donor_values(self):
     return dict(self.values)
@@ -356,9 +367,13 @@ class SavedDonor(Donor):
   def site_value(self, site):
     label = getattr(site, "label", site)
     if label not in self.values:
-      raise SiteError(f"the donor saved no value at {site!r}", code="unknown_site",
-                                 site=str(site), candidates=list(self.values),
-                                 fix=f"one of: {', '.join(self.values)}")
+      raise SiteError(
+        f"the donor saved no value at {site!r}",
+        code="unknown_site",
+        site=str(site),
+        candidates=list(self.values),
+        fix=f"one of: {', '.join(self.values)}",
+      )
     return self.values[label]
 
   def __repr__(self):
@@ -391,16 +406,19 @@ class Population:
 def source_values(source, ctx, verb):
   """The array behind a source: an array, a Population or a Donor (a trace)."""
   if isinstance(source, Donor):
-    return source.value_for_donor(ctx.label, verb, layer=ctx.layer,
-                                  static_layer=ctx.static_layer)
+    return source.value_for_donor(ctx.label, verb, layer=ctx.layer, static_layer=ctx.static_layer)
   if isinstance(source, Population):
     return source.values
   if isinstance(source, (jax.Array, np.ndarray, float, int)):
     return jnp.asarray(source)
   raise InvalidArgumentError(
-      f"{verb}: a source must be an array, a jl.Population or a jl.Trace, got "
-      f"{type(source).__name__}", code="invalid_source", site=ctx.label, verb=verb,
-      fix=f"jl.{verb}(source=jl.population(trace, site))")
+    f"{verb}: a source must be an array, a jl.Population or a jl.Trace, got "
+    f"{type(source).__name__}",
+    code="invalid_source",
+    site=ctx.label,
+    verb=verb,
+    fix=f"jl.{verb}(source=jl.population(trace, site))",
+  )
 
 
 # --------------------------------------------------------------------------
@@ -415,18 +433,34 @@ def as_param(value, x, ctx, verb, name):
   """An array argument used as a parameter of a function of x, cast to x's dtype."""
   arr = jnp.asarray(value)
   if jnp.issubdtype(arr.dtype, jnp.complexfloating) and not jnp.issubdtype(
-      x.dtype, jnp.complexfloating):
-    fail_shape(f"{name} is complex ({arr.dtype}) but the site is {x.dtype}; the imaginary part "
-               "would be dropped", ctx, verb, code="dtype_mismatch",
-               fix=f"pass the real part: jnp.real({name})")
+    x.dtype, jnp.complexfloating
+  ):
+    fail_shape(
+      f"{name} is complex ({arr.dtype}) but the site is {x.dtype}; the imaginary part "
+      "would be dropped",
+      ctx,
+      verb,
+      code="dtype_mismatch",
+      fix=f"pass the real part: jnp.real({name})",
+    )
   if jnp.issubdtype(x.dtype, jnp.inexact):
     if not jnp.issubdtype(arr.dtype, jnp.inexact) and not jnp.issubdtype(arr.dtype, jnp.integer):
-      fail_shape(f"{name} must be a float array, got dtype {arr.dtype}", ctx, verb,
-                 code="dtype_mismatch", fix=f"pass {name} as jnp.asarray({name}, {x.dtype})")
+      fail_shape(
+        f"{name} must be a float array, got dtype {arr.dtype}",
+        ctx,
+        verb,
+        code="dtype_mismatch",
+        fix=f"pass {name} as jnp.asarray({name}, {x.dtype})",
+      )
     return arr.astype(x.dtype)
   if not jnp.issubdtype(arr.dtype, x.dtype) and not isinstance(value, (int, bool)):
-    fail_shape(f"{name} has dtype {arr.dtype} but the site is {x.dtype}", ctx, verb,
-               code="dtype_mismatch", fix=f"pass {name} with dtype {x.dtype}")
+    fail_shape(
+      f"{name} has dtype {arr.dtype} but the site is {x.dtype}",
+      ctx,
+      verb,
+      code="dtype_mismatch",
+      fix=f"pass {name} with dtype {x.dtype}",
+    )
   return arr.astype(x.dtype)
 
 
@@ -437,9 +471,14 @@ def check_broadcast(arr, x, ctx, verb, name):
   except ValueError:
     ok = False
   if not ok:
-    fail_shape(f"{name} of shape {jnp.shape(arr)} does not broadcast to the site's shape "
-               f"{x.shape}", ctx, verb, fix=f"a scalar {name}, or one that broadcasts to {x.shape}",
-               expected=str(x.shape), received=str(jnp.shape(arr)))
+    fail_shape(
+      f"{name} of shape {jnp.shape(arr)} does not broadcast to the site's shape {x.shape}",
+      ctx,
+      verb,
+      fix=f"a scalar {name}, or one that broadcasts to {x.shape}",
+      expected=str(x.shape),
+      received=str(jnp.shape(arr)),
+    )
   return arr
 
 
@@ -452,14 +491,18 @@ def place_like(y, x):
   """
   if not isinstance(x, jax.core.Tracer):
     sharding = getattr(x, "sharding", None)
-    if sharding is not None and not isinstance(y, jax.core.Tracer) and \
-        getattr(y, "sharding", None) != sharding:
+    if (
+      sharding is not None
+      and not isinstance(y, jax.core.Tracer)
+      and getattr(y, "sharding", None) != sharding
+    ):
       return jax.device_put(y, sharding)
     return y
   sharding = getattr(jax.typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
   explicit = mesh is not None and any(
-      t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())
+  )
   if explicit and getattr(jax.typeof(y), "sharding", None) != sharding:
     return jax.sharding.reshard(y, sharding)
   return y
@@ -470,9 +513,15 @@ def donor_value(value, x, ctx, verb, name, *, broadcast=False):
   weak = isinstance(value, (int, float, bool))
   arr = jnp.asarray(value)
   if not weak and arr.dtype != x.dtype:
-    fail_shape(f"{name} has dtype {arr.dtype} but the site value is {x.dtype}", ctx, verb,
-               code="dtype_mismatch", fix=f"{name}.astype(jnp.{x.dtype})",
-               expected=str(x.dtype), received=str(arr.dtype))
+    fail_shape(
+      f"{name} has dtype {arr.dtype} but the site value is {x.dtype}",
+      ctx,
+      verb,
+      code="dtype_mismatch",
+      fix=f"{name}.astype(jnp.{x.dtype})",
+      expected=str(x.dtype),
+      received=str(arr.dtype),
+    )
   if broadcast:
     try:
       ok = jnp.broadcast_shapes(arr.shape, x.shape) == x.shape
@@ -482,9 +531,14 @@ def donor_value(value, x, ctx, verb, name, *, broadcast=False):
     ok = arr.shape == x.shape
   if not ok:
     want = f"shape {x.shape}" + (" (or one that broadcasts to it)" if broadcast else "")
-    fail_shape(f"{name} has shape {arr.shape}, expected {want}", ctx, verb,
-               fix=f"pass a {name} of shape {x.shape}", expected=str(x.shape),
-               received=str(arr.shape))
+    fail_shape(
+      f"{name} has shape {arr.shape}, expected {want}",
+      ctx,
+      verb,
+      fix=f"pass a {name} of shape {x.shape}",
+      expected=str(x.shape),
+      received=str(arr.shape),
+    )
   return place_like(jnp.broadcast_to(arr.astype(x.dtype), x.shape), x)
 
 
@@ -492,25 +546,41 @@ def resolve_axis(x, direction, feature_axis, ctx, verb):
   """The feature axis of x along which a 1-D direction lies."""
   d = jnp.asarray(direction)
   if d.ndim != 1:
-    fail_shape(f"direction must be 1-D, got shape {d.shape}", ctx, verb,
-               fix="pass a 1-D direction (use jl.add(delta) for a full-shape delta)")
+    fail_shape(
+      f"direction must be 1-D, got shape {d.shape}",
+      ctx,
+      verb,
+      fix="pass a 1-D direction (use jl.add(delta) for a full-shape delta)",
+    )
   n = d.shape[0]
   if feature_axis is not None:
     axis = feature_axis + x.ndim if feature_axis < 0 else feature_axis
     if not 0 <= axis < x.ndim or x.shape[axis] != n:
-      fail_shape(f"feature_axis={feature_axis} does not have size {n} in site shape {x.shape}",
-                 ctx, verb, fix=f"a feature_axis whose size is {n}")
+      fail_shape(
+        f"feature_axis={feature_axis} does not have size {n} in site shape {x.shape}",
+        ctx,
+        verb,
+        fix=f"a feature_axis whose size is {n}",
+      )
     return axis
   axes = [a for a in range(x.ndim) if x.shape[a] == n]
   if not axes:
-    fail_shape(f"direction of length {n} matches no axis of site shape {x.shape}", ctx, verb,
-               fix="pass a direction whose length is the site's feature size")
+    fail_shape(
+      f"direction of length {n} matches no axis of site shape {x.shape}",
+      ctx,
+      verb,
+      fix="pass a direction whose length is the site's feature size",
+    )
   if len(axes) > 1:
     raise InvalidArgumentError(
-        f"{verb}: a direction of length {n} fits axes {axes} of site shape {x.shape}; "
-        "which is the feature axis is ambiguous",
-        code="feature_axis_ambiguous", site=ctx.label, verb=verb, candidates=axes,
-        fix=f"jl.{verb}(direction, ..., feature_axis={axes[-1] - x.ndim})")
+      f"{verb}: a direction of length {n} fits axes {axes} of site shape {x.shape}; "
+      "which is the feature axis is ambiguous",
+      code="feature_axis_ambiguous",
+      site=ctx.label,
+      verb=verb,
+      candidates=axes,
+      fix=f"jl.{verb}(direction, ..., feature_axis={axes[-1] - x.ndim})",
+    )
   return axes[0]
 
 
@@ -523,14 +593,22 @@ def along(vec, axis, ndim):
 def key_from_seed(seed, ctx, verb):
   if seed is None:
     raise InvalidArgumentError(
-        f"{verb} draws random numbers and needs an explicit seed", code="seed_required",
-        site=ctx.label, verb=verb, fix=f"jl.{verb}(..., seed=0)")
+      f"{verb} draws random numbers and needs an explicit seed",
+      code="seed_required",
+      site=ctx.label,
+      verb=verb,
+      fix=f"jl.{verb}(..., seed=0)",
+    )
   if not isinstance(seed, jax.core.Tracer):
     s = np.asarray(seed)
-    if not np.issubdtype(s.dtype, np.integer) or s.ndim != 0 or s < 0 or s >= 2 ** 32:
+    if not np.issubdtype(s.dtype, np.integer) or s.ndim != 0 or s < 0 or s >= 2**32:
       raise InvalidArgumentError(
-          f"{verb}: seed must be an integer in [0, 2**32), got {seed!r}", code="invalid_seed",
-          site=ctx.label, verb=verb, fix=f"jl.{verb}(..., seed=0)")
+        f"{verb}: seed must be an integer in [0, 2**32), got {seed!r}",
+        code="invalid_seed",
+        site=ctx.label,
+        verb=verb,
+        fix=f"jl.{verb}(..., seed=0)",
+      )
   return jax.random.key(jnp.asarray(seed, jnp.uint32))
 
 
@@ -564,9 +642,11 @@ def fire(edit: Edit, x, ctx: FireContext):
   """Applies ``edit`` to the site value ``x``, with the result and keep_grad checks."""
   if not is_array(x):
     raise InvalidArgumentError(
-        f"the site value is a {type(x).__name__}, not an array; edits apply to array sites",
-        code="site_not_array", site=ctx.label,
-        fix="select a submodule whose call returns one array")
+      f"the site value is a {type(x).__name__}, not an array; edits apply to array sites",
+      code="site_not_array",
+      site=ctx.label,
+      fix="select a submodule whose call returns one array",
+    )
   verb = edit.verb
   if edit.keep_grad and ctx.checks:
     check_keep_grad_preconditions(x, ctx)
@@ -578,39 +658,60 @@ def fire(edit: Edit, x, ctx: FireContext):
       check_keep_grad_preconditions(x, ctx)
     if not writes_from_input(edit, x, ctx):
       raise GradientContractError(
-          f"keep_grad: {edit!r} writes values that do not depend on the site value, so no "
-          "gradient reaches the parameters upstream of it", code="edit_detached_from_graph",
-          site=ctx.label, fix=verb.keeping_spelling or _DEFAULT_SPELLING, verb=edit.name)
+        f"keep_grad: {edit!r} writes values that do not depend on the site value, so no "
+        "gradient reaches the parameters upstream of it",
+        code="edit_detached_from_graph",
+        site=ctx.label,
+        fix=verb.keeping_spelling or _DEFAULT_SPELLING,
+        verb=edit.name,
+      )
   return y
 
 
 def check_keep_grad_preconditions(x, ctx):
   if ctx.grad_disabled:
     raise GradientContractError(
-        "keep_grad inside a jaxlens.no_grad() scope: doors stop every gradient there",
-        code="grad_disabled", site=ctx.label, fix="call the door outside jaxlens.no_grad()")
+      "keep_grad inside a jaxlens.no_grad() scope: doors stop every gradient there",
+      code="grad_disabled",
+      site=ctx.label,
+      fix="call the door outside jaxlens.no_grad()",
+    )
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     raise GradientContractError(
-        f"keep_grad on a site of dtype {x.dtype}: an integer or boolean value has no gradient",
-        code="site_not_float", site=ctx.label, fix="drop keep_grad for this site")
+      f"keep_grad on a site of dtype {x.dtype}: an integer or boolean value has no gradient",
+      code="site_not_float",
+      site=ctx.label,
+      fix="drop keep_grad for this site",
+    )
 
 
 def _check_result(edit, x, y, ctx):
   prefix = "hook_" if edit.verb.user_code else ""
   if not is_array(y):
-    raise ShapeError(f"{edit!r} returned a {type(y).__name__}, not an array",
-                     code=f"{prefix}shape_mismatch", site=ctx.label,
-                     fix=f"return an array of shape {x.shape}")
+    raise ShapeError(
+      f"{edit!r} returned a {type(y).__name__}, not an array",
+      code=f"{prefix}shape_mismatch",
+      site=ctx.label,
+      fix=f"return an array of shape {x.shape}",
+    )
   if jnp.shape(y) != x.shape:
-    raise ShapeError(f"{edit!r} returned shape {jnp.shape(y)} for a site of shape {x.shape}",
-                     code=f"{prefix}shape_mismatch", site=ctx.label,
-                     fix=f"return an array of shape {x.shape}",
-                     expected=str(x.shape), received=str(jnp.shape(y)))
+    raise ShapeError(
+      f"{edit!r} returned shape {jnp.shape(y)} for a site of shape {x.shape}",
+      code=f"{prefix}shape_mismatch",
+      site=ctx.label,
+      fix=f"return an array of shape {x.shape}",
+      expected=str(x.shape),
+      received=str(jnp.shape(y)),
+    )
   if y.dtype != x.dtype:
-    raise ShapeError(f"{edit!r} returned dtype {y.dtype} for a site of dtype {x.dtype}",
-                     code=f"{prefix}dtype_mismatch", site=ctx.label,
-                     fix=f"return an array of dtype {x.dtype}",
-                     expected=str(x.dtype), received=str(y.dtype))
+    raise ShapeError(
+      f"{edit!r} returned dtype {y.dtype} for a site of dtype {x.dtype}",
+      code=f"{prefix}dtype_mismatch",
+      site=ctx.label,
+      fix=f"return an array of dtype {x.dtype}",
+      expected=str(x.dtype),
+      received=str(y.dtype),
+    )
   return y
 
 

@@ -24,8 +24,9 @@ class InvalidArgumentError(JaxlensError, ValueError):
       ``"expected"``, ``"received"`` and ``"candidates"``.
   """
 
-  def __init__(self, message: str, *, code: str, site: Any = None,
-               fix: str | None = None, **fields: Any):
+  def __init__(
+    self, message: str, *, code: str, site: Any = None, fix: str | None = None, **fields: Any
+  ):
     self.fields = {"code": code, **fields}
     if site is not None:
       self.fields["site"] = str(site)

@@ -41,8 +41,9 @@ class LiveRun:
     self.calls[key] = self.calls.get(key, 0) + 1
     info = SiteInfo(path, context.method_name, self.calls[key], context.module_type)
     self.seen.append(info)
-    ctx = FireContext(info.label, path, info.module_type,
-                      site_values=self.values, grad_disabled=self.grad_disabled)
+    ctx = FireContext(
+      info.label, path, info.module_type, site_values=self.values, grad_disabled=self.grad_disabled
+    )
     elements = runtime.output_elements(out)
     if elements:
       # A tuple/list/dict output: each array element is a site of its own (output=k).
@@ -96,8 +97,18 @@ def _probe_site_graphs(call, variables, inputs, kwargs, rules, method, apply_kwa
   runtime.raise_no_graph(labels, table, dtypes)
 
 
-def run_live(call, variables, inputs, kwargs, rules, *, save=None, method=None,
-             apply_kwargs=None, save_given=False):
+def run_live(
+  call,
+  variables,
+  inputs,
+  kwargs,
+  rules,
+  *,
+  save=None,
+  method=None,
+  apply_kwargs=None,
+  save_given=False,
+):
   """Runs ``call`` (from ``model_calls.split``) with ``rules`` live: ``(output, LiveRun)``."""
   apply_kwargs = dict(apply_kwargs or {})
   disabled = runtime.grad_disabled()

@@ -52,10 +52,23 @@ class Evaluation:
     return self.firing.fired
 
 
-def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
-             known: dict | None = None, start_labels=None, releaf=False,
-             frontier_values: dict | None = None, probe=False, layer=None,
-             site_values: dict | None = None, releaf_layers: dict | None = None) -> Evaluation:
+def evaluate(
+  prog: Program,
+  args,
+  consts,
+  rules,
+  save,
+  *,
+  grad_disabled=False,
+  known: dict | None = None,
+  start_labels=None,
+  releaf=False,
+  frontier_values: dict | None = None,
+  probe=False,
+  layer=None,
+  site_values: dict | None = None,
+  releaf_layers: dict | None = None,
+) -> Evaluation:
   """Runs the program, applying ``rules`` and keeping the sites ``save`` selects.
 
   Args:
@@ -120,8 +133,9 @@ def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
     node = prog.nodes[k]
     invals = [read(a) for a in node.ins]
     if node.sub is not None:
-      outs = _eval_scan(node, invals, rules, save, ev, site_values, grad_disabled, probe,
-                        releaf_layers)
+      outs = _eval_scan(
+        node, invals, rules, save, ev, site_values, grad_disabled, probe, releaf_layers
+      )
     else:
       out = node.prim.bind(*invals, **node.params)
       outs = list(out) if node.prim.multiple_results else [out]
@@ -130,8 +144,14 @@ def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
       if info is not None:
         if releaf_layers and info.label in releaf_layers and _is_float(val):
           val = jnp.where(layer == releaf_layers[info.label], jax.lax.stop_gradient(val), val)
-        ctx = FireContext(info.label, info.path, info.module_type, site_values=site_values,
-                          grad_disabled=grad_disabled, layer=layer)
+        ctx = FireContext(
+          info.label,
+          info.path,
+          info.module_type,
+          site_values=site_values,
+          grad_disabled=grad_disabled,
+          layer=layer,
+        )
         val = runtime.fire_rules(rules, info, val, ctx, ev.firing, layer)
         if info.kind == "module":
           site_values[info.label] = (info, val)
@@ -147,10 +167,12 @@ def evaluate(prog: Program, args, consts, rules, save, *, grad_disabled=False,
   for lbl in ev.saved:
     # The inputs of a saved module call, where this evaluation computed them.
     tree, leaves = prog.input_sites.get(lbl, (None, None))
-    if tree is not None and all(isinstance(a, tuple) or (a is not None and a in env)
-                                for a in leaves):
+    if tree is not None and all(
+      isinstance(a, tuple) or (a is not None and a in env) for a in leaves
+    ):
       ev.saved_inputs[lbl] = jax.tree.unflatten(
-          tree, [a[1] if isinstance(a, tuple) else env[a] for a in leaves])
+        tree, [a[1] if isinstance(a, tuple) else env[a] for a in leaves]
+      )
   return ev
 
 
@@ -170,12 +192,21 @@ def _keep(info, val, save, ev):
     ev.saved_layers[info.label] = chosen
 
 
-def _eval_scan(node, invals, rules, save, outer: Evaluation, site_values, grad_disabled, probe,
-               releaf_layers=None):
+def _eval_scan(
+  node,
+  invals,
+  rules,
+  save,
+  outer: Evaluation,
+  site_values,
+  grad_disabled,
+  probe,
+  releaf_layers=None,
+):
   """Runs a layer stack as ``lax.scan`` over its body sub-program."""
   p = node.params
   nc, ncar, n, rev = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
-  consts, carry, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
+  consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
   box: dict = {}
   body_labels = {i.label for i in node.sub.infos}
   firsts = [k for lbl, k in (releaf_layers or {}).items() if lbl in body_labels]
@@ -184,19 +215,32 @@ def _eval_scan(node, invals, rules, save, outer: Evaluation, site_values, grad_d
   def body(c, x):
     k, carry = c
     if first is not None:
-      carry = [jnp.where(k == first, jax.lax.stop_gradient(a), a) if _is_float(a) else a
-               for a in carry]
-    sev = evaluate(node.sub, [*consts, *carry, *x], node.sub_consts, rules, save,
-                   grad_disabled=grad_disabled, probe=probe, layer=k,
-                   site_values=dict(site_values), releaf_layers=releaf_layers)
+      carry = [
+        jnp.where(k == first, jax.lax.stop_gradient(a), a) if _is_float(a) else a for a in carry
+      ]
+    sev = evaluate(
+      node.sub,
+      [*consts, *carry, *x],
+      node.sub_consts,
+      rules,
+      save,
+      grad_disabled=grad_disabled,
+      probe=probe,
+      layer=k,
+      site_values=dict(site_values),
+      releaf_layers=releaf_layers,
+    )
     outs = [o[1] if isinstance(o, tuple) else sev.env[o] for o in node.sub.out_ids]
     box["ev"], box["labels"] = sev, list(sev.saved)
-    return (k + (-1 if rev else 1), outs[:ncar]), (outs[ncar:], [sev.saved[lbl]
-                                                                for lbl in box["labels"]])
+    return (k + (-1 if rev else 1), outs[:ncar]), (
+      outs[ncar:],
+      [sev.saved[lbl] for lbl in box["labels"]],
+    )
 
   start = jnp.asarray(n - 1 if rev else 0, jnp.int32)
-  (_, carry_out), (ys, stacks) = jax.lax.scan(body, (start, list(carry)), list(xs), length=n,
-                                              reverse=rev, unroll=p.get("unroll", 1))
+  (_, carry_out), (ys, stacks) = jax.lax.scan(
+    body, (start, list(carry)), list(xs), length=n, reverse=rev, unroll=p.get("unroll", 1)
+  )
   sev = box["ev"]
   outer.firing.merge(sev.firing)
   for lbl, stack in zip(box["labels"], stacks):
@@ -217,7 +261,8 @@ def _replay_plan(prog: Program, start_labels, known: dict):
   tainted: set[int] = set()
   for k, node in enumerate(prog.nodes):
     is_start = any(info is not None and info.label in starts for info in node.infos) or (
-        node.sub is not None and any(info.label in starts for info in node.sub.infos))
+      node.sub is not None and any(info.label in starts for info in node.sub.infos)
+    )
     if is_start or any(not isinstance(a, tuple) and a in tainted for a in node.ins):
       cone.add(k)
       tainted.update(node.outs)
@@ -245,8 +290,6 @@ def _replay_plan(prog: Program, start_labels, known: dict):
           need.add(a)
   # Outputs not in the cone come from the original trace; nothing else to run.
   return sorted(cone | extra), frontier
-
-
 
 
 # --------------------------------------------------------------------------
@@ -298,14 +341,26 @@ class Captured:
   output: Any
 
 
-def capture(call, variables, inputs, kwargs, rules, save, *, save_given, method,
-            apply_kwargs, save_inputs: bool = False) -> Captured:
+def capture(
+  call,
+  variables,
+  inputs,
+  kwargs,
+  rules,
+  save,
+  *,
+  save_given,
+  method,
+  apply_kwargs,
+  save_inputs: bool = False,
+) -> Captured:
   """Builds the program of a model call, checks the rules against it, and evaluates it."""
   disabled = runtime.grad_disabled()
   if disabled:
     variables, inputs = runtime.stop(variables), runtime.stop(inputs)
-  prog, consts, args = program.build_program(call, variables, inputs, kwargs, method,
-                                             apply_kwargs, save_inputs=save_inputs)
+  prog, consts, args = program.build_program(
+    call, variables, inputs, kwargs, method, apply_kwargs, save_inputs=save_inputs
+  )
   for selector, _ in rules:
     program.check_selectable(prog, selector, "intervene=")
   if save_given:

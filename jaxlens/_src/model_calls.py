@@ -52,8 +52,9 @@ class LinenCall:
     def adapt(next_fun, args, kw, context):
       if context.method_name == "setup":
         return next_fun(*args, **kw)
-      info = CallInfo(tuple(context.module.path), context.method_name,
-                      type(context.module).__name__)
+      info = CallInfo(
+        tuple(context.module.path), context.method_name, type(context.module).__name__
+      )
       return interceptor(next_fun, args, kw, info)
 
     with nn.intercept_methods(adapt):
@@ -81,11 +82,14 @@ def _make_wrapper(original):
     info = CallInfo(state["paths"][id(self)], "__call__", type(self).__name__)
     state["inside"].add(id(self))
     try:
+
       def next_fun(*a, **k):
         return original(self, *a, **k)
+
       return state["interceptor"](next_fun, args, kwargs, info)
     finally:
       state["inside"].discard(id(self))
+
   __call__.__jaxlens_wrapped__ = original
   return __call__
 
@@ -106,8 +110,9 @@ def _adopt(state, fresh):
     if type(sub) is not type(fresh):
       continue
     sub_tree, sub_shapes = _shapes(sub)
-    if sub_tree == tree and all(len(a) == len(b) + 1 and a[1:] == b
-                                for a, b in zip(sub_shapes, shapes)):
+    if sub_tree == tree and all(
+      len(a) == len(b) + 1 and a[1:] == b for a, b in zip(sub_shapes, shapes)
+    ):
       fits.append(path)
   if len(fits) != 1:
     return
@@ -132,8 +137,13 @@ def _intercept_nnx(model, interceptor):
       saved[klass] = current
       klass.__call__ = _make_wrapper(current)
     previous = getattr(_active, "state", None)
-    _active.state = {"paths": paths, "interceptor": interceptor, "inside": set(),
-                     "modules": modules, "keep": []}
+    _active.state = {
+      "paths": paths,
+      "interceptor": interceptor,
+      "inside": set(),
+      "modules": modules,
+      "keep": [],
+    }
     try:
       yield
     finally:
@@ -151,8 +161,10 @@ class NnxCall:
   def run(self, state, inputs, kwargs, interceptor, method, apply_kwargs):
     if apply_kwargs:
       raise InvalidArgumentError(
-          f"NNX models take no Module.apply options, got {sorted(apply_kwargs)}",
-          code="invalid_argument", fix="pass rngs to the NNX module's constructor")
+        f"NNX models take no Module.apply options, got {sorted(apply_kwargs)}",
+        code="invalid_argument",
+        fix="pass rngs to the NNX module's constructor",
+      )
     model = nnx.merge(self.graphdef, state)
     fn = model if method is None else getattr(model, method)
     with _intercept_nnx(model, interceptor):
@@ -170,6 +182,7 @@ def split(model) -> tuple[Any, Any]:
       return LinenCall(module), variables
     return LinenCall(model), None
   raise InvalidArgumentError(
-      f"expected a flax.linen or flax.nnx Module, got {type(model).__name__}",
-      code="invalid_model",
-      fix="jl.trace(model.bind(variables), x), jl.trace(model, variables, x) or an nnx.Module")
+    f"expected a flax.linen or flax.nnx Module, got {type(model).__name__}",
+    code="invalid_model",
+    fix="jl.trace(model.bind(variables), x), jl.trace(model, variables, x) or an nnx.Module",
+  )

@@ -36,8 +36,7 @@ INPUT_MARK = "jlin:"  # a module call's input leaf (save_inputs); not a site of 
 SCOPE = "jl@"
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
 _REMAT = ("remat2", "checkpoint")
-_CONTROL = ("scan", "while", "cond", "custom_vjp_call",
-            "custom_vjp_call_jaxpr")
+_CONTROL = ("scan", "while", "cond", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
 @dataclasses.dataclass
@@ -104,11 +103,11 @@ def _module_of(name_stack) -> str:
   parts = [str(s.name) for s in getattr(name_stack, "stack", ()) if hasattr(s, "name")]
   for part in reversed(parts):
     if part.startswith(SCOPE):
-      return part[len(SCOPE):]
+      return part[len(SCOPE) :]
   text = str(name_stack)
   for part in reversed(text.split("/")):
     if part.startswith(SCOPE):
-      return part[len(SCOPE):]
+      return part[len(SCOPE) :]
   return ""
 
 
@@ -124,8 +123,9 @@ def _has_marks(j) -> bool:
   return False
 
 
-def _flatten(prog: Program, jaxpr, in_ids, const_vals, consts_out, prefix_stack=None,
-             in_scan=False):
+def _flatten(
+  prog: Program, jaxpr, in_ids, const_vals, consts_out, prefix_stack=None, in_scan=False
+):
   """Appends the nodes of ``jaxpr`` to ``prog``; returns the ids of its outputs."""
   env: dict = {}
   for var, i in zip(jaxpr.invars, in_ids):
@@ -142,16 +142,26 @@ def _flatten(prog: Program, jaxpr, in_ids, const_vals, consts_out, prefix_stack=
     return env[v]
 
   for eqn in jaxpr.eqns:
-    stack = eqn.source_info.name_stack if prefix_stack is None else prefix_stack + \
-        eqn.source_info.name_stack
+    stack = (
+      eqn.source_info.name_stack
+      if prefix_stack is None
+      else prefix_stack + eqn.source_info.name_stack
+    )
     name = eqn.primitive.name
     if name in _INLINE + _REMAT and "jaxpr" in eqn.params:
       # Nested jit calls, and remat bodies, are inlined: their ops become sites. (A
       # remat body evaluated by the interpreter is not rematerialised.)
       inner = eqn.params["jaxpr"]
       closed = isinstance(inner, jcore.ClosedJaxpr)
-      outs = _flatten(prog, inner.jaxpr if closed else inner, [read(v) for v in eqn.invars],
-                      inner.consts if closed else [], consts_out, stack, in_scan)
+      outs = _flatten(
+        prog,
+        inner.jaxpr if closed else inner,
+        [read(v) for v in eqn.invars],
+        inner.consts if closed else [],
+        consts_out,
+        stack,
+        in_scan,
+      )
       for var, o in zip(eqn.outvars, outs):
         env[var] = o
       continue
@@ -162,18 +172,30 @@ def _flatten(prog: Program, jaxpr, in_ids, const_vals, consts_out, prefix_stack=
       sub.module_infos, sub.hidden, sub.nonarray = prog.module_infos, prog.hidden, prog.nonarray
       sub.in_ids = [sub.fresh() for _ in body.jaxpr.invars]
       sub_consts: list = []
-      sub.out_ids = _flatten(sub, body.jaxpr, sub.in_ids, body.consts, sub_consts, stack,
-                             in_scan=True)
+      sub.out_ids = _flatten(
+        sub, body.jaxpr, sub.in_ids, body.consts, sub_consts, stack, in_scan=True
+      )
       outs = []
       for var in eqn.outvars:
         i = prog.fresh()
         env[var] = i
         outs.append(i)
-      prog.nodes.append(Node(eqn.primitive, dict(eqn.params), [read(v) for v in eqn.invars],
-                             outs, [None] * len(outs), _module_of(stack), sub, sub_consts))
+      prog.nodes.append(
+        Node(
+          eqn.primitive,
+          dict(eqn.params),
+          [read(v) for v in eqn.invars],
+          outs,
+          [None] * len(outs),
+          _module_of(stack),
+          sub,
+          sub_consts,
+        )
+      )
       continue
-    if name in _CONTROL or any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))
-                               for v in eqn.params.values()):
+    if name in _CONTROL or any(
+      isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in eqn.params.values()
+    ):
       _note_hidden(prog, eqn)
     outs = []
     for var in eqn.outvars:
@@ -182,8 +204,16 @@ def _flatten(prog: Program, jaxpr, in_ids, const_vals, consts_out, prefix_stack=
       outs.append(i)
     ins = [read(v) for v in eqn.invars]
     # A literal id mapping (outer literal passed into an inlined call) is a tuple.
-    prog.nodes.append(Node(eqn.primitive, eqn.primitive.get_bind_params(eqn.params), ins, outs,
-                           [None] * len(outs), _module_of(stack)))
+    prog.nodes.append(
+      Node(
+        eqn.primitive,
+        eqn.primitive.get_bind_params(eqn.params),
+        ins,
+        outs,
+        [None] * len(outs),
+        _module_of(stack),
+      )
+    )
   return [read(v) for v in jaxpr.outvars]
 
 
@@ -192,7 +222,7 @@ def _note_hidden(prog, eqn):
     j = getattr(j, "jaxpr", j)
     for e in j.eqns:
       if e.primitive.name == "name" and str(e.params.get("name", "")).startswith(MARK):
-        prog.hidden[e.params["name"][len(MARK):]] = eqn.primitive.name
+        prog.hidden[e.params["name"][len(MARK) :]] = eqn.primitive.name
       for v in e.params.values():
         if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)):
           walk(v)
@@ -200,6 +230,7 @@ def _note_hidden(prog, eqn):
           for w in v:
             if isinstance(w, (jcore.Jaxpr, jcore.ClosedJaxpr)):
               walk(w)
+
   for v in eqn.params.values():
     if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)):
       walk(v)
@@ -225,24 +256,32 @@ def _label_nodes(prog: Program, counts=None, calls=None, seen=None, layers=None)
     marker = node.params.get("name") if pname == "name" else None
     if isinstance(marker, str) and marker.startswith(INPUT_MARK):
       # "jlin:<call label>#<leaf>": an identity on a module call's input leaf.
-      call_label, _, leaf = marker[len(INPUT_MARK):].rpartition("#")
+      call_label, _, leaf = marker[len(INPUT_MARK) :].rpartition("#")
       prog.id_label[node.outs[0]] = f"{call_label}.input[{leaf}]"
       if layers is None:
         prog.input_marks.setdefault(call_label, {})[int(leaf)] = node.outs[0]
       continue
     if isinstance(marker, str) and marker.startswith(MARK):
-      first = prog.module_infos[marker[len(MARK):]]
+      first = prog.module_infos[marker[len(MARK) :]]
       key = (first.path, first.method, first.output)
       calls[key] = calls.get(key, 0) + 1
       info = dataclasses.replace(first, call=calls[key], layers=layers)
-      seen[marker[len(MARK):]] = info
+      seen[marker[len(MARK) :]] = info
       node.infos = [info]
       prog.id_label[node.outs[0]] = info.label
       continue
     counts[pname] = counts.get(pname, 0) + 1
     for j, out in enumerate(node.outs):
-      info = SiteInfo(node.module, "", counts[pname], "", func=pname, kind="op",
-                      index=j if len(node.outs) > 1 else None, layers=layers)
+      info = SiteInfo(
+        node.module,
+        "",
+        counts[pname],
+        "",
+        func=pname,
+        kind="op",
+        index=j if len(node.outs) > 1 else None,
+        layers=layers,
+      )
       node.infos[j] = info
       prog.id_label[out] = info.label
   if top:
@@ -252,18 +291,22 @@ def _label_nodes(prog: Program, counts=None, calls=None, seen=None, layers=None)
       final = seen.get(call_label)
       del prog.input_sites[call_label]
       if final is not None and final.layers is None:
-        prog.input_sites[final.label] = (tree, [marks.get(k, leaf) for k, leaf in
-                                                enumerate(leaves)])
+        prog.input_sites[final.label] = (
+          tree,
+          [marks.get(k, leaf) for k, leaf in enumerate(leaves)],
+        )
     # Module infos by their final labels; modules hidden in control flow keep theirs.
-    kept = {old: info for old, info in prog.module_infos.items()
-            if old in prog.hidden and old not in seen}
+    kept = {
+      old: info for old, info in prog.module_infos.items() if old in prog.hidden and old not in seen
+    }
     prog.module_infos.clear()
     prog.module_infos.update({info.label: info for info in seen.values()})
     prog.module_infos.update(kept)
 
 
-def build_program(module, variables, inputs, kwargs, method, apply_kwargs, *,
-                  save_inputs: bool = False):
+def build_program(
+  module, variables, inputs, kwargs, method, apply_kwargs, *, save_inputs: bool = False
+):
   """Captures ``module.run(variables, inputs, ...)`` (a model call from ``calls``) as a
   :class:`Program` with its consts and flat input leaves.
 
@@ -280,11 +323,16 @@ def build_program(module, variables, inputs, kwargs, method, apply_kwargs, *,
     info = SiteInfo(path, context.method_name, calls[key], context.module_type)
     if save_inputs and path:
       leaves, tree = jax.tree.flatten((args, kw))
-      marked = [checkpoint_name(x, f"{INPUT_MARK}{info.label}#{k}")
-                if isinstance(x, jax.Array) or hasattr(x, "aval") else x
-                for k, x in enumerate(leaves)]
-      prog.input_sites[info.label] = (tree, [("static", x) if m is x else None
-                                             for x, m in zip(leaves, marked)])
+      marked = [
+        checkpoint_name(x, f"{INPUT_MARK}{info.label}#{k}")
+        if isinstance(x, jax.Array) or hasattr(x, "aval")
+        else x
+        for k, x in enumerate(leaves)
+      ]
+      prog.input_sites[info.label] = (
+        tree,
+        [("static", x) if m is x else None for x, m in zip(leaves, marked)],
+      )
       args, kw = jax.tree.unflatten(tree, marked)
     if path:
       with jax.named_scope(SCOPE + path):
@@ -324,14 +372,15 @@ def build_program(module, variables, inputs, kwargs, method, apply_kwargs, *,
   consts: list = []
   prog.out_ids = _flatten(prog, closed.jaxpr, prog.in_ids, closed.consts, consts)
   _label_nodes(prog)
-  data = set(prog.in_ids[prog.n_var_leaves:])
+  data = set(prog.in_ids[prog.n_var_leaves :])
   for node in prog.nodes:
     if any(not isinstance(a, tuple) and a in data for a in node.ins):
       data.update(node.outs)
   prog.data_ids = data
   for k, i in enumerate(prog.in_ids):
-    prog.id_label[i] = f"input_{k - prog.n_var_leaves}" if k >= prog.n_var_leaves else \
-        f"variables_{k}"
+    prog.id_label[i] = (
+      f"input_{k - prog.n_var_leaves}" if k >= prog.n_var_leaves else f"variables_{k}"
+    )
   return prog, consts, leaves
 
 
@@ -343,9 +392,11 @@ def check_selectable(prog: Program, selector, what: str, *, editing: bool = True
     for label, (info, type_name) in prog.nonarray.items():
       if hits(selector, dataclasses.replace(info, layers=longest)):
         raise InvalidArgumentError(
-            f"{what}: the site value is a {type_name}, not an array; edits apply to array sites",
-            code="site_not_array", site=label,
-            fix=f"select one element: jl.module({info.path!r}, output=0)")
+          f"{what}: the site value is a {type_name}, not an array; edits apply to array sites",
+          code="site_not_array",
+          site=label,
+          fix=f"select one element: jl.module({info.path!r}, output=0)",
+        )
   if not editing and getattr(selector, "broad", False):
     # "Every site" skips the ones hidden in control flow rather than refusing.
     return
@@ -353,10 +404,12 @@ def check_selectable(prog: Program, selector, what: str, *, editing: bool = True
     info = prog.module_infos.get(label)
     if info is not None and selector.matches(info):
       raise InvalidArgumentError(
-          f"{what}: the module site {label!r} runs inside a `{prim}` body, which jaxlens "
-          "runs as one op site; its value cannot be edited or saved from outside",
-          code="unsupported_control_flow", site=label,
-          fix=f"select the `{prim}` op site itself, or move the module out of the {prim}")
+        f"{what}: the module site {label!r} runs inside a `{prim}` body, which jaxlens "
+        "runs as one op site; its value cannot be edited or saved from outside",
+        code="unsupported_control_flow",
+        site=label,
+        fix=f"select the `{prim}` op site itself, or move the module out of the {prim}",
+      )
 
 
 def save_miss(prog: Program, selector) -> Exception:
@@ -368,7 +421,10 @@ def save_miss(prog: Program, selector) -> Exception:
   for label, (info, type_name) in prog.nonarray.items():
     if selector.matches(info):
       return SiteError(
-          f"save=: the module {label!r} ran but returned a {type_name}, not an array; "
-          "select one element of its output", code="site_not_array", site=repr(selector),
-          fix=f"jl.module({info.path!r}, output=0)")
+        f"save=: the module {label!r} ran but returned a {type_name}, not an array; "
+        "select one element of its output",
+        code="site_not_array",
+        site=repr(selector),
+        fix=f"jl.module({info.path!r}, output=0)",
+      )
   return unmatched_error(selector, prog.infos, "save=")

@@ -47,8 +47,9 @@ def no_grad():
 def stop(tree):
   """``stop_gradient`` on every float leaf of ``tree``."""
   return jax.tree.map(
-      lambda a: jax.lax.stop_gradient(a) if jnp.issubdtype(jnp.result_type(a), jnp.inexact)
-      else a, tree)
+    lambda a: jax.lax.stop_gradient(a) if jnp.issubdtype(jnp.result_type(a), jnp.inexact) else a,
+    tree,
+  )
 
 
 # --------------------------------------------------------------------------
@@ -121,9 +122,12 @@ def raise_no_graph(labels, table, dtypes):
       check_keep_grad_preconditions(jax.ShapeDtypeStruct((), dtype), FireContext(label))
     if not any(row):
       raise GradientContractError(
-          "keep_grad: the site value does not depend on any float variable or input of the "
-          "call, so there is no gradient to keep", code="site_has_no_graph", site=label,
-          fix="drop keep_grad here, or edit a site downstream of the parameters")
+        "keep_grad: the site value does not depend on any float variable or input of the "
+        "call, so there is no gradient to keep",
+        code="site_has_no_graph",
+        site=label,
+        fix="drop keep_grad here, or edit a site downstream of the parameters",
+      )
 
 
 def asks_keep_grad(rules) -> bool:
@@ -142,8 +146,11 @@ def output_elements(out) -> list:
     items = list(enumerate(out))
   else:
     return []
-  return [(k, v) for k, v in items
-          if isinstance(k, (int, str)) and (isinstance(v, jax.Array) or hasattr(v, "aval"))]
+  return [
+    (k, v)
+    for k, v in items
+    if isinstance(k, (int, str)) and (isinstance(v, jax.Array) or hasattr(v, "aval"))
+  ]
 
 
 def replace_elements(out, new: dict):

@@ -63,9 +63,12 @@ class _Writer:
 
   def array(self, a, where: str) -> dict:
     if isinstance(a, jax.core.Tracer):
-      raise SpecFormatError("cannot save a spec holding traced values (inside jit/grad)",
-                            code="spec_not_portable", site=where,
-                            fix="save the spec outside transformed functions")
+      raise SpecFormatError(
+        "cannot save a spec holding traced values (inside jit/grad)",
+        code="spec_not_portable",
+        site=where,
+        fix="save the spec outside transformed functions",
+      )
     key = f"a{len(self.arrays)}"
     self.arrays[key] = np.asarray(a)
     return {"$array": key}
@@ -89,30 +92,43 @@ class _Writer:
       return {"$site": v.to_json()}
     if isinstance(v, ByIdentity):
       raise SpecFormatError(
-          f"{where}: holds the Python object {v!r}, which a portable spec cannot store",
-          code="spec_not_portable", site=where,
-          fix="replace the callable with built-in verbs, or keep the spec in memory")
-    raise SpecFormatError(f"{where}: cannot store a {type(v).__name__}",
-                          code="spec_not_portable", site=where,
-                          fix="pass arrays, numbers or built-in verbs")
+        f"{where}: holds the Python object {v!r}, which a portable spec cannot store",
+        code="spec_not_portable",
+        site=where,
+        fix="replace the callable with built-in verbs, or keep the spec in memory",
+      )
+    raise SpecFormatError(
+      f"{where}: cannot store a {type(v).__name__}",
+      code="spec_not_portable",
+      site=where,
+      fix="pass arrays, numbers or built-in verbs",
+    )
 
   def donor(self, donor: Donor, where: str) -> dict:
     """The donor's values at the sites the rule edits (all of them if none is known)."""
     values, infos = donor.donor_values(), donor.donor_infos()
-    read = [lbl for lbl, info in infos.items()
-            if info is not None and self.selector is not None and hits(self.selector, info)]
+    read = [
+      lbl
+      for lbl, info in infos.items()
+      if info is not None and self.selector is not None and hits(self.selector, info)
+    ]
     keep = read or list(values)
     out = {}
     layers = getattr(donor, "layers", {})
     for lbl in keep:
       info = infos.get(lbl)
-      out[lbl] = {"value": self.array(values[lbl], where),
-                  "layers": layers.get(lbl) if info is None else info.layers}
+      out[lbl] = {
+        "value": self.array(values[lbl], where),
+        "layers": layers.get(lbl) if info is None else info.layers,
+      }
     return out
 
   def edit(self, e: Edit, where: str) -> dict:
-    return {"verb": e.name, "keep_grad": e.keep_grad,
-            "args": {k: self.value(v, where) for k, v in e.arguments.items()}}
+    return {
+      "verb": e.name,
+      "keep_grad": e.keep_grad,
+      "args": {k: self.value(v, where) for k, v in e.arguments.items()},
+    }
 
 
 def encode(rules) -> tuple[dict, dict]:
@@ -123,9 +139,12 @@ def encode(rules) -> tuple[dict, dict]:
     writer.selector = selector
     where = f"rule {i} ({selector!r})"
     if not hasattr(selector, "to_json"):
-      raise SpecFormatError(f"selector {selector!r} has no portable form",
-                            code="spec_not_portable", site=where,
-                            fix="use jl.module / jl.label / jl.func selectors")
+      raise SpecFormatError(
+        f"selector {selector!r} has no portable form",
+        code="spec_not_portable",
+        site=where,
+        fix="use jl.module / jl.label / jl.func selectors",
+      )
     out.append({"site": selector.to_json(), "edit": writer.edit(edit, where)})
   return {"format": FORMAT, "version": VERSION, "rules": out}, writer.arrays
 
@@ -134,8 +153,9 @@ def encode(rules) -> tuple[dict, dict]:
 
 
 def _corrupt(why: str, path) -> SpecFormatError:
-  return SpecFormatError(f"{path}: malformed spec ({why})", code="spec_corrupt", site=str(path),
-                         fix=_FIX)
+  return SpecFormatError(
+    f"{path}: malformed spec ({why})", code="spec_corrupt", site=str(path), fix=_FIX
+  )
 
 
 class _Reader:
@@ -156,7 +176,7 @@ class _Reader:
       return v
     if not isinstance(v, dict) or len(v) != 1:
       raise _corrupt(f"unexpected value {v!r:.80}", self.path)
-    (tag, body), = v.items()
+    ((tag, body),) = v.items()
     if tag == "$array":
       return self.array(v)
     if tag == "$edit":
@@ -192,8 +212,7 @@ class _Reader:
       static = {k: self.value(v, depth + 1) for k, v in d.get("static", [])}
       args = {**params, **static}
       if d["verb"] == "swap_with":
-        args = {"other": args.get("site") if args.get("site") is not None else
-                args.get("value")}
+        args = {"other": args.get("site") if args.get("site") is not None else args.get("value")}
     else:
       raw = d.get("args")
       if not isinstance(raw, dict):
@@ -301,16 +320,24 @@ def save_rules(rules, path) -> Path:
   buf = io.BytesIO()
   np.savez(buf, **arrays)
   blob = json.dumps({**structure, "sha256": digest}, indent=1).encode()
-  if path.exists() and not (_is_spec_dir(path) or (path.is_dir() and not any(
-      p.name != ".lock" for p in path.iterdir()))):
-    raise SpecFormatError(f"{path} exists and is not a saved jaxlens spec; refusing to replace it",
-                          code="spec_target_exists", site=str(path),
-                          fix="save to a new directory")
+  if path.exists() and not (
+    _is_spec_dir(path) or (path.is_dir() and not any(p.name != ".lock" for p in path.iterdir()))
+  ):
+    raise SpecFormatError(
+      f"{path} exists and is not a saved jaxlens spec; refusing to replace it",
+      code="spec_target_exists",
+      site=str(path),
+      fix="save to a new directory",
+    )
   try:
     path.mkdir(parents=True, exist_ok=True)
   except OSError as error:
-    raise SpecFormatError(f"cannot create {path}: {error}", code="spec_target_exists",
-                          site=str(path), fix="save to a writable directory") from None
+    raise SpecFormatError(
+      f"cannot create {path}: {error}",
+      code="spec_target_exists",
+      site=str(path),
+      fix="save to a writable directory",
+    ) from None
   with _locked(path):
     version = f"v-{uuid.uuid4().hex}"
     tmp = path / f".tmp-{version}"
@@ -329,8 +356,12 @@ def save_rules(rules, path) -> Path:
           _link(f"current/{name}", path / name)
       _fsync_dir(path)
     except OSError as error:
-      raise SpecFormatError(f"cannot save the spec to {path}: {error}", code="spec_save_failed",
-                            site=str(path), fix="check the directory is writable") from None
+      raise SpecFormatError(
+        f"cannot save the spec to {path}: {error}",
+        code="spec_save_failed",
+        site=str(path),
+        fix="check the directory is writable",
+      ) from None
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
       if not published:
@@ -350,8 +381,12 @@ def _read_once(path: Path):
   elif (path / "spec.json").is_file():
     where = path  # a spec saved before versioned layouts
   else:
-    raise SpecFormatError(f"{path} is not a saved jaxlens spec (spec.json/arrays.npz missing)",
-                          code="spec_not_found", site=str(path), fix=_FIX)
+    raise SpecFormatError(
+      f"{path} is not a saved jaxlens spec (spec.json/arrays.npz missing)",
+      code="spec_not_found",
+      site=str(path),
+      fix=_FIX,
+    )
   return (where / "spec.json").read_bytes(), (where / "arrays.npz").read_bytes()
 
 
@@ -364,36 +399,67 @@ def load_rules(path) -> tuple:
       break
     except FileNotFoundError:
       if attempt == 49 or not (path / "current").is_symlink():
-        raise SpecFormatError(f"{path} is not a saved jaxlens spec (spec.json/arrays.npz "
-                              "missing)", code="spec_not_found", site=str(path),
-                              fix=_FIX) from None
+        raise SpecFormatError(
+          f"{path} is not a saved jaxlens spec (spec.json/arrays.npz missing)",
+          code="spec_not_found",
+          site=str(path),
+          fix=_FIX,
+        ) from None
       # A writer swapped versions between reading current and the files: read again.
     except OSError as error:
-      raise SpecFormatError(f"{path}: cannot read the saved spec ({error})",
-                            code="spec_corrupt", site=str(path), fix=_FIX) from None
+      raise SpecFormatError(
+        f"{path}: cannot read the saved spec ({error})",
+        code="spec_corrupt",
+        site=str(path),
+        fix=_FIX,
+      ) from None
   try:
     doc = json.loads(text)
     with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
       arrays = {k: npz[k] for k in npz.files}
-  except (ValueError, OSError, zipfile.BadZipFile, EOFError, RuntimeError, NotImplementedError,
-          RecursionError, KeyError, TypeError, UnicodeDecodeError, MemoryError,
-          OverflowError) as error:
-    raise SpecFormatError(f"{path}: cannot read the saved spec ({type(error).__name__}: "
-                          f"{error})", code="spec_corrupt", site=str(path), fix=_FIX) from None
+  except (
+    ValueError,
+    OSError,
+    zipfile.BadZipFile,
+    EOFError,
+    RuntimeError,
+    NotImplementedError,
+    RecursionError,
+    KeyError,
+    TypeError,
+    UnicodeDecodeError,
+    MemoryError,
+    OverflowError,
+  ) as error:
+    raise SpecFormatError(
+      f"{path}: cannot read the saved spec ({type(error).__name__}: {error})",
+      code="spec_corrupt",
+      site=str(path),
+      fix=_FIX,
+    ) from None
   if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-    raise SpecFormatError(f"{path}: not a {FORMAT} file", code="spec_corrupt", site=str(path),
-                          fix=_FIX)
+    raise SpecFormatError(
+      f"{path}: not a {FORMAT} file", code="spec_corrupt", site=str(path), fix=_FIX
+    )
   if doc.get("version") not in (1, VERSION):
-    raise SpecFormatError(f"{path}: format version {doc.get('version')!r} (this jaxlens reads "
-                          f"1 and {VERSION})", code="spec_version", site=str(path), fix=_FIX)
+    raise SpecFormatError(
+      f"{path}: format version {doc.get('version')!r} (this jaxlens reads 1 and {VERSION})",
+      code="spec_version",
+      site=str(path),
+      fix=_FIX,
+    )
   digest = doc.pop("sha256", None)
   try:
     ok = digest == _digest(doc, arrays)
   except (TypeError, ValueError, RecursionError):
     ok = False
   if not ok:
-    raise SpecFormatError(f"{path}: content hash mismatch: the spec was truncated or altered",
-                          code="spec_corrupt", site=str(path), fix=_FIX)
+    raise SpecFormatError(
+      f"{path}: content hash mismatch: the spec was truncated or altered",
+      code="spec_corrupt",
+      site=str(path),
+      fix=_FIX,
+    )
   try:
     return decode(doc, arrays, path)
   except RecursionError:

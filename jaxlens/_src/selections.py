@@ -110,24 +110,30 @@ def units(site, indices, *, feature_axis: int = -1) -> Selection:
   """
   if isinstance(indices, (list, tuple)):
     indices = np.asarray(indices)
-  return Selection(as_selector(site), "units", {"indices": indices},
-                   (("feature_axis", feature_axis),))
+  return Selection(
+    as_selector(site), "units", {"indices": indices}, (("feature_axis", feature_axis),)
+  )
 
 
 def units_edit(edit, indices, *, feature_axis: int = -1) -> Edit:
   """The edit ``jl.units(site, indices).wrap(edit)`` returns (what a saved spec records)."""
   if isinstance(indices, (list, tuple)):
     indices = np.asarray(indices)
-  return Edit("units", {"indices": indices, "edit": verbs.as_edit(edit)},
-              (("feature_axis", feature_axis),), keeps=True)
+  return Edit(
+    "units",
+    {"indices": indices, "edit": verbs.as_edit(edit)},
+    (("feature_axis", feature_axis),),
+    keeps=True,
+  )
 
 
 def _mask(x, indices, feature_axis, ctx):
   host = _host(indices)
   idx = jnp.asarray(indices)
   bad = None
-  fail = lambda msg, code="shape_mismatch": (_ for _ in ()).throw(ShapeError(
-      f"units: {msg}", code=code, site=ctx.label, fix="jl.units(site, jnp.array([0, 2]))"))
+  fail = lambda msg, code="shape_mismatch": (_ for _ in ()).throw(
+    ShapeError(f"units: {msg}", code=code, site=ctx.label, fix="jl.units(site, jnp.array([0, 2]))")
+  )
   if idx.dtype == jnp.bool_:
     try:
       mask = jnp.broadcast_to(idx, x.shape)
@@ -138,8 +144,10 @@ def _mask(x, indices, feature_axis, ctx):
       axis = feature_axis + x.ndim if feature_axis < 0 else feature_axis
       n = x.shape[axis]
       if host is not None and host.size and (host.max() >= n or host.min() < -n):
-        fail(f"feature indices {idx.tolist()} out of range for axis {axis} of size {n}",
-             "index_out_of_range")
+        fail(
+          f"feature indices {idx.tolist()} out of range for axis {axis} of size {n}",
+          "index_out_of_range",
+        )
       norm = jnp.where(idx < 0, idx + n, idx)
       # A comparison, not a scatter: an index outside [0, n) selects nothing, and a
       # traced one makes the edit's error value (NaN) visible instead.
@@ -153,23 +161,29 @@ def _mask(x, indices, feature_axis, ctx):
       if host is not None and host.size:
         hi = np.asarray(x.shape)
         if np.any(host >= hi) or np.any(host < -hi):
-          fail(f"element indices out of range for the site's shape {x.shape}",
-               "index_out_of_range")
+          fail(f"element indices out of range for the site's shape {x.shape}", "index_out_of_range")
       hi = jnp.asarray(x.shape)
       norm = jnp.where(idx < 0, idx + hi, idx)
       mask = jnp.zeros(x.shape, bool).at[tuple(norm.T)].set(True, mode="drop")
       if host is None:
         bad = jnp.any((norm < 0) | (norm >= hi))
     else:
-      fail(f"integer indices of shape {idx.shape}: expected (n,) feature indices or "
-           f"(n, {x.ndim}) element indices")
+      fail(
+        f"integer indices of shape {idx.shape}: expected (n,) feature indices or "
+        f"(n, {x.ndim}) element indices"
+      )
   else:
-    fail(f"indices of dtype {idx.dtype}: expected a boolean mask or integer indices",
-         "dtype_mismatch")
+    fail(
+      f"indices of dtype {idx.dtype}: expected a boolean mask or integer indices", "dtype_mismatch"
+    )
   empty = host is not None and (not host.any() if host.dtype == bool else host.size == 0)
   if empty:
-    raise InvalidArgumentError("units: the selection is empty", code="empty_selection",
-                               site=ctx.label, fix="select at least one element")
+    raise InvalidArgumentError(
+      "units: the selection is empty",
+      code="empty_selection",
+      site=ctx.label,
+      fix="select at least one element",
+    )
   return mask, bad
 
 
@@ -183,9 +197,11 @@ def _units(x, p, s, ctx):
     full = np.broadcast_to(host, x.shape)
     if not np.all(full == np.take(full, [0], axis=axis)):
       raise InvalidArgumentError(
-          f"units: {inner!r} moves whole rows, so it needs the same selection in every row",
-          code="mask_not_row_equivariant", site=ctx.label,
-          fix="select feature indices (a 1-D integer array) instead of a per-row mask")
+        f"units: {inner!r} moves whole rows, so it needs the same selection in every row",
+        code="mask_not_row_equivariant",
+        site=ctx.label,
+        fix="select feature indices (a 1-D integer array) instead of a per-row mask",
+      )
   out = jnp.where(place_like(mask, x), fire(inner, x, ctx), x)
   return out if bad is None else verbs.poison(bad, out)
 
@@ -209,8 +225,12 @@ def subspace(site, basis, origin=None, *, feature_axis: int = -1) -> Selection:
 
   See the module docstring for what each verb does under a subspace.
   """
-  return Selection(as_selector(site), "subspace", {"basis": basis, "origin": origin},
-                   (("feature_axis", feature_axis),))
+  return Selection(
+    as_selector(site),
+    "subspace",
+    {"basis": basis, "origin": origin},
+    (("feature_axis", feature_axis),),
+  )
 
 
 def _origin(origin, x, axis, d, ctx):
@@ -226,9 +246,12 @@ def _origin(origin, x, axis, d, ctx):
   try:
     return jnp.moveaxis(jnp.broadcast_to(o, x.shape), axis, -1)
   except ValueError:
-    raise ShapeError(f"subspace: origin of shape {o.shape} fits neither ({d},) nor the site's "
-                     f"shape {x.shape}", code="shape_mismatch", site=ctx.label,
-                     fix=f"an origin of shape ({d},)") from None
+    raise ShapeError(
+      f"subspace: origin of shape {o.shape} fits neither ({d},) nor the site's shape {x.shape}",
+      code="shape_mismatch",
+      site=ctx.label,
+      fix=f"an origin of shape ({d},)",
+    ) from None
 
 
 def _replicated(a):
@@ -240,17 +263,20 @@ def _replicated(a):
   if isinstance(a, jax.core.Tracer):
     sharding = getattr(jax.typeof(a), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    if mesh is None or not getattr(mesh, "axis_names", ()) or not any(
-        t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+    if (
+      mesh is None
+      or not getattr(mesh, "axis_names", ())
+      or not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    ):
       return a
     if all(p is None for p in sharding.spec):
       return a
-    return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh,
-                                                              jax.sharding.PartitionSpec()))
+    return jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   sharding = getattr(a, "sharding", None)
   if isinstance(sharding, jax.sharding.NamedSharding) and not sharding.is_fully_replicated:
-    return jax.device_put(a, jax.sharding.NamedSharding(sharding.mesh,
-                                                        jax.sharding.PartitionSpec()))
+    return jax.device_put(
+      a, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    )
   return a
 
 
@@ -262,8 +288,11 @@ def _coords_fn(B, host, ctx):
     sv = np.linalg.svd(host.astype(np.float64), compute_uv=False)
     if sv.min() <= sv.max() * 1e-10:
       raise InvalidArgumentError(
-          "subspace: the basis columns are linearly dependent", code="basis_rank_deficient",
-          site=ctx.label, fix="pass linearly independent columns (e.g. an orthonormal basis)")
+        "subspace: the basis columns are linearly dependent",
+        code="basis_rank_deficient",
+        site=ctx.label,
+        fix="pass linearly independent columns (e.g. an orthonormal basis)",
+      )
   else:
     sv = jnp.linalg.svd(B, compute_uv=False)
     bad = sv.min() <= sv.max() * jnp.finfo(B.dtype).eps * max(B.shape) * 10
@@ -279,25 +308,36 @@ def _subspace(x, p, s, ctx):
   for e in inner.walk():
     if e.verb.under_subspace == "refused":
       raise InvalidArgumentError(
-          f"{e.name} under jl.subspace: a projection of a projection is not a subspace edit",
-          code="subspace_edit_unsupported", site=ctx.label,
-          fix=f"apply jl.{e.name} to the whole site, or use subspace_zero/subspace_set")
+        f"{e.name} under jl.subspace: a projection of a projection is not a subspace edit",
+        code="subspace_edit_unsupported",
+        site=ctx.label,
+        fix=f"apply jl.{e.name} to the whole site, or use subspace_zero/subspace_set",
+      )
   axis = s["feature_axis"]
   axis = axis + x.ndim if axis < 0 else axis
   B = jnp.asarray(p["basis"])
   if B.ndim != 2 or not 0 <= axis < x.ndim or B.shape[0] != x.shape[axis]:
     raise ShapeError(
-        f"subspace: basis of shape {B.shape} does not fit feature axis {axis} of size "
-        f"{x.shape[axis] if 0 <= axis < x.ndim else '?'} (site shape {x.shape})",
-        code="shape_mismatch", site=ctx.label,
-        fix=f"a ({x.shape[axis] if 0 <= axis < x.ndim else 'd'}, k) basis")
+      f"subspace: basis of shape {B.shape} does not fit feature axis {axis} of size "
+      f"{x.shape[axis] if 0 <= axis < x.ndim else '?'} (site shape {x.shape})",
+      code="shape_mismatch",
+      site=ctx.label,
+      fix=f"a ({x.shape[axis] if 0 <= axis < x.ndim else 'd'}, k) basis",
+    )
   if B.shape[1] == 0:
-    raise InvalidArgumentError("subspace: the basis has no columns", code="empty_selection",
-                               site=ctx.label, fix="a basis with at least one column")
+    raise InvalidArgumentError(
+      "subspace: the basis has no columns",
+      code="empty_selection",
+      site=ctx.label,
+      fix="a basis with at least one column",
+    )
   if not jnp.issubdtype(x.dtype, jnp.inexact):
-    raise InvalidArgumentError(f"subspace: the site value has dtype {x.dtype}; a subspace "
-                               "needs a float site", code="site_not_float", site=ctx.label,
-                               fix="select a float site")
+    raise InvalidArgumentError(
+      f"subspace: the site value has dtype {x.dtype}; a subspace needs a float site",
+      code="site_not_float",
+      site=ctx.label,
+      fix="select a float site",
+    )
   # The coordinate solve runs in at least float32 (half precision has no inverse);
   # the result is cast back, exactly, where the basis has no support.
   work = jnp.promote_types(x.dtype, jnp.float32)
@@ -314,10 +354,13 @@ def _subspace(x, p, s, ctx):
     W = jnp.asarray(inner.params["W"]).astype(work)
     b = jnp.asarray(inner.params["b"]).astype(work)
     if W.shape != (B.shape[1], d) or b.shape[-1:] != (B.shape[1],):
-      raise ShapeError(f"set_affine_coordinates: W {W.shape} / b {b.shape} do not map the "
-                       f"site's {d} features to the basis's {B.shape[1]} coordinates",
-                       code="shape_mismatch", site=ctx.label,
-                       fix=f"W of shape ({B.shape[1]}, {d}) and b of shape ({B.shape[1]},)")
+      raise ShapeError(
+        f"set_affine_coordinates: W {W.shape} / b {b.shape} do not map the "
+        f"site's {d} features to the basis's {B.shape[1]} coordinates",
+        code="shape_mismatch",
+        site=ctx.label,
+        fix=f"W of shape ({B.shape[1]}, {d}) and b of shape ({B.shape[1]},)",
+      )
     c_new = xm @ W.T + b
   elif inner.verb.writes_source(inner):
     y = jnp.moveaxis(fire(inner, x, ctx).astype(work), axis, -1)
@@ -332,8 +375,12 @@ def _subspace(x, p, s, ctx):
 
 def subspace_edit(edit, basis, origin=None, *, feature_axis: int = -1) -> Edit:
   """The edit ``jl.subspace(site, basis, origin).wrap(edit)`` returns (what a spec records)."""
-  return Edit("subspace", {"basis": basis, "origin": origin, "edit": verbs.as_edit(edit)},
-              (("feature_axis", feature_axis),), keeps=True)
+  return Edit(
+    "subspace",
+    {"basis": basis, "origin": origin, "edit": verbs.as_edit(edit)},
+    (("feature_axis", feature_axis),),
+    keeps=True,
+  )
 
 
 register("subspace", _subspace, subspace_edit, wraps=True)
@@ -345,9 +392,11 @@ _WRAPPERS = {"units": units_edit, "subspace": subspace_edit}
 
 def _set_affine(x, p, s, ctx):
   raise InvalidArgumentError(
-      "set_affine_coordinates writes subspace coordinates; it needs a jl.subspace selection",
-      code="affine_source_needs_subspace", site=ctx.label,
-      fix="jl.when(jl.subspace(site, basis), jl.intervention.set_affine_coordinates(W, b))")
+    "set_affine_coordinates writes subspace coordinates; it needs a jl.subspace selection",
+    code="affine_source_needs_subspace",
+    site=ctx.label,
+    fix="jl.when(jl.subspace(site, basis), jl.intervention.set_affine_coordinates(W, b))",
+  )
 
 
 def set_affine_coordinates(W, b) -> Edit:
@@ -378,8 +427,7 @@ def subspace_set(basis, coords, origin=None, *, feature_axis=-1) -> Edit:
   """Sets the subspace coordinates to ``coords`` (shape ``(k,)``, broadcast over rows)."""
   B = jnp.asarray(basis)
   W = jnp.zeros((B.shape[1], B.shape[0]), B.dtype)
-  return subspace_edit(set_affine_coordinates(W, coords), basis, origin,
-                       feature_axis=feature_axis)
+  return subspace_edit(set_affine_coordinates(W, coords), basis, origin, feature_axis=feature_axis)
 
 
 def subspace_patch(basis, source, origin=None, *, feature_axis=-1) -> Edit:

@@ -19,8 +19,17 @@ from typing import Iterable
 
 from jaxlens._src.errors import InvalidArgumentError, SiteError, SpecFormatError
 
-__all__ = ["Site", "SiteInfo", "module", "func", "label", "in_module", "all_sites",
-           "module_sites", "as_selector"]
+__all__ = [
+  "Site",
+  "SiteInfo",
+  "module",
+  "func",
+  "label",
+  "in_module",
+  "all_sites",
+  "module_sites",
+  "as_selector",
+]
 
 OUTPUT_LABEL = "output"
 # (A "[k]" layer suffix is not read here: "layers_[01]" is a glob; jl.label takes it.)
@@ -137,18 +146,25 @@ _KINDS: dict[str, type] = {}
 
 def _kind(name: str):
   """Registers a selector class under the ``kind`` its saved form carries."""
+
   def register(cls):
     cls.kind = name
     _KINDS[name] = cls
     return cls
+
   return register
 
 
 def selector_from_json(d, *, depth: int = 0) -> "Site":
   """The selector a :meth:`Site.to_json` form describes; a typed error for anything else."""
+
   def bad(why):
-    return SpecFormatError(f"malformed selector {d!r:.200}: {why}", code="spec_corrupt",
-                           fix="save the spec again with spec.save(path)")
+    return SpecFormatError(
+      f"malformed selector {d!r:.200}: {why}",
+      code="spec_corrupt",
+      fix="save the spec again with spec.save(path)",
+    )
+
   if depth > 64:
     raise bad("nested too deeply")
   if not isinstance(d, dict) or d.get("kind") not in _KINDS:
@@ -168,8 +184,7 @@ def selector_from_json(d, *, depth: int = 0) -> "Site":
         raise bad(f"{f.name} must be a string")
     elif f.name == "output" and isinstance(value, str):
       pass
-    elif value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                or value < 0):
+    elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
       raise bad(f"{f.name} must be a non-negative int or null")
     values[f.name] = value
   return cls(**values)
@@ -202,25 +217,41 @@ class _Module(Site):
     return self.layer is not None
 
   def module_path(self) -> str | None:
-    if self.method != "__call__" or self.call not in (None, 1) or self.layer is not None or \
-        self.output is not None or \
-        any(ch in self.path for ch in "*?["):
+    if (
+      self.method != "__call__"
+      or self.call not in (None, 1)
+      or self.layer is not None
+      or self.output is not None
+      or any(ch in self.path for ch in "*?[")
+    ):
       return None
     return self.path
 
   def describe_miss(self, seen):
     if self.layer is not None:
-      stacks = [s for s in seen if s.layers is not None and
-                dataclasses.replace(self, layer=None).matches(s)]
+      stacks = [
+        s for s in seen if s.layers is not None and dataclasses.replace(self, layer=None).matches(s)
+      ]
       if stacks:
         n = stacks[0].layers
-        return (f"layer {self.layer} is out of range: {stacks[0].label!r} runs in a scan of "
-                f"{n} layers", [stacks[0].at_layer(k).label for k in range(min(n, 10))])
-    elements = sorted({s.label for s in seen if s.kind == "module" and s.output is not None
-                       and dataclasses.replace(self, output=s.output).matches(s)})
+        return (
+          f"layer {self.layer} is out of range: {stacks[0].label!r} runs in a scan of {n} layers",
+          [stacks[0].at_layer(k).label for k in range(min(n, 10))],
+        )
+    elements = sorted(
+      {
+        s.label
+        for s in seen
+        if s.kind == "module"
+        and s.output is not None
+        and dataclasses.replace(self, output=s.output).matches(s)
+      }
+    )
     if elements:
-      return (f"the module {self.path!r} returns a tuple or dict; select one element with "
-              "output=", elements[:10])
+      return (
+        f"the module {self.path!r} returns a tuple or dict; select one element with output=",
+        elements[:10],
+      )
     paths = sorted({s.path for s in seen if s.path and s.kind == "module"} - {self.path})
     close = difflib.get_close_matches(self.path, paths, n=5, cutoff=0.4)
     suffix = [p for p in paths if p.endswith("/" + self.path)]
@@ -251,8 +282,10 @@ class _Label(Site):
 
   def describe_miss(self, seen):
     labels = sorted({s.label for s in seen})
-    return (f"no site labelled {self.label!r} in this run",
-            difflib.get_close_matches(self.label, labels, n=5, cutoff=0.4) or labels[:10])
+    return (
+      f"no site labelled {self.label!r} in this run",
+      difflib.get_close_matches(self.label, labels, n=5, cutoff=0.4) or labels[:10],
+    )
 
   def __repr__(self) -> str:
     return f"jl.label({self.label!r})"
@@ -306,8 +339,10 @@ class _Func(Site):
 
   def describe_miss(self, seen):
     funcs = sorted({s.func for s in seen if s.kind == "op"})
-    return (f"no op {self.name!r} ran in this model",
-            difflib.get_close_matches(self.name, funcs, n=5, cutoff=0.4) or funcs[:10])
+    return (
+      f"no op {self.name!r} ran in this model",
+      difflib.get_close_matches(self.name, funcs, n=5, cutoff=0.4) or funcs[:10],
+    )
 
   def __repr__(self) -> str:
     return f"jl.func({self.name!r})"
@@ -321,13 +356,18 @@ class _InModule(Site):
   def matches(self, info: SiteInfo) -> bool:
     if info.kind != "op":
       return False
-    return info.path == self.path or info.path.startswith(self.path + "/") or (
-        any(ch in self.path for ch in "*?[") and fnmatch.fnmatchcase(info.path, self.path))
+    return (
+      info.path == self.path
+      or info.path.startswith(self.path + "/")
+      or (any(ch in self.path for ch in "*?[") and fnmatch.fnmatchcase(info.path, self.path))
+    )
 
   def describe_miss(self, seen):
     paths = sorted({s.path for s in seen if s.path})
-    return (f"no op ran inside module {self.path!r}",
-            difflib.get_close_matches(self.path, paths, n=5, cutoff=0.4) or paths[:10])
+    return (
+      f"no op ran inside module {self.path!r}",
+      difflib.get_close_matches(self.path, paths, n=5, cutoff=0.4) or paths[:10],
+    )
 
   def __repr__(self) -> str:
     return f"jl.in_module({self.path!r})"
@@ -360,8 +400,14 @@ class _All(Site):
     return "jl.all_sites()"
 
 
-def module(path: str, *, method: str = "__call__", call: int | None = None,
-           layer: int | None = None, output: int | str | None = None) -> Site:
+def module(
+  path: str,
+  *,
+  method: str = "__call__",
+  call: int | None = None,
+  layer: int | None = None,
+  output: int | str | None = None,
+) -> Site:
   """Selects the output of the Flax submodule at ``path``.
 
   Args:
@@ -385,8 +431,10 @@ def module(path: str, *, method: str = "__call__", call: int | None = None,
   """
   if not isinstance(path, str):
     raise InvalidArgumentError(
-        f"jl.module expects a module path string, got {type(path).__name__}",
-        code="invalid_site", fix='jl.module("layers_0")')
+      f"jl.module expects a module path string, got {type(path).__name__}",
+      code="invalid_site",
+      fix='jl.module("layers_0")',
+    )
   path = path.strip("/")
   # A label the trace printed ("path:2", "path#0") names the same site.
   found = _LABEL.match(path)
@@ -398,18 +446,30 @@ def module(path: str, *, method: str = "__call__", call: int | None = None,
       o = found.group("output")
       output = int(o) if o.isdigit() else o
   if call is not None and (not isinstance(call, int) or call < 1):
-    raise InvalidArgumentError(f"call must be a positive int, got {call!r}",
-                               code="invalid_site", site=path,
-                               fix=f'jl.module("{path}", call=1)')
+    raise InvalidArgumentError(
+      f"call must be a positive int, got {call!r}",
+      code="invalid_site",
+      site=path,
+      fix=f'jl.module("{path}", call=1)',
+    )
   if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
-    raise InvalidArgumentError(f"layer must be a non-negative int, got {layer!r}",
-                               code="invalid_site", site=path,
-                               fix=f'jl.module("{path}", layer=0)')
-  if output is not None and (isinstance(output, bool) or not isinstance(output, (int, str)) or (
-      isinstance(output, int) and output < 0)):
-    raise InvalidArgumentError(f"output must be an element index or a dict key, got {output!r}",
-                               code="invalid_site", site=path,
-                               fix=f'jl.module("{path}", output=0)')
+    raise InvalidArgumentError(
+      f"layer must be a non-negative int, got {layer!r}",
+      code="invalid_site",
+      site=path,
+      fix=f'jl.module("{path}", layer=0)',
+    )
+  if output is not None and (
+    isinstance(output, bool)
+    or not isinstance(output, (int, str))
+    or (isinstance(output, int) and output < 0)
+  ):
+    raise InvalidArgumentError(
+      f"output must be an element index or a dict key, got {output!r}",
+      code="invalid_site",
+      site=path,
+      fix=f'jl.module("{path}", output=0)',
+    )
   return _Module(path, method, call, layer, output)
 
 
@@ -432,24 +492,33 @@ def func(name: str) -> Site:
     (jl.func('tanh') & jl.in_module('block_1'))
   """
   if not isinstance(name, str):
-    raise InvalidArgumentError(f"jl.func expects a primitive name, got {type(name).__name__}",
-                               code="invalid_site", fix='jl.func("tanh")')
+    raise InvalidArgumentError(
+      f"jl.func expects a primitive name, got {type(name).__name__}",
+      code="invalid_site",
+      fix='jl.func("tanh")',
+    )
   return _Func(name)
 
 
 def label(name: str) -> Site:
   """Selects the site with this exact label (``"dot_general_3"``, ``"block_0/mlp"``)."""
   if not isinstance(name, str):
-    raise InvalidArgumentError(f"jl.label expects a label string, got {type(name).__name__}",
-                               code="invalid_site", fix='jl.label("tanh_1")')
+    raise InvalidArgumentError(
+      f"jl.label expects a label string, got {type(name).__name__}",
+      code="invalid_site",
+      fix='jl.label("tanh_1")',
+    )
   return _Label(name)
 
 
 def in_module(path: str) -> Site:
   """Selects the op sites run by the module at ``path`` or its submodules."""
   if not isinstance(path, str):
-    raise InvalidArgumentError(f"jl.in_module expects a module path, got {type(path).__name__}",
-                               code="invalid_site", fix='jl.in_module("block_1")')
+    raise InvalidArgumentError(
+      f"jl.in_module expects a module path, got {type(path).__name__}",
+      code="invalid_site",
+      fix='jl.in_module("block_1")',
+    )
   return _InModule(path.strip("/"))
 
 
@@ -460,12 +529,15 @@ def as_selector(obj) -> Site:
   if isinstance(obj, str):
     return _Label(obj)
   raise InvalidArgumentError(
-      f"expected a site selector (jl.module(...)) or a label string, got {type(obj).__name__}",
-      code="invalid_site", fix='jl.module("layers_0")')
+    f"expected a site selector (jl.module(...)) or a label string, got {type(obj).__name__}",
+    code="invalid_site",
+    fix='jl.module("layers_0")',
+  )
 
 
 def unmatched_error(selector: Site, seen: list[SiteInfo], what: str) -> SiteError:
   sentence, candidates = selector.describe_miss(seen)
   fix = f"one of: {', '.join(candidates)}" if candidates else None
-  return SiteError(f"{what}: {sentence}", code="unknown_site", site=repr(selector),
-                   fix=fix, candidates=candidates)
+  return SiteError(
+    f"{what}: {sentence}", code="unknown_site", site=repr(selector), fix=fix, candidates=candidates
+  )

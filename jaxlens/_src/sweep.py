@@ -40,30 +40,39 @@ def layer_sites(n_layers: int, pattern: str = "block_{}") -> tuple[str, ...]:
 
 def _check(clean, corrupt, sites, positions):
   if not sites:
-    raise InvalidArgumentError("patching_sweep needs at least one site to patch",
-                               code="invalid_argument",
-                               fix='patching_sweep(..., sites=jl.sweep.layer_sites(2))')
+    raise InvalidArgumentError(
+      "patching_sweep needs at least one site to patch",
+      code="invalid_argument",
+      fix="patching_sweep(..., sites=jl.sweep.layer_sites(2))",
+    )
   if jnp.shape(clean) != jnp.shape(corrupt):
     raise ShapeError(
-        f"patching_sweep: clean has shape {jnp.shape(clean)} but corrupt has "
-        f"{jnp.shape(corrupt)}; a patch needs the same positions in both runs",
-        code="shape_mismatch", fix="pad or crop the two inputs to one shape",
-        expected=str(jnp.shape(clean)), received=str(jnp.shape(corrupt)))
+      f"patching_sweep: clean has shape {jnp.shape(clean)} but corrupt has "
+      f"{jnp.shape(corrupt)}; a patch needs the same positions in both runs",
+      code="shape_mismatch",
+      fix="pad or crop the two inputs to one shape",
+      expected=str(jnp.shape(clean)),
+      received=str(jnp.shape(corrupt)),
+    )
   if jnp.ndim(clean) < 2:
-    raise ShapeError(f"patching_sweep: inputs must be (batch, seq, ...), got shape "
-                     f"{jnp.shape(clean)}", code="shape_mismatch",
-                     fix="add a batch axis: tokens[None]")
+    raise ShapeError(
+      f"patching_sweep: inputs must be (batch, seq, ...), got shape {jnp.shape(clean)}",
+      code="shape_mismatch",
+      fix="add a batch axis: tokens[None]",
+    )
   seq = jnp.shape(clean)[1]
   bad = [p for p in positions if not 0 <= p < seq]
   if bad:
     raise InvalidArgumentError(
-        f"patching_sweep: positions {bad} are out of range for sequence length {seq}",
-        code="index_out_of_range", fix=f"positions in [0, {seq})",
-        expected=f"[0, {seq})", received=str(bad))
+      f"patching_sweep: positions {bad} are out of range for sequence length {seq}",
+      code="index_out_of_range",
+      fix=f"positions in [0, {seq})",
+      expected=f"[0, {seq})",
+      received=str(bad),
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "positions",
-                                             "batch_size"))
+@functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "positions", "batch_size"))
 def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_size):
   donor = trace(model, variables, clean, save=[module(s) for s in sites])
   # The corrupt run once, every module site saved: a cell at site i replays only the
@@ -73,12 +82,16 @@ def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_
   def check(value):
     value = jnp.asarray(value)
     if value.shape != ():
-      raise ShapeError(f"patching_sweep: metric returned shape {value.shape}, expected a scalar",
-                       code="metric_not_scalar", fix="reduce the metric over the batch: .mean()")
+      raise ShapeError(
+        f"patching_sweep: metric returned shape {value.shape}, expected a scalar",
+        code="metric_not_scalar",
+        fix="reduce the metric over the batch: .mean()",
+      )
     return value
 
   grid = []
   for path in sites:
+
     def one(position, path=path):
       edit = at_positions(position[None], patch_from(donor))
       return check(metric(base.fork().do(module(path), edit).output))
@@ -92,9 +105,17 @@ def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_
   return jnp.stack(grid)
 
 
-def patching_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any], *,
-                   sites: Sequence[str] | None = None, positions: Sequence[int] | None = None,
-                   batch_size: int | None = None):
+def patching_sweep(
+  model,
+  variables,
+  clean,
+  corrupt,
+  metric: Callable[[Any], Any],
+  *,
+  sites: Sequence[str] | None = None,
+  positions: Sequence[int] | None = None,
+  batch_size: int | None = None,
+):
   """Patches the clean run into the corrupt one at every (site, position); returns the metric.
 
   Cell ``[i, j]`` of the result is ``metric(out)`` where ``out`` is the model's
@@ -141,12 +162,22 @@ def patching_sweep(model, variables, clean, corrupt, metric: Callable[[Any], Any
     n_layers = getattr(model, "n_layers", None)
     if n_layers is None:
       raise InvalidArgumentError(
-          f"patching_sweep: a {type(model).__name__} has no n_layers; name the sites",
-          code="invalid_argument", fix='patching_sweep(..., sites=("layers_0", "layers_1"))')
+        f"patching_sweep: a {type(model).__name__} has no n_layers; name the sites",
+        code="invalid_argument",
+        fix='patching_sweep(..., sites=("layers_0", "layers_1"))',
+      )
     sites = layer_sites(n_layers)
   sites = tuple(sites)
   seq = jnp.shape(clean)[1] if jnp.ndim(clean) >= 2 else 0
   positions = tuple(range(seq)) if positions is None else tuple(int(p) for p in positions)
   _check(clean, corrupt, sites, positions)
-  return _sweep(model, variables, clean, corrupt, metric=metric, sites=sites,
-                positions=positions, batch_size=batch_size)
+  return _sweep(
+    model,
+    variables,
+    clean,
+    corrupt,
+    metric=metric,
+    sites=sites,
+    positions=positions,
+    batch_size=batch_size,
+  )

@@ -46,8 +46,11 @@ class InterventionOptions:
 
   def __post_init__(self):
     if self.engine not in ("auto", "replay", "rerun", "set_only"):
-      raise InvalidArgumentError(f"unknown engine {self.engine!r}", code="invalid_argument",
-                                 fix='InterventionOptions(engine="set_only")')
+      raise InvalidArgumentError(
+        f"unknown engine {self.engine!r}",
+        code="invalid_argument",
+        fix='InterventionOptions(engine="set_only")',
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +98,28 @@ class Trace(Donor):
   order they ran; ``trace.sites`` every site of the captured program.
   """
 
-  def __init__(self, output, values: dict, infos: dict, *, program=None, args=(), consts=(),
-               spec: Spec | None = None, staged: Spec | None = None, save=None,
-               frontier: dict | None = None, replay_starts=None, stale=False, module=None,
-               call=None, replay_layers=(), keep_inputs=True, inputs=None, save_inputs=False):
+  def __init__(
+    self,
+    output,
+    values: dict,
+    infos: dict,
+    *,
+    program=None,
+    args=(),
+    consts=(),
+    spec: Spec | None = None,
+    staged: Spec | None = None,
+    save=None,
+    frontier: dict | None = None,
+    replay_starts=None,
+    stale=False,
+    module=None,
+    call=None,
+    replay_layers=(),
+    keep_inputs=True,
+    inputs=None,
+    save_inputs=False,
+  ):
     self.output = output
     self.inputs = dict(inputs or {})  # label -> (args, kwargs) of the saved module calls
     self._save_inputs = save_inputs
@@ -124,25 +145,56 @@ class Trace(Donor):
     labels = tuple(self.values)
     flabels = tuple(self.frontier)
     ilabels = tuple(self.inputs)
-    children = (self.output, tuple(self.values[k] for k in labels), self._args, self._consts,
-                self._spec, self._staged, tuple(self.frontier[k] for k in flabels),
-                tuple(self.inputs[k] for k in ilabels))
-    aux = _Static(labels, tuple(self.infos.get(k) for k in labels), _Ident(self._program),
-                  self._save, flabels, self._replay_starts, self._replay_layers, self.stale,
-                  self._keep_inputs, _Ident(self._module), self._call, ilabels,
-                  self._save_inputs)
+    children = (
+      self.output,
+      tuple(self.values[k] for k in labels),
+      self._args,
+      self._consts,
+      self._spec,
+      self._staged,
+      tuple(self.frontier[k] for k in flabels),
+      tuple(self.inputs[k] for k in ilabels),
+    )
+    aux = _Static(
+      labels,
+      tuple(self.infos.get(k) for k in labels),
+      _Ident(self._program),
+      self._save,
+      flabels,
+      self._replay_starts,
+      self._replay_layers,
+      self.stale,
+      self._keep_inputs,
+      _Ident(self._module),
+      self._call,
+      ilabels,
+      self._save_inputs,
+    )
     return children, aux
 
   @classmethod
   def tree_unflatten(cls, aux: "_Static", children):
     output, vals, args, consts, spec, staged, fvals, ivals = children
-    return cls(output, dict(zip(aux.labels, vals)), dict(zip(aux.labels, aux.infos)),
-               program=aux.program.obj, args=args, consts=consts, spec=spec, staged=staged,
-               save=aux.save, frontier=dict(zip(aux.frontier_labels, fvals)),
-               replay_starts=aux.replay_starts, replay_layers=aux.replay_layers,
-               stale=aux.stale, keep_inputs=aux.keep_inputs, module=aux.module.obj,
-               call=aux.call, inputs=dict(zip(aux.input_labels, ivals)),
-               save_inputs=aux.save_inputs)
+    return cls(
+      output,
+      dict(zip(aux.labels, vals)),
+      dict(zip(aux.labels, aux.infos)),
+      program=aux.program.obj,
+      args=args,
+      consts=consts,
+      spec=spec,
+      staged=staged,
+      save=aux.save,
+      frontier=dict(zip(aux.frontier_labels, fvals)),
+      replay_starts=aux.replay_starts,
+      replay_layers=aux.replay_layers,
+      stale=aux.stale,
+      keep_inputs=aux.keep_inputs,
+      module=aux.module.obj,
+      call=aux.call,
+      inputs=dict(zip(aux.input_labels, ivals)),
+      save_inputs=aux.save_inputs,
+    )
 
   # -- reading ------------------------------------------------------------
 
@@ -186,16 +238,20 @@ class Trace(Donor):
       for lbl, info in self.infos.items():
         layers = None if info is None else matched_layers(selector, info)
         if layers and len(layers) == 1:
-          return SiteValue(info.at_layer(layers[0]).label, self.values[lbl][layers[0]],
-                           info.at_layer(layers[0]))
+          return SiteValue(
+            info.at_layer(layers[0]).label, self.values[lbl][layers[0]], info.at_layer(layers[0])
+          )
     if not hits:
       raise unmatched_error(selector, list(self.sites), "this trace saved no such site")
     if len(hits) > 1:
-      raise SiteError(f"{selector!r} matches {len(hits)} saved sites: {hits}",
-                      code="ambiguous_site", site=repr(selector), candidates=hits,
-                      fix=f"index by one label, e.g. trace[{hits[0]!r}]")
-    return SiteValue(hits[0], self.values[hits[0]], self.infos[hits[0]],
-                     self.inputs.get(hits[0]))
+      raise SiteError(
+        f"{selector!r} matches {len(hits)} saved sites: {hits}",
+        code="ambiguous_site",
+        site=repr(selector),
+        candidates=hits,
+        fix=f"index by one label, e.g. trace[{hits[0]!r}]",
+      )
+    return SiteValue(hits[0], self.values[hits[0]], self.infos[hits[0]], self.inputs.get(hits[0]))
 
   def value_for_donor(self, label: str, verb: str, *, layer=None, static_layer=None):
     """The value this trace saved at ``label``, for a verb that reads it as a donor.
@@ -211,9 +267,11 @@ class Trace(Donor):
     if static_layer is not None and f"{label}[{static_layer}]" in self.values:
       return self.values[f"{label}[{static_layer}]"]
     raise SiteError(
-        f"{verb}: the donor trace saved no value at {label!r} (it saved {list(self.values)})",
-        code="donor_site_missing", site=label,
-        fix=f"capture the donor with save=jl.label({label!r}) or the default save=None")
+      f"{verb}: the donor trace saved no value at {label!r} (it saved {list(self.values)})",
+      code="donor_site_missing",
+      site=label,
+      fix=f"capture the donor with save=jl.label({label!r}) or the default save=None",
+    )
 
   def donor_values(self) -> dict:
     return dict(self.values)
@@ -237,8 +295,15 @@ class Trace(Donor):
     """A copy to edit; ``do`` never changes the trace it is called on."""
     return self._with()
 
-  def do(self, site, edit=None, *, model=None, inputs=None,
-         intervention: InterventionOptions | None = None) -> "Trace":
+  def do(
+    self,
+    site,
+    edit=None,
+    *,
+    model=None,
+    inputs=None,
+    intervention: InterventionOptions | None = None,
+  ) -> "Trace":
     """Applies an edit at ``site`` and returns the new trace.
 
     Args:
@@ -282,42 +347,71 @@ class Trace(Donor):
     """
     if self._replay_starts is None:
       raise InvalidArgumentError(
-          "replay(frontier) needs a trace from a differentiable replay", code="not_a_replay",
-          fix="trace.do(site, edit, intervention=InterventionOptions(differentiable=True))")
+        "replay(frontier) needs a trace from a differentiable replay",
+        code="not_a_replay",
+        fix="trace.do(site, edit, intervention=InterventionOptions(differentiable=True))",
+      )
     prog = self._need_program("replay")
     if not isinstance(frontier, dict):
-      raise InvalidArgumentError(f"replay(frontier) takes a dict of label -> value, got "
-                                 f"{type(frontier).__name__}", code="invalid_argument",
-                                 fix="r.replay(r.frontier)")
+      raise InvalidArgumentError(
+        f"replay(frontier) takes a dict of label -> value, got {type(frontier).__name__}",
+        code="invalid_argument",
+        fix="r.replay(r.frontier)",
+      )
     for label, value in frontier.items():
       if label not in self.frontier:
-        raise SiteError(f"replay(frontier): {label!r} is not a frontier value of this replay",
-                        code="unknown_site", site=label, candidates=list(self.frontier),
-                        fix=f"one of: {', '.join(self.frontier)}")
+        raise SiteError(
+          f"replay(frontier): {label!r} is not a frontier value of this replay",
+          code="unknown_site",
+          site=label,
+          candidates=list(self.frontier),
+          fix=f"one of: {', '.join(self.frontier)}",
+        )
       want = self.frontier[label]
       if jnp.shape(value) != jnp.shape(want) or jnp.result_type(value) != jnp.result_type(want):
         raise ShapeError(
-            f"replay(frontier): {label!r} has shape {jnp.shape(value)} and dtype "
-            f"{jnp.result_type(value)}, the frontier value {jnp.shape(want)} and "
-            f"{jnp.result_type(want)}", code="shape_mismatch", site=label,
-            fix=f"pass a value like r.frontier[{label!r}]", expected=str(jnp.shape(want)),
-            received=str(jnp.shape(value)))
-    ev = interpret.evaluate(prog, self._args, self._consts, self._spec.rules, None,
-                            known=self.values, start_labels=self._replay_starts,
-                            frontier_values=frontier,
-                            releaf_layers=dict(self._replay_layers) or None)
+          f"replay(frontier): {label!r} has shape {jnp.shape(value)} and dtype "
+          f"{jnp.result_type(value)}, the frontier value {jnp.shape(want)} and "
+          f"{jnp.result_type(want)}",
+          code="shape_mismatch",
+          site=label,
+          fix=f"pass a value like r.frontier[{label!r}]",
+          expected=str(jnp.shape(want)),
+          received=str(jnp.shape(value)),
+        )
+    ev = interpret.evaluate(
+      prog,
+      self._args,
+      self._consts,
+      self._spec.rules,
+      None,
+      known=self.values,
+      start_labels=self._replay_starts,
+      frontier_values=frontier,
+      releaf_layers=dict(self._replay_layers) or None,
+    )
     return interpret.program_output(prog, ev, self.output)
 
   # -- implementation -----------------------------------------------------
 
   def _with(self, **changes) -> "Trace":
-    fields = dict(program=self._program, args=self._args, consts=self._consts,
-                  spec=self._spec, staged=self._staged, save=self._save,
-                  frontier=self.frontier, replay_starts=self._replay_starts,
-                  replay_layers=self._replay_layers, stale=self.stale,
-                  keep_inputs=self._keep_inputs,
-                  module=self._module, call=self._call, inputs=self.inputs,
-                  save_inputs=self._save_inputs)
+    fields = dict(
+      program=self._program,
+      args=self._args,
+      consts=self._consts,
+      spec=self._spec,
+      staged=self._staged,
+      save=self._save,
+      frontier=self.frontier,
+      replay_starts=self._replay_starts,
+      replay_layers=self._replay_layers,
+      stale=self.stale,
+      keep_inputs=self._keep_inputs,
+      module=self._module,
+      call=self._call,
+      inputs=self.inputs,
+      save_inputs=self._save_inputs,
+    )
     output = changes.pop("output", self.output)
     values = changes.pop("values", self.values)
     infos = changes.pop("infos", self.infos)
@@ -326,21 +420,26 @@ class Trace(Donor):
 
   def _need_program(self, what, *, inputs=True):
     if self._program is None:
-      raise InvalidArgumentError(f"{what} needs a trace captured by jl.trace",
-                                 code="not_a_capture", fix="t = jl.trace(model, variables, x)")
+      raise InvalidArgumentError(
+        f"{what} needs a trace captured by jl.trace",
+        code="not_a_capture",
+        fix="t = jl.trace(model, variables, x)",
+      )
     if inputs and not self._keep_inputs:
       raise InvalidArgumentError(
-          f"{what} needs the call's variables and inputs, and this trace was captured with "
-          "keep_inputs=False", code="trace_without_inputs",
-          fix="jl.trace(model, variables, x) (keep_inputs=True, the default), or rerun with "
-              "trace.fork().do(site, edit, model=model.bind(variables), inputs=x)")
+        f"{what} needs the call's variables and inputs, and this trace was captured with "
+        "keep_inputs=False",
+        code="trace_without_inputs",
+        fix="jl.trace(model, variables, x) (keep_inputs=True, the default), or rerun with "
+        "trace.fork().do(site, edit, model=model.bind(variables), inputs=x)",
+      )
     return self._program
 
   def _replay(self, new: Spec, *, differentiable: bool) -> "Trace":
     prog = self._need_program("replay")
     starts = []
     first_layers: dict[str, int] = {}
-    for selector, edit in new.rules:
+    for selector, _edit in new.rules:
       program.check_selectable(prog, selector, "do()")
       hits = [i.label for i in prog.infos if site_hits(selector, i)]
       if not hits:
@@ -356,30 +455,51 @@ class Trace(Donor):
     if asks:
       if differentiable:
         warn_once(
-            "keep_grad under differentiable replay: the edit stays connected inside the "
-            "replayed computation, but parameters upstream of the replay frontier get no "
-            "gradient; the live door jl.when(site, keep_grad(edit)).bind(model)(x) reaches them",
-            code="keep_grad_replay_frontier")
-      found = interpret.probe_sites(prog, self._args, self._consts, rules, known=self.values,
-                                    start_labels=tuple(starts), releaf=differentiable)
+          "keep_grad under differentiable replay: the edit stays connected inside the "
+          "replayed computation, but parameters upstream of the replay frontier get no "
+          "gradient; the live door jl.when(site, keep_grad(edit)).bind(model)(x) reaches them",
+          code="keep_grad_replay_frontier",
+        )
+      found = interpret.probe_sites(
+        prog,
+        self._args,
+        self._consts,
+        rules,
+        known=self.values,
+        start_labels=tuple(starts),
+        releaf=differentiable,
+      )
       if not differentiable:
         # (Re-leafed frontier values are fresh inputs of a differentiable replay: a
         # site computed from them has a graph inside the replayed computation.)
         runtime.raise_no_graph(*found)
-    ev = interpret.evaluate(prog, self._args, self._consts, rules, self._save,
-                            known=self.values, start_labels=tuple(starts), releaf=differentiable,
-                            grad_disabled=runtime.grad_disabled(),
-                            releaf_layers=first_layers if differentiable else None)
+    ev = interpret.evaluate(
+      prog,
+      self._args,
+      self._consts,
+      rules,
+      self._save,
+      known=self.values,
+      start_labels=tuple(starts),
+      releaf=differentiable,
+      grad_disabled=runtime.grad_disabled(),
+      releaf_layers=first_layers if differentiable else None,
+    )
     values = dict(self.values)
     values.update(ev.saved)
     inputs = dict(self.inputs)
     inputs.update(ev.saved_inputs)
-    return self._with(inputs=inputs, output=interpret.program_output(prog, ev, self.output), values=values,
-                      spec=spec,
-                      staged=Spec(()), stale=False,
-                      frontier=ev.frontier if differentiable else {},
-                      replay_starts=tuple(starts) if differentiable else None,
-                      replay_layers=tuple(sorted(first_layers.items())) if differentiable else ())
+    return self._with(
+      inputs=inputs,
+      output=interpret.program_output(prog, ev, self.output),
+      values=values,
+      spec=spec,
+      staged=Spec(()),
+      stale=False,
+      frontier=ev.frontier if differentiable else {},
+      replay_starts=tuple(starts) if differentiable else None,
+      replay_layers=tuple(sorted(first_layers.items())) if differentiable else (),
+    )
 
   def _rerun(self, new: Spec, model, inputs) -> "Trace":
     prog = self._need_program("rerun", inputs=False)
@@ -399,9 +519,19 @@ class Trace(Donor):
     elif not isinstance(inputs, tuple):
       inputs = (inputs,)
     method, apply_kwargs, kwargs = self._call
-    return _capture(module, variables, inputs, dict(kwargs), self._spec + new, self._save,
-                    save_given=False, method=method, apply_kwargs=dict(apply_kwargs),
-                    keep_inputs=self._keep_inputs, save_inputs=self._save_inputs)
+    return _capture(
+      module,
+      variables,
+      inputs,
+      dict(kwargs),
+      self._spec + new,
+      self._save,
+      save_given=False,
+      method=method,
+      apply_kwargs=dict(apply_kwargs),
+      keep_inputs=self._keep_inputs,
+      save_inputs=self._save_inputs,
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -417,22 +547,63 @@ class _Ident:
     return id(self.obj)
 
 
-def _capture(call, variables, inputs, kwargs, spec: Spec, save, *, save_given, method,
-             apply_kwargs, keep_inputs=True, save_inputs=False) -> Trace:
-  run = interpret.capture(call, variables, inputs, kwargs, spec.rules, save,
-                          save_given=save_given, method=method, apply_kwargs=apply_kwargs,
-                          save_inputs=save_inputs)
+def _capture(
+  call,
+  variables,
+  inputs,
+  kwargs,
+  spec: Spec,
+  save,
+  *,
+  save_given,
+  method,
+  apply_kwargs,
+  keep_inputs=True,
+  save_inputs=False,
+) -> Trace:
+  run = interpret.capture(
+    call,
+    variables,
+    inputs,
+    kwargs,
+    spec.rules,
+    save,
+    save_given=save_given,
+    method=method,
+    apply_kwargs=apply_kwargs,
+    save_inputs=save_inputs,
+  )
   ev, args, consts = run.evaluation, run.args, run.consts
   kw = (method, tuple(sorted(apply_kwargs.items())), tuple(sorted(kwargs.items())))
   if not keep_inputs:
     args, consts = (), ()
-  return Trace(run.output, ev.saved, ev.saved_infos, program=run.program, args=args,
-               consts=consts, spec=spec, save=save, module=call, call=kw,
-               keep_inputs=keep_inputs, inputs=ev.saved_inputs, save_inputs=save_inputs)
+  return Trace(
+    run.output,
+    ev.saved,
+    ev.saved_infos,
+    program=run.program,
+    args=args,
+    consts=consts,
+    spec=spec,
+    save=save,
+    module=call,
+    call=kw,
+    keep_inputs=keep_inputs,
+    inputs=ev.saved_inputs,
+    save_inputs=save_inputs,
+  )
 
 
-def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: bool = True,
-          save_inputs: bool = False, **apply_kwargs) -> Trace:
+def trace(
+  model,
+  *args,
+  intervene=None,
+  save=None,
+  method=None,
+  keep_inputs: bool = True,
+  save_inputs: bool = False,
+  **apply_kwargs,
+) -> Trace:
   """Runs ``model`` with edits live and returns a :class:`Trace`.
 
   Spellings:
@@ -466,12 +637,18 @@ def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: boo
   """
   module, variables = model_calls.split(model)
   if isinstance(method, str) and not callable(getattr(model, method, None)):
-    raise InvalidArgumentError(f"{type(model).__name__} has no method {method!r}",
-                               code="invalid_argument", fix="method=None (the module's __call__)")
+    raise InvalidArgumentError(
+      f"{type(model).__name__} has no method {method!r}",
+      code="invalid_argument",
+      fix="method=None (the module's __call__)",
+    )
   if variables is None:
     if not args:
-      raise InvalidArgumentError("an unbound module needs its variables as the first argument",
-                                 code="missing_variables", fix="jl.trace(model, variables, x)")
+      raise InvalidArgumentError(
+        "an unbound module needs its variables as the first argument",
+        code="missing_variables",
+        fix="jl.trace(model, variables, x)",
+      )
     variables, args = args[0], args[1:]
   save_given = save is not None and save is not False
   if save is None:
@@ -480,21 +657,41 @@ def trace(model, *args, intervene=None, save=None, method=None, keep_inputs: boo
     selector = None
   elif isinstance(save, (list, tuple)):
     if not save:
-      raise InvalidArgumentError("save=[] selects no site", code="invalid_argument",
-                                 fix="save=False (keep no site) or save=None (every module)")
+      raise InvalidArgumentError(
+        "save=[] selects no site",
+        code="invalid_argument",
+        fix="save=False (keep no site) or save=None (every module)",
+      )
     selector = None
     for s in save:
       selector = as_selector(s) if selector is None else selector | as_selector(s)
   else:
     selector = as_selector(save)
-  model_kwargs = {k: apply_kwargs.pop(k) for k in list(apply_kwargs)
-                  if k not in ("rngs", "mutable")}
+  model_kwargs = {
+    k: apply_kwargs.pop(k) for k in list(apply_kwargs) if k not in ("rngs", "mutable")
+  }
   if not isinstance(keep_inputs, bool):
-    raise InvalidArgumentError(f"keep_inputs must be True or False, got {keep_inputs!r}",
-                               code="invalid_argument", fix="jl.trace(..., keep_inputs=False)")
+    raise InvalidArgumentError(
+      f"keep_inputs must be True or False, got {keep_inputs!r}",
+      code="invalid_argument",
+      fix="jl.trace(..., keep_inputs=False)",
+    )
   if not isinstance(save_inputs, bool):
-    raise InvalidArgumentError(f"save_inputs must be True or False, got {save_inputs!r}",
-                               code="invalid_argument", fix="jl.trace(..., save_inputs=True)")
-  return _capture(module, variables, tuple(args), model_kwargs, as_spec(intervene), selector,
-                  save_given=save_given, method=method, apply_kwargs=apply_kwargs,
-                  keep_inputs=keep_inputs, save_inputs=save_inputs)
+    raise InvalidArgumentError(
+      f"save_inputs must be True or False, got {save_inputs!r}",
+      code="invalid_argument",
+      fix="jl.trace(..., save_inputs=True)",
+    )
+  return _capture(
+    module,
+    variables,
+    tuple(args),
+    model_kwargs,
+    as_spec(intervene),
+    selector,
+    save_given=save_given,
+    method=method,
+    apply_kwargs=apply_kwargs,
+    keep_inputs=keep_inputs,
+    save_inputs=save_inputs,
+  )

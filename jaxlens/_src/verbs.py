@@ -74,14 +74,20 @@ def population(*sources, site=None) -> Population:
   for s in sources:
     if isinstance(s, Donor):
       if site is None:
-        raise InvalidArgumentError("population of traces needs site=", code="invalid_source",
-                                   fix='jl.population(trace, site=jl.module("layers_0"))')
+        raise InvalidArgumentError(
+          "population of traces needs site=",
+          code="invalid_source",
+          fix='jl.population(trace, site=jl.module("layers_0"))',
+        )
       parts.append(s.site_value(site))
     else:
       parts.append(jnp.asarray(s))
   if not parts:
-    raise InvalidArgumentError("population needs at least one source", code="invalid_source",
-                               fix="jl.population(trace_a, trace_b, site=...)")
+    raise InvalidArgumentError(
+      "population needs at least one source",
+      code="invalid_source",
+      fix="jl.population(trace_a, trace_b, site=...)",
+    )
   return Population(jnp.concatenate(parts, axis=0))
 
 
@@ -90,8 +96,9 @@ def population(*sources, site=None) -> Population:
 
 
 def _scale(x, p, s, ctx):
-  return x * check_broadcast(as_param(p["factor"], x, ctx, "scale", "factor"), x, ctx, "scale",
-                             "factor")
+  return x * check_broadcast(
+    as_param(p["factor"], x, ctx, "scale", "factor"), x, ctx, "scale", "factor"
+  )
 
 
 def scale(factor) -> Edit:
@@ -120,8 +127,9 @@ def _clamp(x, p, s, ctx):
 def clamp(*, min=None, max=None) -> Edit:  # noqa: A002 (the specification's spelling)
   """Clips the site value to ``[min, max]`` (keeps the gradient inside the range)."""
   if min is None and max is None:
-    raise InvalidArgumentError("clamp needs min= or max=", code="invalid_argument",
-                               fix="jl.clamp(min=-1.0, max=1.0)")
+    raise InvalidArgumentError(
+      "clamp needs min= or max=", code="invalid_argument", fix="jl.clamp(min=-1.0, max=1.0)"
+    )
   return _make("clamp", {"min": min, "max": max})
 
 
@@ -130,8 +138,13 @@ register("clamp", _clamp, clamp)
 
 def _add_noise(x, p, s, ctx):
   if not jnp.issubdtype(x.dtype, jnp.inexact):
-    fail_shape(f"Gaussian noise on a site of dtype {x.dtype}", ctx, "add_noise",
-               code="site_not_float", fix="add noise at a float site")
+    fail_shape(
+      f"Gaussian noise on a site of dtype {x.dtype}",
+      ctx,
+      "add_noise",
+      code="site_not_float",
+      fix="add noise at a float site",
+    )
   key = key_from_seed(p["seed"], ctx, "add_noise")
   noise = jax.random.normal(key, x.shape, x.dtype)
   return x + as_param(p["std"], x, ctx, "add_noise", "std") * noise
@@ -154,8 +167,12 @@ def _steer(x, p, s, ctx):
   d = along(as_param(p["direction"], x, ctx, "steer", "direction"), axis, x.ndim)
   magnitude = as_param(p["magnitude"], x, ctx, "steer", "magnitude")
   if magnitude.ndim:
-    fail_shape(f"magnitude must be a scalar, got shape {magnitude.shape}", ctx, "steer",
-               fix="jl.steer(direction, 2.0)")
+    fail_shape(
+      f"magnitude must be a scalar, got shape {magnitude.shape}",
+      ctx,
+      "steer",
+      fix="jl.steer(direction, 2.0)",
+    )
   return x + magnitude * d
 
 
@@ -168,8 +185,7 @@ def steer(direction, magnitude=1.0, *, feature_axis=None) -> Edit:
     feature_axis: the axis of the site value the direction lies along; needed
       only when several axes have the direction's length.
   """
-  return _make("steer", {"direction": direction, "magnitude": magnitude},
-               feature_axis=feature_axis)
+  return _make("steer", {"direction": direction, "magnitude": magnitude}, feature_axis=feature_axis)
 
 
 register("steer", _steer, steer)
@@ -182,8 +198,12 @@ def _add(x, p, s, ctx):
   except ValueError:
     ok = False
   if not ok:
-    fail_shape(f"delta of shape {delta.shape} does not broadcast to site shape {x.shape}",
-               ctx, "add", fix=f"a delta of shape {x.shape}")
+    fail_shape(
+      f"delta of shape {delta.shape} does not broadcast to site shape {x.shape}",
+      ctx,
+      "add",
+      fix=f"a delta of shape {x.shape}",
+    )
   return x + delta
 
 
@@ -200,9 +220,13 @@ def _unit(p, x, ctx, verb, feature_axis):
   d = as_param(p["direction"], x, ctx, verb, "direction")
   norm = jnp.linalg.norm(d)
   if not isinstance(p["direction"], jax.core.Tracer) and not np.any(np.asarray(p["direction"])):
-    raise InvalidArgumentError(f"{verb}: the direction is zero, so it spans no line",
-                               code="direction_zero", site=ctx.label, verb=verb,
-                               fix=f"jl.{verb}(a nonzero direction)")
+    raise InvalidArgumentError(
+      f"{verb}: the direction is zero, so it spans no line",
+      code="direction_zero",
+      site=ctx.label,
+      verb=verb,
+      fix=f"jl.{verb}(a nonzero direction)",
+    )
   # A traced zero direction gives NaN (0/0): the error value, never a silent result.
   return along(d / norm, axis, x.ndim), axis
 
@@ -237,16 +261,22 @@ def _axes(dim, ndim, ctx, verb):
   axes = dim if dim is None or isinstance(dim, tuple) else (dim,)
   for a in axes or ():
     if isinstance(a, bool) or not isinstance(a, (int, np.integer)) or not -ndim <= a < ndim:
-      fail_shape(f"dim={dim!r} is out of range for a value of {ndim} axes", ctx, verb,
-                 code="invalid_argument", fix=f"jl.{verb}(dim=0)")
+      fail_shape(
+        f"dim={dim!r} is out of range for a value of {ndim} axes",
+        ctx,
+        verb,
+        code="invalid_argument",
+        fix=f"jl.{verb}(dim=0)",
+      )
   return axes
 
 
 def _mean_ablate(x, p, s, ctx):
   dim = s["dim"]
   if p["source"] is None:
-    return jnp.broadcast_to(jnp.mean(x, axis=_axes(dim, x.ndim, ctx, "mean_ablate"),
-                                     keepdims=True), x.shape)
+    return jnp.broadcast_to(
+      jnp.mean(x, axis=_axes(dim, x.ndim, ctx, "mean_ablate"), keepdims=True), x.shape
+    )
   src = _sg(source_values(p["source"], ctx, "mean_ablate"))
   axes = (0,) if dim is None else _axes(dim, src.ndim, ctx, "mean_ablate")
   mean = jnp.mean(src, axis=axes, keepdims=True)
@@ -277,8 +307,12 @@ def _scramble(x, p, s, ctx):
     return x.reshape(-1)[perm].reshape(x.shape)
   src = _sg(source_values(p["source"], ctx, "scramble_elements"))
   if src.size != x.size:
-    fail_shape(f"source has {src.size} elements, the site {x.size}", ctx, "scramble_elements",
-               fix=f"a source of shape {x.shape}")
+    fail_shape(
+      f"source has {src.size} elements, the site {x.size}",
+      ctx,
+      "scramble_elements",
+      fix=f"a source of shape {x.shape}",
+    )
   src = donor_value(src.reshape(x.shape), x, ctx, "scramble_elements", "source")
   return src.reshape(-1)[perm].reshape(x.shape)
 
@@ -311,8 +345,11 @@ def splice_module(module, variables=None) -> Edit:
     variables: the unbound module's variables (a pytree leaf: trainable).
   """
   if not callable(module) and variables is None:
-    raise InvalidArgumentError(f"splice_module needs a callable, got {type(module).__name__}",
-                               code="invalid_argument", fix="jl.splice_module(jnp.tanh)")
+    raise InvalidArgumentError(
+      f"splice_module needs a callable, got {type(module).__name__}",
+      code="invalid_argument",
+      fix="jl.splice_module(jnp.tanh)",
+    )
   return _make("splice_module", {"variables": variables}, module=ByIdentity(module))
 
 
@@ -323,9 +360,13 @@ def _permute_batch(x, p, s, ctx):
   key = key_from_seed(p["seed"], ctx, "permute_batch")
   axis = s["axis"]
   if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
-    fail_shape(f"axis={axis!r} is out of range for a site of shape {x.shape}", ctx,
-               "permute_batch", code="invalid_argument", fix="jl.intervention.permute_batch("
-               "seed=0, axis=0)")
+    fail_shape(
+      f"axis={axis!r} is out of range for a site of shape {x.shape}",
+      ctx,
+      "permute_batch",
+      code="invalid_argument",
+      fix="jl.intervention.permute_batch(seed=0, axis=0)",
+    )
   return jnp.take(x, jax.random.permutation(key, x.shape[axis]), axis=axis)
 
 
@@ -345,9 +386,13 @@ def _set_direction_mean(x, p, s, ctx):
   else:
     values = _sg(source_values(src, ctx, "set_direction_mean")).astype(x.dtype)
     if values.ndim != x.ndim or values.shape[axis] != x.shape[axis]:
-      fail_shape(f"source of shape {values.shape} does not share the site's feature axis "
-                 f"{axis} (site shape {x.shape})", ctx, "set_direction_mean",
-                 fix="a population of site values")
+      fail_shape(
+        f"source of shape {values.shape} does not share the site's feature axis "
+        f"{axis} (site shape {x.shape})",
+        ctx,
+        "set_direction_mean",
+        fix="a population of site values",
+      )
     mean_coef = jnp.mean(jnp.sum(values * u, axis=axis))
   coef = jnp.sum(x * u, axis=axis, keepdims=True)
   return x - coef * u + _sg(mean_coef) * u
@@ -360,8 +405,9 @@ def set_direction_mean(direction, source, *, feature_axis=None) -> Edit:
   ``<s,u>`` over the source (an array, a Population, or the scalar mean itself).
   The gradient flows through the orthogonal part (keeps).
   """
-  return _make("set_direction_mean", {"direction": direction, "source": source},
-               feature_axis=feature_axis)
+  return _make(
+    "set_direction_mean", {"direction": direction, "source": source}, feature_axis=feature_axis
+  )
 
 
 register("set_direction_mean", _set_direction_mean, set_direction_mean)
@@ -376,8 +422,11 @@ def _compose(x, p, s, ctx):
 def compose(*edits) -> Edit:
   """Applies edits left to right; keeps the gradient when every one keeps it."""
   if not edits:
-    raise InvalidArgumentError("compose needs at least one edit", code="invalid_argument",
-                               fix="jl.intervention.compose(jl.scale(0.0), jl.add(value))")
+    raise InvalidArgumentError(
+      "compose needs at least one edit",
+      code="invalid_argument",
+      fix="jl.intervention.compose(jl.scale(0.0), jl.add(value))",
+    )
   parts = tuple(as_edit(e) for e in edits)
   return Edit("compose", {"edits": parts}, (), keeps=all(e.keeps for e in parts))
 
@@ -401,8 +450,11 @@ def hook(fn: Callable) -> Edit:
   if isinstance(fn, Edit):
     return fn
   if not callable(fn):
-    raise InvalidArgumentError(f"a hook must be callable, got {type(fn).__name__}",
-                               code="invalid_argument", fix="jl.when(site, lambda x: 2 * x)")
+    raise InvalidArgumentError(
+      f"a hook must be callable, got {type(fn).__name__}",
+      code="invalid_argument",
+      fix="jl.when(site, lambda x: 2 * x)",
+    )
   return _make("hook", {}, fn=ByIdentity(fn))
 
 
@@ -413,19 +465,31 @@ def _at_positions(x, p, s, ctx):
   axis = s["axis"]
   axis = axis + x.ndim if axis < 0 else axis
   if not 0 <= axis < x.ndim:
-    fail_shape(f"axis={s['axis']} is out of range for a site of shape {x.shape}", ctx,
-               "at_positions", fix="at_positions(positions, edit, axis=1)")
+    fail_shape(
+      f"axis={s['axis']} is out of range for a site of shape {x.shape}",
+      ctx,
+      "at_positions",
+      fix="at_positions(positions, edit, axis=1)",
+    )
   traced = isinstance(p["positions"], jax.core.Tracer)
   host = None if traced else np.asarray(p["positions"])
   positions = jnp.asarray(p["positions"])
   if not jnp.issubdtype(positions.dtype, jnp.integer):
-    fail_shape(f"positions must be integers, got dtype {positions.dtype}", ctx, "at_positions",
-               code="dtype_mismatch", fix="at_positions(jnp.array([0, 3]), edit)")
+    fail_shape(
+      f"positions must be integers, got dtype {positions.dtype}",
+      ctx,
+      "at_positions",
+      code="dtype_mismatch",
+      fix="at_positions(jnp.array([0, 3]), edit)",
+    )
   n = x.shape[axis]
   if host is not None and host.size and (host.max() >= n or host.min() < -n):
     raise InvalidArgumentError(
-        f"at_positions: positions {host.tolist()} out of range for axis {axis} of size {n}",
-        code="index_out_of_range", site=ctx.label, fix=f"positions in [0, {n})")
+      f"at_positions: positions {host.tolist()} out of range for axis {axis} of size {n}",
+      code="index_out_of_range",
+      site=ctx.label,
+      fix=f"positions in [0, {n})",
+    )
   flat = positions.reshape(-1)
   flat = jnp.where(flat < 0, flat + n, flat)
   # A comparison, not an index: a position outside [0, n) matches no place.
@@ -451,8 +515,9 @@ def at_positions(positions, edit, *, axis=1) -> Edit:
   (whose value is not known when the edit is traced) makes the site NaN.
   """
   inner = as_edit(edit)
-  return Edit("at_positions", {"positions": positions, "edit": inner}, (("axis", axis),),
-              keeps=inner.keeps)
+  return Edit(
+    "at_positions", {"positions": positions, "edit": inner}, (("axis", axis),), keeps=inner.keeps
+  )
 
 
 register("at_positions", _at_positions, at_positions)
@@ -492,8 +557,7 @@ def zero_ablate() -> Edit:
   return _make("zero_ablate", {}, keeps=False)
 
 
-register("zero_ablate", _zero_ablate, zero_ablate,
-         keeping_spelling="keep_grad(jl.scale(0.0))")
+register("zero_ablate", _zero_ablate, zero_ablate, keeping_spelling="keep_grad(jl.scale(0.0))")
 
 
 def _replace_with(x, p, s, ctx):
@@ -505,8 +569,13 @@ def replace_with(value) -> Edit:
   return _make("replace_with", {"value": value}, keeps=False)
 
 
-register("replace_with", _replace_with, replace_with, under_subspace="source",
-         keeping_spelling="keep_grad(jl.intervention.compose(jl.scale(0.0), jl.add(value)))")
+register(
+  "replace_with",
+  _replace_with,
+  replace_with,
+  under_subspace="source",
+  keeping_spelling="keep_grad(jl.intervention.compose(jl.scale(0.0), jl.add(value)))",
+)
 
 
 def _swap_with(x, p, s, ctx):
@@ -516,10 +585,13 @@ def _swap_with(x, p, s, ctx):
     hits = [lbl for lbl, info_val in ctx.site_values.items() if selector.matches(info_val[0])]
     if len(hits) != 1:
       raise InvalidArgumentError(
-          f"swap_with({other!r}) needs exactly one site that already ran before "
-          f"{ctx.label!r}; found {hits or 'none'}", code="swap_source_unavailable",
-          site=ctx.label, fix="swap with a site computed earlier in the same call, or pass an array",
-          candidates=list(ctx.site_values))
+        f"swap_with({other!r}) needs exactly one site that already ran before "
+        f"{ctx.label!r}; found {hits or 'none'}",
+        code="swap_source_unavailable",
+        site=ctx.label,
+        fix="swap with a site computed earlier in the same call, or pass an array",
+        candidates=list(ctx.site_values),
+      )
     value = ctx.site_values[hits[0]][1]
   else:
     value = source_values(p["other"], ctx, "swap_with")
@@ -542,8 +614,9 @@ register("swap_with", _swap_with, swap_with, under_subspace="source")
 
 
 def _patch_from(x, p, s, ctx):
-  return _sg(donor_value(_sg(source_values(p["source"], ctx, "patch_from")), x, ctx,
-                         "patch_from", "donor"))
+  return _sg(
+    donor_value(_sg(source_values(p["source"], ctx, "patch_from")), x, ctx, "patch_from", "donor")
+  )
 
 
 def patch_from(source) -> Edit:
@@ -556,25 +629,39 @@ def patch_from(source) -> Edit:
   return _make("patch_from", {"source": source}, keeps=False)
 
 
-register("patch_from", _patch_from, patch_from, under_subspace="source",
-         keeping_spelling=(
-             "jl.when(jl.subspace(site, basis, origin=...), jl.patch_from(source)) keeps "
-             "the complement; or keep_grad(jl.intervention.compose(jl.scale(0.0), "
-             "jl.add(donor)))"))
+register(
+  "patch_from",
+  _patch_from,
+  patch_from,
+  under_subspace="source",
+  keeping_spelling=(
+    "jl.when(jl.subspace(site, basis, origin=...), jl.patch_from(source)) keeps "
+    "the complement; or keep_grad(jl.intervention.compose(jl.scale(0.0), "
+    "jl.add(donor)))"
+  ),
+)
 
 
 def _resample_rows(x, p, s, ctx):
   axis = s["axis"]
   if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
-    fail_shape(f"axis={axis!r} is out of range for a site of shape {x.shape}", ctx,
-               "resample_rows_from", code="invalid_argument",
-               fix="jl.intervention.resample_rows_from(source, seed=0, axis=0)")
+    fail_shape(
+      f"axis={axis!r} is out of range for a site of shape {x.shape}",
+      ctx,
+      "resample_rows_from",
+      code="invalid_argument",
+      fix="jl.intervention.resample_rows_from(source, seed=0, axis=0)",
+    )
   src = _sg(source_values(p["source"], ctx, "resample_rows_from"))
   src = jnp.moveaxis(src, axis, 0)
   want = tuple(np.delete(np.array(x.shape), axis))
   if src.ndim != x.ndim or tuple(src.shape[1:]) != want:
-    fail_shape(f"source rows of shape {tuple(src.shape[1:])} do not match the site's rows "
-               f"{want}", ctx, "resample_rows_from", fix="a population of site values")
+    fail_shape(
+      f"source rows of shape {tuple(src.shape[1:])} do not match the site's rows {want}",
+      ctx,
+      "resample_rows_from",
+      fix="a population of site values",
+    )
   key = key_from_seed(p["seed"], ctx, "resample_rows_from")
   idx = jax.random.randint(key, (x.shape[axis],), 0, src.shape[0])
   rows = jnp.moveaxis(src[idx], 0, axis)
@@ -609,8 +696,10 @@ def as_edit(obj) -> Edit:
   if callable(obj):
     return hook(obj)
   raise InvalidArgumentError(
-      f"expected an edit (a jl verb, a callable or an array), got {type(obj).__name__}",
-      code="invalid_edit", fix="jl.when(site, jl.scale(0.5))")
+    f"expected an edit (a jl verb, a callable or an array), got {type(obj).__name__}",
+    code="invalid_edit",
+    fix="jl.when(site, jl.scale(0.5))",
+  )
 
 
 def keep_grad(edit) -> Edit:
@@ -624,4 +713,3 @@ def keep_grad(edit) -> Edit:
   ``jaxlens.no_grad()`` scope.
   """
   return dataclasses.replace(as_edit(edit), keep_grad=True)
-

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "gpt_config", "init_gpt"]
 
 _CONFIGS = {
-    "small": dict(vocab_size=128, d_model=256, n_heads=4, n_layers=4, max_len=64, mlp_ratio=4),
-    "medium": dict(vocab_size=128, d_model=512, n_heads=8, n_layers=8, max_len=128, mlp_ratio=4),
+  "small": dict(vocab_size=128, d_model=256, n_heads=4, n_layers=4, max_len=64, mlp_ratio=4),
+  "medium": dict(vocab_size=128, d_model=512, n_heads=8, n_layers=8, max_len=128, mlp_ratio=4),
 }
 
 _INIT = nn.initializers.normal(stddev=0.02)
@@ -66,8 +66,9 @@ class CausalSelfAttention(nn.Module):
     head_dim = self.d_model // self.n_heads
 
     def dense(name):
-      return nn.Dense(self.d_model, dtype=self.dtype, param_dtype=jnp.float32,
-                      kernel_init=_INIT, name=name)
+      return nn.Dense(
+        self.d_model, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_INIT, name=name
+      )
 
     def heads(y):  # (batch, seq, d_model) -> (batch, heads, seq, head_dim)
       return y.reshape(batch, seq, self.n_heads, head_dim).transpose(0, 2, 1, 3)
@@ -76,7 +77,7 @@ class CausalSelfAttention(nn.Module):
     k = heads(dense("key")(x))
     v = heads(dense("value")(x))
     scores = jnp.einsum("bhqd,bhkd->bhqk", q, k).astype(jnp.float32)
-    scores = scores * jnp.float32(1.0 / head_dim ** 0.5)
+    scores = scores * jnp.float32(1.0 / head_dim**0.5)
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
@@ -100,11 +101,17 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    h = nn.Dense(self.mlp_ratio * self.d_model, dtype=self.dtype, param_dtype=jnp.float32,
-                 kernel_init=_INIT, name="fc")(x)
+    h = nn.Dense(
+      self.mlp_ratio * self.d_model,
+      dtype=self.dtype,
+      param_dtype=jnp.float32,
+      kernel_init=_INIT,
+      name="fc",
+    )(x)
     h = nn.gelu(h)
-    return nn.Dense(self.d_model, dtype=self.dtype, param_dtype=jnp.float32,
-                    kernel_init=_INIT, name="proj")(h)
+    return nn.Dense(
+      self.d_model, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_INIT, name="proj"
+    )(h)
 
 
 class Block(nn.Module):
@@ -164,16 +171,29 @@ class GPT(nn.Module):
     _, seq = tokens.shape
     if seq > self.max_len:
       raise ValueError(f"sequence length {seq} is longer than max_len={self.max_len}")
-    x = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, param_dtype=jnp.float32,
-                 embedding_init=_INIT, name="embed")(tokens)
+    x = nn.Embed(
+      self.vocab_size,
+      self.d_model,
+      dtype=self.dtype,
+      param_dtype=jnp.float32,
+      embedding_init=_INIT,
+      name="embed",
+    )(tokens)
     positions = jnp.arange(seq, dtype=jnp.int32)[None, :]
-    x = x + nn.Embed(self.max_len, self.d_model, dtype=self.dtype, param_dtype=jnp.float32,
-                     embedding_init=_INIT, name="pos_embed")(positions)
+    x = x + nn.Embed(
+      self.max_len,
+      self.d_model,
+      dtype=self.dtype,
+      param_dtype=jnp.float32,
+      embedding_init=_INIT,
+      name="pos_embed",
+    )(positions)
     for i in range(self.n_layers):
       x = Block(self.d_model, self.n_heads, self.mlp_ratio, self.dtype, name=f"block_{i}")(x)
     x = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="ln_f")(x)
-    return nn.Dense(self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32,
-                    kernel_init=_INIT, name="head")(x)
+    return nn.Dense(
+      self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_INIT, name="head"
+    )(x)
 
 
 def gpt_config(size: str = "small") -> dict:
@@ -210,8 +230,9 @@ def init_gpt(key=0, size: str = "small", batch: int = 8, **overrides):
   if isinstance(key, int):
     key = jax.random.key(key)
   k_params, k_tokens = jax.random.split(key)
-  tokens = jax.random.randint(k_tokens, (batch, model.max_len), 0, model.vocab_size,
-                              dtype=jnp.int32)
+  tokens = jax.random.randint(
+    k_tokens, (batch, model.max_len), 0, model.vocab_size, dtype=jnp.int32
+  )
   variables = _jit_init(model, k_params, tokens)
   return model, variables, tokens
 

@@ -69,8 +69,9 @@ class BertAttention(nn.Module):
     hd = cfg.d_model // cfg.n_heads
 
     def heads(name):
-      return named(_dense(cfg, cfg.d_model, f"{name}_proj")(x).reshape(batch, seq, cfg.n_heads,
-                                                                        hd), name)
+      return named(
+        _dense(cfg, cfg.d_model, f"{name}_proj")(x).reshape(batch, seq, cfg.n_heads, hd), name
+      )
 
     positions = jnp.arange(seq)
     mask = attention_mask(positions, positions, causal=False, key_mask=key_mask)

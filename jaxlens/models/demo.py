@@ -24,21 +24,22 @@ import jaxlens as jl
 __all__ = ["factual_recall", "patching_grid"]
 
 
-def patching_grid(model, variables, clean, corrupt, metric: Callable[[Any], Any], *,
-                  sites, batch_size: int = 50):
+def patching_grid(
+  model, variables, clean, corrupt, metric: Callable[[Any], Any], *, sites, batch_size: int = 50
+):
   """``grid[i, p]``: ``metric`` of the corrupt run with ``sites[i]`` at position ``p`` patched
   from the clean run. One compiled program for the whole grid: every site has a rule
   ``jl.sweep.gate(layer == i, ...)``, and the cells are mapped over (``lax.map``, vectorised in
   chunks of ``batch_size``)."""
-  return _grid(model, variables, clean, corrupt, metric=metric, sites=tuple(sites),
-               batch_size=batch_size)
+  return _grid(
+    model, variables, clean, corrupt, metric=metric, sites=tuple(sites), batch_size=batch_size
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "batch_size"))
 def _grid(model, variables, clean, corrupt, *, metric, sites, batch_size):
   n_pos = clean.shape[1]
-  donor = jl.trace(model, variables, clean, save=[jl.module(s) for s in sites],
-                   keep_inputs=False)
+  donor = jl.trace(model, variables, clean, save=[jl.module(s) for s in sites], keep_inputs=False)
 
   def cell(c):
     layer, pos = c // n_pos, c % n_pos
@@ -57,11 +58,17 @@ def _grid(model, variables, clean, corrupt, *, metric, sites, batch_size):
 def _logit_diff(good: int, bad: int):
   def metric(logits):
     return logits[0, -1, good] - logits[0, -1, bad]
+
   return metric
 
 
-def factual_recall(lm, layers=None, clean="The capital of France is",
-                   corrupt="The capital of Italy is", answers=(" Paris", " Rome")):
+def factual_recall(
+  lm,
+  layers=None,
+  clean="The capital of France is",
+  corrupt="The capital of Italy is",
+  answers=(" Paris", " Rome"),
+):
   """The demo's sweep on a loaded SmolLM2: ``(grid, layer labels, token labels, baselines)``,
   with ``baselines = (clean metric, corrupt metric)``."""
   clean_ids, corrupt_ids = lm.encode(clean), lm.encode(corrupt)

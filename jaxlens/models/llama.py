@@ -81,10 +81,10 @@ def rotary(x, positions, base: float):
   dim = x.shape[-1]
   adt = jnp.promote_types(x.dtype, jnp.float32)
   inv_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=adt) / dim))
-  angles = jnp.atleast_2d(positions).astype(adt)[..., None] * inv_freq   # (b, seq, dim/2)
-  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]     # (b, seq, 1, dim)
+  angles = jnp.atleast_2d(positions).astype(adt)[..., None] * inv_freq  # (b, seq, dim/2)
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # (b, seq, 1, dim)
   cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-  x1, x2 = x[..., :dim // 2], x[..., dim // 2:]
+  x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
   return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
@@ -98,14 +98,21 @@ class LlamaAttention(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None,
-               mask=None):
+  def __call__(
+    self, x, positions, key_mask=None, decode: bool = False, cache_index=None, mask=None
+  ):
     cfg = self.config
     batch, seq, _ = x.shape
 
     def proj(n, name):
-      y = nn.Dense(n * cfg.d_head, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype,
-                   kernel_init=_INIT, name=name)(x)
+      y = nn.Dense(
+        n * cfg.d_head,
+        use_bias=False,
+        dtype=cfg.dtype,
+        param_dtype=cfg.dtype,
+        kernel_init=_INIT,
+        name=name,
+      )(x)
       return y.reshape(batch, seq, n, cfg.d_head)
 
     q = named(rotary(proj(cfg.n_heads, "q_proj"), positions, cfg.rope_base), "q")
@@ -121,8 +128,14 @@ class LlamaAttention(nn.Module):
     if mask is None:
       mask = attention_mask(q_positions, k_positions, causal=True, key_mask=key_mask)
     z = attend(q, k, v, mask, dtype=cfg.dtype)
-    return nn.Dense(cfg.d_model, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype,
-                    kernel_init=_INIT, name="o_proj")(z.reshape(batch, seq, -1))
+    return nn.Dense(
+      cfg.d_model,
+      use_bias=False,
+      dtype=cfg.dtype,
+      param_dtype=cfg.dtype,
+      kernel_init=_INIT,
+      name="o_proj",
+    )(z.reshape(batch, seq, -1))
 
 
 class LlamaMLP(nn.Module):
@@ -135,8 +148,9 @@ class LlamaMLP(nn.Module):
     cfg = self.config
 
     def dense(n, name):
-      return nn.Dense(n, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype,
-                      kernel_init=_INIT, name=name)
+      return nn.Dense(
+        n, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype, kernel_init=_INIT, name=name
+      )
 
     gate = named(dense(cfg.d_mlp, "gate_proj")(x), "pre")
     post = named(nn.silu(gate) * dense(cfg.d_mlp, "up_proj")(x), "post")
@@ -149,14 +163,16 @@ class LlamaBlock(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, positions, key_mask=None, decode: bool = False, cache_index=None,
-               mask=None):
+  def __call__(
+    self, x, positions, key_mask=None, decode: bool = False, cache_index=None, mask=None
+  ):
     cfg = self.config
     x = named(x, "resid_pre")
     h = RMSNorm(cfg.norm_eps, cfg.dtype, name="ln_1")(x)
-    a = named(LlamaAttention(cfg, name="attn")(h, positions, key_mask, decode, cache_index,
-                                              mask),
-              "attn_out")
+    a = named(
+      LlamaAttention(cfg, name="attn")(h, positions, key_mask, decode, cache_index, mask),
+      "attn_out",
+    )
     x = named(x + a, "resid_mid")
     h = RMSNorm(cfg.norm_eps, cfg.dtype, name="ln_2")(x)
     m = named(LlamaMLP(cfg, name="mlp")(h), "mlp_out")
@@ -191,13 +207,22 @@ class Llama(nn.Module):
       cache_index = index.value
       if positions is None:
         positions = cache_index + jnp.arange(seq)
-      if self.is_mutable_collection("cache") and self.has_variable("cache", "index") \
-          and not self.is_initializing():
+      if (
+        self.is_mutable_collection("cache")
+        and self.has_variable("cache", "index")
+        and not self.is_initializing()
+      ):
         index.value = cache_index + seq
     if positions is None:
       positions = jnp.arange(seq)
-    embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype,
-                     embedding_init=_INIT, name="embed")
+    embed = nn.Embed(
+      cfg.vocab_size,
+      cfg.d_model,
+      dtype=cfg.dtype,
+      param_dtype=cfg.dtype,
+      embedding_init=_INIT,
+      name="embed",
+    )
     x = embed(tokens)
     for i in range(cfg.n_layers):
       x = LlamaBlock(cfg, name=f"blocks_{i}")(x, positions, attention_mask, decode, cache_index)
@@ -205,6 +230,12 @@ class Llama(nn.Module):
     if cfg.tie_embeddings:
       logits = embed.attend(x)
     else:
-      logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype,
-                        kernel_init=_INIT, name="lm_head")(x)
+      logits = nn.Dense(
+        cfg.vocab_size,
+        use_bias=False,
+        dtype=cfg.dtype,
+        param_dtype=cfg.dtype,
+        kernel_init=_INIT,
+        name="lm_head",
+      )(x)
     return named(logits, "logits")

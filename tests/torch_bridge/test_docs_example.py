@@ -13,10 +13,15 @@ def test_spec_docs_example():
   torch.manual_seed(0)
   tmodel = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).eval()
   x = jax.numpy.asarray(torch.randn(3, 4).double().numpy())
-  variables = {"params": {
-      f"layers_{i}": {"kernel": jax.numpy.asarray(l.weight.detach().double().numpy().T),
-                      "bias": jax.numpy.asarray(l.bias.detach().double().numpy())}
-      for i, l in enumerate(tmodel)}}
+  variables = {
+    "params": {
+      f"layers_{i}": {
+        "kernel": jax.numpy.asarray(l.weight.detach().double().numpy().T),
+        "bias": jax.numpy.asarray(l.bias.detach().double().numpy()),
+      }
+      for i, l in enumerate(tmodel)
+    }
+  }
   model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
   site = jl.module("layers_0")
 
@@ -34,6 +39,5 @@ def test_spec_docs_example():
   # JAX's "out.requires_grad": the output structurally depends on the parameters.
   requires_grad = any(jax.tree.leaves(jl.depends_on(loss, variables)))
 
-  result = [refused, requires_grad,
-            bool(np.all(grads["params"]["layers_0"]["kernel"] == 0))]
+  result = [refused, requires_grad, bool(np.all(grads["params"]["layers_0"]["kernel"] == 0))]
   assert result == [True, True, True]

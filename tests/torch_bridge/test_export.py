@@ -29,8 +29,9 @@ import jaxlens as jl
 import torch_bridge
 from torch_bridge.convert import ConversionError, _parity, _zoo, convert, to_jax
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
-                                        "ignore::DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+  "ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"
+)
 
 # Llama's rotary embedding is computed in float32 by transformers even in a float64 model
 # (it casts inv_freq and positions with .float()); torch's and XLA's float32 cos/sin differ
@@ -46,9 +47,9 @@ def gpt2():
 
 
 # gpt2's output is checked on the module fixture; three models in the intervention test.
-@pytest.mark.parametrize("name", [n for n in _zoo.ZOO if n not in ("gpt2", "lstm",
-                                                                    "multihead_attention",
-                                                                    "conv_bn_relu")])
+@pytest.mark.parametrize(
+  "name", [n for n in _zoo.ZOO if n not in ("gpt2", "lstm", "multihead_attention", "conv_bn_relu")]
+)
 def test_output_parity_float64(name):
   r = _parity.check(name, torch.float64, edits=())
   assert r.output <= F64_TOL.get(name, 1e-10), r
@@ -86,8 +87,12 @@ def test_gpt2_sites_are_torch_module_names(gpt2):
     want = model(*inputs).logits.numpy()
   assert np.max(np.abs(np.asarray(logits) - want)) <= 1e-10 * np.max(np.abs(want))
   recorded = {}
-  hooks = [model.get_submodule(f"transformer.h.{i}.mlp").register_forward_hook(
-    lambda m, a, out, i=i: recorded.__setitem__(i, out)) for i in range(2)]
+  hooks = [
+    model.get_submodule(f"transformer.h.{i}.mlp").register_forward_hook(
+      lambda m, a, out, i=i: recorded.__setitem__(i, out)
+    )
+    for i in range(2)
+  ]
   try:
     with torch.no_grad():
       model(*inputs)
@@ -148,7 +153,8 @@ def test_dynamic_batch_and_sequence():
   model, (x,), _ = _zoo.build("functional", torch.float64)
   batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", min=2, max=16)
   module, variables, _ = torch_bridge.from_torch(
-    model, x, method="export", dynamic_shapes=({0: batch, 1: seq},))
+    model, x, method="export", dynamic_shapes=({0: batch, 1: seq},)
+  )
   other = torch.randn(3, 7, 8, dtype=torch.float64)
   with torch.no_grad():
     ref = model(other)
@@ -159,15 +165,24 @@ def test_dynamic_batch_and_sequence():
 def test_attention_probabilities_are_a_site():
   model, (x,), _ = _zoo.build("multihead_attention", torch.float64)
   module, variables, _ = torch_bridge.from_torch(model, x, attention_probs=True)
-  probs = np.asarray(jax.jit(lambda v: jl.trace(module, v, to_jax(x), save=jl.module(
-    "attn/attn_probs"))["attn/attn_probs"].out)(variables))
+  probs = np.asarray(
+    jax.jit(
+      lambda v: (
+        jl.trace(module, v, to_jax(x), save=jl.module("attn/attn_probs"))["attn/attn_probs"].out
+      )
+    )(variables)
+  )
   assert probs.shape == (2, 2, 5, 5)  # (batch, heads, query, key)
   np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-12)
   assert np.all(np.triu(probs, 1) == 0)  # the causal mask
   with torch.no_grad():
-    _, weights = model.attn(model.proj(x), model.proj(x), model.proj(x),
-                            attn_mask=torch.triu(torch.ones(5, 5, dtype=torch.bool), 1),
-                            average_attn_weights=False)
+    _, weights = model.attn(
+      model.proj(x),
+      model.proj(x),
+      model.proj(x),
+      attn_mask=torch.triu(torch.ones(5, 5, dtype=torch.bool), 1),
+      average_attn_weights=False,
+    )
   assert np.max(np.abs(probs - weights.numpy())) <= 1e-12
 
 
@@ -179,8 +194,9 @@ def test_bfloat16_and_dtype_override():
     ref = model(idx).float().numpy()
   got = np.asarray(module.apply(variables, to_jax(idx)), np.float32)
   assert np.max(np.abs(got - ref)) <= 2e-2 * np.max(np.abs(ref))
-  module, variables, _ = torch_bridge.from_torch(model.float(), idx, method="export",
-                                                 dtype=jnp.float64)
+  module, variables, _ = torch_bridge.from_torch(
+    model.float(), idx, method="export", dtype=jnp.float64
+  )
   out = module.apply(variables, to_jax(idx))
   assert out.dtype == jnp.float64
 
@@ -233,12 +249,15 @@ class _Custom(nn.Module):
     return _Triple.apply(x)
 
 
-@pytest.mark.parametrize("inner, code, match", [
-  (_Gate, "export_failed", r"failed in module 'body\.1'"),
-  (_Cumprod, "unsupported_op", r"aten\.cumprod\.default, aten\.logcumsumexp\.default"),
-  (_ComplexHalf, "unsupported_dtype", r"complex32, which JAX lacks"),
-  (_Custom, "custom_autograd_function", r"custom autograd Function _Triple"),
-])
+@pytest.mark.parametrize(
+  "inner, code, match",
+  [
+    (_Gate, "export_failed", r"failed in module 'body\.1'"),
+    (_Cumprod, "unsupported_op", r"aten\.cumprod\.default, aten\.logcumsumexp\.default"),
+    (_ComplexHalf, "unsupported_dtype", r"complex32, which JAX lacks"),
+    (_Custom, "custom_autograd_function", r"custom autograd Function _Triple"),
+  ],
+)
 def test_bad_input_is_a_typed_error_with_the_module_path(inner, code, match):
   model = nn.Sequential()
   model.add_module("body", nn.Sequential(nn.Linear(3, 3), inner()))
@@ -250,8 +269,10 @@ def test_bad_input_is_a_typed_error_with_the_module_path(inner, code, match):
   assert info.value.fields["module"] == "body.1"
   assert info.value.fields["fix"]
   if code == "unsupported_op":
-    assert [o["op"] for o in info.value.fields["ops"]] == ["aten.cumprod.default",
-                                                           "aten.logcumsumexp.default"]
+    assert [o["op"] for o in info.value.fields["ops"]] == [
+      "aten.cumprod.default",
+      "aten.logcumsumexp.default",
+    ]
 
 
 def test_float64_without_x64_and_bad_arguments():

@@ -73,17 +73,24 @@ def test_the_case_constants_are_the_same(spec_model):
 def test_every_cell_agrees(door):
   table = _matrix.door_table(door)
   assert [name for _, name in table] == list(ROWS)
-  problems = [f"{name}: {'; '.join(p.disagreements())}" for (_, name), p in table.items()
-              if not p.agrees]
-  problems += [f"{name}: jaxlens {[c.outcome for c in p.jax]}, torch "
-               f"{[c.outcome for c in p.torch]}, specification {p.expected}"
-               for (_, name), p in table.items() if not p.matches_spec]
+  problems = [
+    f"{name}: {'; '.join(p.disagreements())}" for (_, name), p in table.items() if not p.agrees
+  ]
+  problems += [
+    f"{name}: jaxlens {[c.outcome for c in p.jax]}, torch "
+    f"{[c.outcome for c in p.torch]}, specification {p.expected}"
+    for (_, name), p in table.items()
+    if not p.matches_spec
+  ]
   assert not problems, "\n".join(problems)
   # keep_grad under differentiable replay warns on both frameworks; nothing else warns.
-  for (_, name), p in table.items():
+  for (_, _name), p in table.items():
     for keep, cells in ((False, (p.jax[0], p.torch[0])), (True, (p.jax[1], p.torch[1]))):
-      warns = keep and door.endswith("differentiable_replay") and not cells[0].outcome.startswith(
-          "raises:")
+      warns = (
+        keep
+        and door.endswith("differentiable_replay")
+        and not cells[0].outcome.startswith("raises:")
+      )
       assert all(c.warnings == (("keep_grad_replay_frontier",) if warns else ()) for c in cells)
 
 
@@ -177,11 +184,15 @@ def test_random_draws_are_jaxlens_draws(dtype):
   x = torch.linspace(-1, 1, 24, dtype=dtype).reshape(4, 6)
   jx = jnp.asarray(x.numpy())
   pop = jnp.asarray(np.arange(30, dtype=x.numpy().dtype).reshape(5, 6))
-  pairs = [(ref.add_noise(0.3, seed=7), jl.add_noise(0.3, seed=7)),
-           (ref.scramble_elements(seed=3), jl.intervention.scramble_elements(seed=3)),
-           (ref.permute_batch(seed=2), jl.intervention.permute_batch(seed=2)),
-           (ref.resample_rows_from(ref.Population(torch.from_numpy(np.array(pop))), seed=5),
-            jl.intervention.resample_rows_from(jl.Population(pop), seed=5))]
+  pairs = [
+    (ref.add_noise(0.3, seed=7), jl.add_noise(0.3, seed=7)),
+    (ref.scramble_elements(seed=3), jl.intervention.scramble_elements(seed=3)),
+    (ref.permute_batch(seed=2), jl.intervention.permute_batch(seed=2)),
+    (
+      ref.resample_rows_from(ref.Population(torch.from_numpy(np.array(pop))), seed=5),
+      jl.intervention.resample_rows_from(jl.Population(pop), seed=5),
+    ),
+  ]
   for tedit, jedit in pairs:
     assert np.array_equal(tedit(x).numpy(), np.asarray(jedit(jx))), tedit
 
@@ -191,14 +202,21 @@ def test_units_at_positions_and_subspace_match_jaxlens():
   jx = jnp.asarray(x.numpy())
   basis = np.asarray(matrix.matrix_basis())
   cases = [
-      (ref.at_positions([0, 2], ref.scale(3.0)), jl.at_positions(jnp.array([0, 2]), jl.scale(3.0))),
-      (ref.Selection(None, "units", {"indices": [1, 3]}).wrap(ref.zero_ablate()),
-       selections.Selection(None, "units", {"indices": np.array([1, 3])},
-                            (("feature_axis", -1),)).wrap(jl.zero_ablate())),
-      (ref.subspace_scale(torch.from_numpy(basis.copy()), 0.5),
-       selections.subspace_scale(jnp.asarray(basis), 0.5)),
-      (ref.subspace_set(basis, np.array([1.0, -2.0])),
-       selections.subspace_set(jnp.asarray(basis), jnp.array([1.0, -2.0]))),
+    (ref.at_positions([0, 2], ref.scale(3.0)), jl.at_positions(jnp.array([0, 2]), jl.scale(3.0))),
+    (
+      ref.Selection(None, "units", {"indices": [1, 3]}).wrap(ref.zero_ablate()),
+      selections.Selection(
+        None, "units", {"indices": np.array([1, 3])}, (("feature_axis", -1),)
+      ).wrap(jl.zero_ablate()),
+    ),
+    (
+      ref.subspace_scale(torch.from_numpy(basis.copy()), 0.5),
+      selections.subspace_scale(jnp.asarray(basis), 0.5),
+    ),
+    (
+      ref.subspace_set(basis, np.array([1.0, -2.0])),
+      selections.subspace_set(jnp.asarray(basis), jnp.array([1.0, -2.0])),
+    ),
   ]
   for tedit, jedit in cases:
     diff = np.max(np.abs(tedit(x).numpy() - np.asarray(jedit(jx))))
@@ -207,7 +225,8 @@ def test_units_at_positions_and_subspace_match_jaxlens():
     ref.set_affine_coordinates(np.zeros((2, 4)), np.zeros(2))(x)
   with pytest.raises(jl.InvalidArgumentError, match=r"\[subspace_edit_unsupported\]"):
     ref.Selection(None, "subspace", {"basis": basis, "origin": None}).wrap(
-        ref.project_out(np.ones(4)))(x)
+      ref.project_out(np.ones(4))
+    )(x)
 
 
 # -- saved specs: saved by jaxlens, loaded by torch_bridge ------------------------
@@ -256,8 +275,9 @@ def test_saved_specs_give_the_same_outputs_on_torch(converted, kind, tmp_path):
 
 def test_a_loaded_spec_gives_forward_hooks_and_keeps_keep_grad(converted, tmp_path):
   tmodel, tx, fmodel, fvariables, site_map, case = converted
-  spec = (jl.when(jl.module("layers_0"), jl.intervention.keep_grad(jl.zero_ablate()))
-          + jl.when(jl.module("layers_1"), jl.scale(2.0)))
+  spec = jl.when(jl.module("layers_0"), jl.intervention.keep_grad(jl.zero_ablate())) + jl.when(
+    jl.module("layers_1"), jl.scale(2.0)
+  )
   hooks = torch_bridge.load_spec(spec.save(tmp_path / "s"), site_map).hooks()
   assert sorted(hooks) == ["0", "1"]
   handle = tmodel.get_submodule("0").register_forward_hook(hooks["0"])
@@ -274,8 +294,9 @@ def test_a_spec_for_a_converted_transformer(tmp_path):
   idx = torch.randint(0, 11, (2, 5))
   fmodel, fvariables, site_map = torch_bridge.from_torch(tmodel)
   direction = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float64)
-  spec = (jl.when(jl.module("blocks_0/mlp"), jl.steer(direction, 3.0, feature_axis=-1))
-          + jl.when(jl.module("blocks_1/ln1"), jl.at_positions(jnp.array([1, 3]), jl.scale(0.0))))
+  spec = jl.when(jl.module("blocks_0/mlp"), jl.steer(direction, 3.0, feature_axis=-1)) + jl.when(
+    jl.module("blocks_1/ln1"), jl.at_positions(jnp.array([1, 3]), jl.scale(0.0))
+  )
   path = spec.save(tmp_path / "s")
   want = np.asarray(jl.load_spec(path).bind(fmodel)(fvariables, jnp.asarray(idx.numpy())))
   got = torch_bridge.load_spec(path, site_map).bind(tmodel)(idx).detach().numpy()

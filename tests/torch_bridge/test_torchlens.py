@@ -48,8 +48,9 @@ class _Fixture:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
       self.captured = tl.trace(self.model, self.x, capture=CaptureOptions(intervention_ready=True))
-      self.donor_trace = tl.trace(self.model, self.x_donor,
-                                  capture=CaptureOptions(intervention_ready=True))
+      self.donor_trace = tl.trace(
+        self.model, self.x_donor, capture=CaptureOptions(intervention_ready=True)
+      )
     self.donor = self.donor_trace[LABEL].out  # carries its graph (CloneBackward0)
     self.population = torch.cat([self.donor, self.donor.flip(0) * 0.5])
     const = _matrix._constants()
@@ -76,31 +77,33 @@ def _reference(values):
 
 # Row name -> builder(fixture, detached) -> torchlens edit (None: no spelling exists).
 TL_ROWS = {
-    "scale": lambda f, d: tl.scale(0.5),
-    "clamp": lambda f, d: tl.clamp(min=-0.3, max=0.4),
-    "add_noise": lambda f, d: tl.noise(0.1, seed=0),
-    "steer": lambda f, d: tl.steer(f.direction, 2.0, feature_axis=-1),
-    "add": lambda f, d: tl.add(f.delta),
-    "project_onto": lambda f, d: tl.project_onto(f.direction, feature_axis=-1),
-    "project_out": lambda f, d: tl.project_off(f.direction, feature_axis=-1),
-    "mean_ablate(dim=)": lambda f, d: ti.mean_fill(over=0),
-    "scramble_elements(seed=)": lambda f, d: ti.scramble_elements(seed=0),
-    "splice_module": lambda f, d: tl.splice_module(_tanh_module()),
-    "permute_batch": lambda f, d: ti.permute_batch(seed=1, axis=0),
-    "set_direction_mean": lambda f, d: ti.set_direction_mean(
-        f.direction, _reference(d(f.population)), feature_axis=-1),
-    "compose": lambda f, d: ti.compose(tl.scale(0.0), tl.add(f.delta)),
-    "hook callable": lambda f, d: _square,
-    "zero_ablate": lambda f, d: tl.zero_ablate(),
-    "replace_with": lambda f, d: tl.replace_with(d(f.donor)),
-    "swap_with": lambda f, d: tl.swap_with(d(f.donor)),
-    "patch_from": lambda f, d: tl.patch_from(f.donor_trace),
-    "resample_rows_from": lambda f, d: ti.resample_rows_from(_reference(d(f.population)),
-                                                             seed=0, axis=0),
-    "mean_ablate(source=)": lambda f, d: tl.mean_ablate(d(f.population)),
-    "scramble_elements(source=)": lambda f, d: ti.scramble_elements(d(f.donor), seed=0),
-    "set_affine_coordinates": None,
-    "subspace_* (subspace_patch)": None,
+  "scale": lambda f, d: tl.scale(0.5),
+  "clamp": lambda f, d: tl.clamp(min=-0.3, max=0.4),
+  "add_noise": lambda f, d: tl.noise(0.1, seed=0),
+  "steer": lambda f, d: tl.steer(f.direction, 2.0, feature_axis=-1),
+  "add": lambda f, d: tl.add(f.delta),
+  "project_onto": lambda f, d: tl.project_onto(f.direction, feature_axis=-1),
+  "project_out": lambda f, d: tl.project_off(f.direction, feature_axis=-1),
+  "mean_ablate(dim=)": lambda f, d: ti.mean_fill(over=0),
+  "scramble_elements(seed=)": lambda f, d: ti.scramble_elements(seed=0),
+  "splice_module": lambda f, d: tl.splice_module(_tanh_module()),
+  "permute_batch": lambda f, d: ti.permute_batch(seed=1, axis=0),
+  "set_direction_mean": lambda f, d: ti.set_direction_mean(
+    f.direction, _reference(d(f.population)), feature_axis=-1
+  ),
+  "compose": lambda f, d: ti.compose(tl.scale(0.0), tl.add(f.delta)),
+  "hook callable": lambda f, d: _square,
+  "zero_ablate": lambda f, d: tl.zero_ablate(),
+  "replace_with": lambda f, d: tl.replace_with(d(f.donor)),
+  "swap_with": lambda f, d: tl.swap_with(d(f.donor)),
+  "patch_from": lambda f, d: tl.patch_from(f.donor_trace),
+  "resample_rows_from": lambda f, d: ti.resample_rows_from(
+    _reference(d(f.population)), seed=0, axis=0
+  ),
+  "mean_ablate(source=)": lambda f, d: tl.mean_ablate(d(f.population)),
+  "scramble_elements(source=)": lambda f, d: ti.scramble_elements(d(f.donor), seed=0),
+  "set_affine_coordinates": None,
+  "subspace_* (subspace_patch)": None,
 }
 
 
@@ -137,9 +140,13 @@ def _door_differentiable(f, site, edit):
 
 
 TL_BASE_DOORS = {
-    "live_bind": _door_bind, "live_trace": _door_trace, "replay": _door_replay,
-    "rerun": _door_rerun, "set_only_run": _door_set_only, "spec_bind": _door_bind,
-    "differentiable_replay": _door_differentiable,
+  "live_bind": _door_bind,
+  "live_trace": _door_trace,
+  "replay": _door_replay,
+  "rerun": _door_rerun,
+  "set_only_run": _door_set_only,
+  "spec_bind": _door_bind,
+  "differentiable_replay": _door_differentiable,
 }
 
 
@@ -177,8 +184,11 @@ def measure(door: str, row: str) -> _matrix.TorchCell:
     if out.requires_grad:
       out.sum().backward(retain_graph=True)
   grad = f.model[0].weight.grad
-  return _matrix.TorchCell("cut" if grad is None else "reaches", out.detach().numpy().copy(),
-                           None if grad is None else grad.numpy().copy())
+  return _matrix.TorchCell(
+    "cut" if grad is None else "reaches",
+    out.detach().numpy().copy(),
+    None if grad is None else grad.numpy().copy(),
+  )
 
 
 def differs(tcell: _matrix.TorchCell, rcell: _matrix.TorchCell) -> str:
@@ -201,48 +211,93 @@ def differs(tcell: _matrix.TorchCell, rcell: _matrix.TorchCell) -> str:
 # Where torchlens 2.36.1 departs from the specification, as measured. Each entry:
 # (reason, door patterns, row patterns); a cell is listed when some entry matches it.
 
-_SELECTION_ELSEWHERE = [f"{k}:{b}" for k in ("units", "subspace")
-                        for b in ("live_bind", "spec_bind", "rerun", "set_only_run",
-                                  "differentiable_replay")]
-_ATTACHED_DONORS = ["replace_with", "swap_with", "mean_ablate(source=)",
-                    "scramble_elements(source=)"]
-
-DEPARTURES = [
-    ("no spelling: torchlens has no set_affine_coordinates and no subspace_* edits",
-     ["*"], ["set_affine_coordinates", "subspace_* (subspace_patch)"]),
-    ("set_only + run calls value(out): every built-in verb fails at run() with TypeError "
-     "(only one-argument callables work)",
-     ["set_only_run"], [r for r in TL_ROWS if r != "hook callable"]),
-    ("selections work only under replay: tl.when refuses them (ArgumentTypeError), rerun and "
-     "set_only + run refuse them (LiveModeLabelError), attach_hooks + push refuses them "
-     "(SiteResolutionError)",
-     _SELECTION_ELSEWHERE, ["*"]),
-    ("tl.subspace selects the basis's support set instead of projecting onto it: a dense basis "
-     "selects the whole feature axis, so every verb edits the whole site (no complement keeps "
-     "the graph) and the projections are not refused",
-     ["subspace:replay"], ["*"]),
-    ("seeded draws come from torch generators (permute_batch's even differs by door), not "
-     "jax.random, so the values differ",
-     ["*"], ["add_noise", "scramble_elements(seed=)", "permute_batch", "resample_rows_from",
-             "scramble_elements(source=)"]),
-    ("donors that carry a graph are not detached: the gradient reaches the weights through "
-     "the donor (reaches instead of cut; under units the selected elements pass gradient)",
-     ["live_bind", "live_trace", "replay", "rerun", "units:replay"], _ATTACHED_DONORS),
-    ("differentiable replay deep-copies the hook's donor and fails on a non-leaf tensor "
-     "(RuntimeError)", ["differentiable_replay"], _ATTACHED_DONORS),
-    ("mean_ablate(source=) writes the source's global scalar mean, not its mean over the "
-     "examples (axis 0)", ["*"], ["mean_ablate(source=)"]),
-    ("set_direction_mean computes the unit direction and its coefficient in float32 "
-     "(outputs off by about 2e-8 in float64)", ["*"], ["set_direction_mean"]),
-    ('splice_module\'s default input="in" feeds the module\'s call inputs on live doors: '
-     "HookValueError under bind, and the model input (so cut) under trace and rerun",
-     ["live_bind", "spec_bind", "live_trace", "rerun"], ["splice_module"]),
+_SELECTION_ELSEWHERE = [
+  f"{k}:{b}"
+  for k in ("units", "subspace")
+  for b in ("live_bind", "spec_bind", "rerun", "set_only_run", "differentiable_replay")
+]
+_ATTACHED_DONORS = [
+  "replace_with",
+  "swap_with",
+  "mean_ablate(source=)",
+  "scramble_elements(source=)",
 ]
 
-TL_DOORS = tuple(TL_BASE_DOORS) + tuple(f"{k}:{b}" for k in ("units", "subspace")
-                                          for b in ("live_bind", "replay", "rerun",
-                                                    "set_only_run", "spec_bind",
-                                                    "differentiable_replay"))
+DEPARTURES = [
+  (
+    "no spelling: torchlens has no set_affine_coordinates and no subspace_* edits",
+    ["*"],
+    ["set_affine_coordinates", "subspace_* (subspace_patch)"],
+  ),
+  (
+    "set_only + run calls value(out): every built-in verb fails at run() with TypeError "
+    "(only one-argument callables work)",
+    ["set_only_run"],
+    [r for r in TL_ROWS if r != "hook callable"],
+  ),
+  (
+    "selections work only under replay: tl.when refuses them (ArgumentTypeError), rerun and "
+    "set_only + run refuse them (LiveModeLabelError), attach_hooks + push refuses them "
+    "(SiteResolutionError)",
+    _SELECTION_ELSEWHERE,
+    ["*"],
+  ),
+  (
+    "tl.subspace selects the basis's support set instead of projecting onto it: a dense basis "
+    "selects the whole feature axis, so every verb edits the whole site (no complement keeps "
+    "the graph) and the projections are not refused",
+    ["subspace:replay"],
+    ["*"],
+  ),
+  (
+    "seeded draws come from torch generators (permute_batch's even differs by door), not "
+    "jax.random, so the values differ",
+    ["*"],
+    [
+      "add_noise",
+      "scramble_elements(seed=)",
+      "permute_batch",
+      "resample_rows_from",
+      "scramble_elements(source=)",
+    ],
+  ),
+  (
+    "donors that carry a graph are not detached: the gradient reaches the weights through "
+    "the donor (reaches instead of cut; under units the selected elements pass gradient)",
+    ["live_bind", "live_trace", "replay", "rerun", "units:replay"],
+    _ATTACHED_DONORS,
+  ),
+  (
+    "differentiable replay deep-copies the hook's donor and fails on a non-leaf tensor "
+    "(RuntimeError)",
+    ["differentiable_replay"],
+    _ATTACHED_DONORS,
+  ),
+  (
+    "mean_ablate(source=) writes the source's global scalar mean, not its mean over the "
+    "examples (axis 0)",
+    ["*"],
+    ["mean_ablate(source=)"],
+  ),
+  (
+    "set_direction_mean computes the unit direction and its coefficient in float32 "
+    "(outputs off by about 2e-8 in float64)",
+    ["*"],
+    ["set_direction_mean"],
+  ),
+  (
+    "splice_module's default input=\"in\" feeds the module's call inputs on live doors: "
+    "HookValueError under bind, and the model input (so cut) under trace and rerun",
+    ["live_bind", "spec_bind", "live_trace", "rerun"],
+    ["splice_module"],
+  ),
+]
+
+TL_DOORS = tuple(TL_BASE_DOORS) + tuple(
+  f"{k}:{b}"
+  for k in ("units", "subspace")
+  for b in ("live_bind", "replay", "rerun", "set_only_run", "spec_bind", "differentiable_replay")
+)
 
 
 def departures(door: str, row: str) -> list[str]:

@@ -26,16 +26,30 @@ from torch_bridge.convert._errors import ConversionError
 from torch_bridge.convert._export import ExportOptions, convert_exported, export_model
 from torch_bridge.convert._layers import GPTBlock, TinyGPT
 
-__all__ = ["ConversionError", "ExportOptions", "GPTBlock", "TinyGPT", "convert", "from_torch", "to_jax",
-           "to_torch"]
+__all__ = [
+  "ConversionError",
+  "ExportOptions",
+  "GPTBlock",
+  "TinyGPT",
+  "convert",
+  "from_torch",
+  "to_jax",
+  "to_torch",
+]
 
 _METHODS = ("auto", "modules", "export")
 
 
-def from_torch(module: torch.nn.Module, *example_args: Any, example_kwargs: dict | None = None,
-               dtype: Any = None, method: str = "auto", dynamic_shapes: Any = None,
-               attention_probs: bool = False, eval_mode: bool = True,
-               ) -> tuple[Any, dict[str, Any], dict[str, str]]:
+def from_torch(
+  module: torch.nn.Module,
+  *example_args: Any,
+  example_kwargs: dict | None = None,
+  dtype: Any = None,
+  method: str = "auto",
+  dynamic_shapes: Any = None,
+  attention_probs: bool = False,
+  eval_mode: bool = True,
+) -> tuple[Any, dict[str, Any], dict[str, str]]:
   """Converts a torch model into an equivalent Flax linen model, with a site map.
 
   Args:
@@ -72,8 +86,11 @@ def from_torch(module: torch.nn.Module, *example_args: Any, example_kwargs: dict
   if method not in _METHODS:
     raise ConversionError(
       f"[invalid_method] method={method!r} is not one of {_METHODS}. Fix: pass method="
-      "'auto', 'modules' or 'export'.", code="invalid_method", module="",
-      fix="method='auto'")
+      "'auto', 'modules' or 'export'.",
+      code="invalid_method",
+      module="",
+      fix="method='auto'",
+    )
   has_example = bool(example_args) or bool(example_kwargs)
   if method == "modules" or (method == "auto" and not has_example):
     return _layers.from_torch(module, dtype=dtype)
@@ -83,20 +100,35 @@ def from_torch(module: torch.nn.Module, *example_args: Any, example_kwargs: dict
     except ConversionError:
       pass
   flax_module, variables, site_map, _ = convert(
-    module, *example_args, example_kwargs=example_kwargs, dtype=dtype,
-    dynamic_shapes=dynamic_shapes, attention_probs=attention_probs, eval_mode=eval_mode)
+    module,
+    *example_args,
+    example_kwargs=example_kwargs,
+    dtype=dtype,
+    dynamic_shapes=dynamic_shapes,
+    attention_probs=attention_probs,
+    eval_mode=eval_mode,
+  )
   return flax_module, variables, site_map
 
 
-def convert(module: torch.nn.Module, *example_args: Any, example_kwargs: dict | None = None,
-            dtype: Any = None, dynamic_shapes: Any = None, attention_probs: bool = False,
-            eval_mode: bool = True):
+def convert(
+  module: torch.nn.Module,
+  *example_args: Any,
+  example_kwargs: dict | None = None,
+  dtype: Any = None,
+  dynamic_shapes: Any = None,
+  attention_probs: bool = False,
+  eval_mode: bool = True,
+):
   """The export path of :func:`from_torch`; also returns the :class:`Program` it built."""
   if not example_args and not example_kwargs:
     raise ConversionError(
       "[example_inputs_required] the export path traces the model on example inputs. Fix: "
-      "pass them, from_torch(model, x).", code="example_inputs_required", module="",
-      fix="from_torch(model, *example_inputs)")
+      "pass them, from_torch(model, x).",
+      code="example_inputs_required",
+      module="",
+      fix="from_torch(model, *example_inputs)",
+    )
   target = None
   if dtype is not None:
     try:
@@ -107,9 +139,14 @@ def convert(module: torch.nn.Module, *example_args: Any, example_kwargs: dict | 
       raise ConversionError(
         f"[unsupported_dtype] dtype={dtype!r} is not supported; supported: None (keep "
         "torch's) or a floating dtype such as jnp.float32. Fix: dtype=jnp.float32.",
-        code="unsupported_dtype", module="", attribute="dtype", value=dtype,
-        fix="dtype=jnp.float32")
-  options = ExportOptions(dynamic_shapes=dynamic_shapes, attention_probs=attention_probs,
-                          eval_mode=eval_mode)
+        code="unsupported_dtype",
+        module="",
+        attribute="dtype",
+        value=dtype,
+        fix="dtype=jnp.float32",
+      )
+  options = ExportOptions(
+    dynamic_shapes=dynamic_shapes, attention_probs=attention_probs, eval_mode=eval_mode
+  )
   ep = export_model(module, tuple(example_args), dict(example_kwargs or {}), options)
   return convert_exported(ep, options, dtype=target)

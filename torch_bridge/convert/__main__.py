@@ -55,8 +55,10 @@ def main(argv=None) -> str:
       r = _parity.check(name, getattr(torch, dtype))
       print(f"{name} {dtype}: output {r.output:.1e}", flush=True)
       results.append(r)
-  text = (HEADER + _parity.table(results) + "\n\nMeasured with torch "
-          f"{torch.__version__}, jax {jax.__version__}, on {platform.machine()} CPU.\n")
+  text = (
+    HEADER + _parity.table(results) + "\n\nMeasured with torch "
+    f"{torch.__version__}, jax {jax.__version__}, on {platform.machine()} CPU.\n"
+  )
   if args.write:
     with open(args.write, "w") as f:
       f.write(text)

@@ -85,12 +85,12 @@ def _flatten(x, start=0, end=-1):
   if x.ndim == 0:
     return x.reshape(1)
   s, e = _dim(x, start), _dim(x, end)
-  return x.reshape(x.shape[:s] + (-1,) + x.shape[e + 1:])
+  return x.reshape(x.shape[:s] + (-1,) + x.shape[e + 1 :])
 
 
 def _unflatten(x, dim, sizes):
   d = _dim(x, dim)
-  return x.reshape(x.shape[:d] + tuple(sizes) + x.shape[d + 1:])
+  return x.reshape(x.shape[:d] + tuple(sizes) + x.shape[d + 1 :])
 
 
 def _split(x, split_size, dim=0):
@@ -175,8 +175,9 @@ def _sum(x, dims=None, keepdim=False, dtype=None):
 def _var(x, dims=None, correction=1, keepdim=False, unbiased=None):
   if unbiased is not None:
     correction = 1 if unbiased else 0
-  return jnp.var(x, axis=_dims(x, dims), ddof=1 if correction is None else correction,
-                 keepdims=keepdim)
+  return jnp.var(
+    x, axis=_dims(x, dims), ddof=1 if correction is None else correction, keepdims=keepdim
+  )
 
 
 def _max_dim(x, dim, keepdim=False):
@@ -283,8 +284,16 @@ def _conv(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     pad = [(p, p) for p in expand(_listify(padding))]
   sp = _SPATIAL[n]
   dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NC" + sp, "OI" + sp, "NC" + sp))
-  y = lax.conv_general_dilated(x, w, stride, pad, rhs_dilation=dilation, dimension_numbers=dn,
-                               feature_group_count=groups, precision=HI)
+  y = lax.conv_general_dilated(
+    x,
+    w,
+    stride,
+    pad,
+    rhs_dilation=dilation,
+    dimension_numbers=dn,
+    feature_group_count=groups,
+    precision=HI,
+  )
   if b is not None:
     y = y + b.reshape((-1,) + (1,) * n)
   return y[0] if unbatched else y
@@ -313,12 +322,23 @@ def _conv_transpose(x, w, b=None, stride=1, padding=0, output_padding=0, groups=
   w = w.reshape((groups, cin // groups, cout_g) + w.shape[2:])
   w = jnp.swapaxes(w, 1, 2).reshape((groups * cout_g, cin // groups) + w.shape[3:])
   w = jnp.flip(w, axis=tuple(range(2, n + 2)))
-  pad = [(d * (k - 1) - p, d * (k - 1) - p + op)
-         for d, k, p, op in zip(dilation, w.shape[2:], padding, output_padding)]
+  pad = [
+    (d * (k - 1) - p, d * (k - 1) - p + op)
+    for d, k, p, op in zip(dilation, w.shape[2:], padding, output_padding)
+  ]
   sp = _SPATIAL[n]
   dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NC" + sp, "OI" + sp, "NC" + sp))
-  y = lax.conv_general_dilated(x, w, (1,) * n, pad, lhs_dilation=stride, rhs_dilation=dilation,
-                               dimension_numbers=dn, feature_group_count=groups, precision=HI)
+  y = lax.conv_general_dilated(
+    x,
+    w,
+    (1,) * n,
+    pad,
+    lhs_dilation=stride,
+    rhs_dilation=dilation,
+    dimension_numbers=dn,
+    feature_group_count=groups,
+    precision=HI,
+  )
   if b is not None:
     y = y + b.reshape((-1,) + (1,) * n)
   return y[0] if unbatched else y
@@ -345,15 +365,24 @@ def _max_pool(n):
     pads = [_pool_pads(x.shape[2 + i], k[i], s[i], p[i], d[i], ceil_mode) for i in range(n)]
     # A Python scalar init: JAX differentiates reduce_window only for its known monoids.
     init = -float("inf") if jnp.issubdtype(x.dtype, jnp.floating) else int(jnp.iinfo(x.dtype).min)
-    y = lax.reduce_window(x, init, lax.max, (1, 1) + k, (1, 1) + s,
-                          [(0, 0), (0, 0)] + pads, window_dilation=(1, 1) + d)
+    y = lax.reduce_window(
+      x, init, lax.max, (1, 1) + k, (1, 1) + s, [(0, 0), (0, 0)] + pads, window_dilation=(1, 1) + d
+    )
     return y[0] if unbatched else y
+
   return pool
 
 
 def _avg_pool(n):
-  def pool(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
-           divisor_override=None):
+  def pool(
+    x,
+    kernel_size,
+    stride=(),
+    padding=0,
+    ceil_mode=False,
+    count_include_pad=True,
+    divisor_override=None,
+  ):
     unbatched = x.ndim == n + 1
     if unbatched:
       x = x[None]
@@ -361,8 +390,9 @@ def _avg_pool(n):
     k = expand(_listify(kernel_size))
     s = expand(_listify(stride)) if _listify(stride) else k
     p = expand(_listify(padding))
-    pads = [(0, 0), (0, 0)] + [_pool_pads(x.shape[2 + i], k[i], s[i], p[i], 1, ceil_mode)
-                               for i in range(n)]
+    pads = [(0, 0), (0, 0)] + [
+      _pool_pads(x.shape[2 + i], k[i], s[i], p[i], 1, ceil_mode) for i in range(n)
+    ]
     total = lax.reduce_window(x, 0.0, lax.add, (1, 1) + k, (1, 1) + s, pads)
     if divisor_override:
       y = total / divisor_override
@@ -370,14 +400,27 @@ def _avg_pool(n):
       sym = [(0, 0), (0, 0)] + [(p[i], p[i]) for i in range(n)]
       ones = jnp.pad(jnp.ones(x.shape[2:], x.dtype), sym[2:], constant_values=1)
       ones = jnp.pad(ones, [(0, pads[2 + i][1] - p[i]) for i in range(n)])
-      cnt = lax.reduce_window(ones[None, None], jnp.asarray(0, x.dtype), lax.add, (1, 1) + k,
-                              (1, 1) + s, [(0, 0)] * (n + 2))
+      cnt = lax.reduce_window(
+        ones[None, None],
+        jnp.asarray(0, x.dtype),
+        lax.add,
+        (1, 1) + k,
+        (1, 1) + s,
+        [(0, 0)] * (n + 2),
+      )
       y = total / cnt
     else:
-      cnt = lax.reduce_window(jnp.ones((1, 1) + x.shape[2:], x.dtype), jnp.asarray(0, x.dtype),
-                              lax.add, (1, 1) + k, (1, 1) + s, pads)
+      cnt = lax.reduce_window(
+        jnp.ones((1, 1) + x.shape[2:], x.dtype),
+        jnp.asarray(0, x.dtype),
+        lax.add,
+        (1, 1) + k,
+        (1, 1) + s,
+        pads,
+      )
       y = total / cnt
     return y[0] if unbatched else y
+
   return pool
 
 
@@ -395,10 +438,10 @@ def _adaptive_avg_pool(n):
       parts = []
       for j in range(o):
         start, end = (j * size) // o, -(-((j + 1) * size) // o)
-        parts.append(jnp.mean(lax.slice_in_dim(y, start, end, axis=axis), axis=axis,
-                              keepdims=True))
+        parts.append(jnp.mean(lax.slice_in_dim(y, start, end, axis=axis), axis=axis, keepdims=True))
       y = jnp.concatenate(parts, axis=axis)
     return y
+
   return pool
 
 
@@ -481,8 +524,9 @@ def _log_softmax(x, dim, half_to_float=False):
   return jax.nn.log_softmax(x, axis=dim)
 
 
-def sdpa_logits(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                enable_gqa=False):
+def sdpa_logits(
+  q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
   """The masked, scaled attention logits of ``scaled_dot_product_attention``, and ``v``."""
   if dropout_p:
     raise NotImplementedError("scaled_dot_product_attention with dropout_p > 0")
@@ -533,7 +577,7 @@ def _rnn(cell, n_state):
       outs = []
       for d in range(dirs):
         i = layer * dirs + d
-        w = params[i * per:(i + 1) * per]
+        w = params[i * per : (i + 1) * per]
         w_ih, w_hh = w[0], w[1]
         b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
         state = tuple(h[i] for h in hx)
@@ -610,12 +654,14 @@ def _cast(x, *args, dtype=None, **kwargs):
 def _like(fill):
   def make(x, *args, dtype=None, **kwargs):
     return jnp.full(x.shape, fill, dtype=dtype or x.dtype)
+
   return make
 
 
 def _new(fill):
   def make(x, size, *args, dtype=None, **kwargs):
     return jnp.full(tuple(size), fill, dtype=dtype or x.dtype)
+
   return make
 
 
@@ -633,8 +679,9 @@ ATEN: dict[str, Callable[..., Any]] = {
   "aten.full_like.default": lambda x, v, dtype=None, **_: jnp.full(x.shape, v, dtype or x.dtype),
   "aten.new_zeros.default": _new(0),
   "aten.new_ones.default": _new(1),
-  "aten.new_full.default": lambda x, size, v, dtype=None, **_: jnp.full(tuple(size), v,
-                                                                        dtype or x.dtype),
+  "aten.new_full.default": lambda x, size, v, dtype=None, **_: jnp.full(
+    tuple(size), v, dtype or x.dtype
+  ),
   # identity-like
   "aten.clone.default": _identity,
   "aten.alias.default": _identity,
@@ -708,8 +755,8 @@ ATEN: dict[str, Callable[..., Any]] = {
   "aten.div.Tensor": _div,
   "aten.div.Scalar": _div,
   "aten.div.Tensor_mode": _div,
-  "aten.pow.Tensor_Scalar": lambda x, e: x ** e,
-  "aten.pow.Tensor_Tensor": lambda x, e: x ** e,
+  "aten.pow.Tensor_Scalar": lambda x, e: x**e,
+  "aten.pow.Tensor_Tensor": lambda x, e: x**e,
   "aten.pow.Scalar": lambda b, x: jnp.power(b, x),
   "aten.neg.default": operator.neg,
   "aten.abs.default": jnp.abs,
@@ -732,14 +779,22 @@ ATEN: dict[str, Callable[..., Any]] = {
   "aten.clamp_min.default": lambda x, lo: jnp.maximum(x, lo),
   "aten.clamp_max.default": lambda x, hi: jnp.minimum(x, hi),
   # comparisons and logic
-  "aten.eq.Tensor": operator.eq, "aten.eq.Scalar": operator.eq,
-  "aten.ne.Tensor": operator.ne, "aten.ne.Scalar": operator.ne,
-  "aten.lt.Tensor": operator.lt, "aten.lt.Scalar": operator.lt,
-  "aten.le.Tensor": operator.le, "aten.le.Scalar": operator.le,
-  "aten.gt.Tensor": operator.gt, "aten.gt.Scalar": operator.gt,
-  "aten.ge.Tensor": operator.ge, "aten.ge.Scalar": operator.ge,
-  "aten.__and__.Tensor": operator.and_, "aten.bitwise_and.Tensor": operator.and_,
-  "aten.__or__.Tensor": operator.or_, "aten.bitwise_or.Tensor": operator.or_,
+  "aten.eq.Tensor": operator.eq,
+  "aten.eq.Scalar": operator.eq,
+  "aten.ne.Tensor": operator.ne,
+  "aten.ne.Scalar": operator.ne,
+  "aten.lt.Tensor": operator.lt,
+  "aten.lt.Scalar": operator.lt,
+  "aten.le.Tensor": operator.le,
+  "aten.le.Scalar": operator.le,
+  "aten.gt.Tensor": operator.gt,
+  "aten.gt.Scalar": operator.gt,
+  "aten.ge.Tensor": operator.ge,
+  "aten.ge.Scalar": operator.ge,
+  "aten.__and__.Tensor": operator.and_,
+  "aten.bitwise_and.Tensor": operator.and_,
+  "aten.__or__.Tensor": operator.or_,
+  "aten.bitwise_or.Tensor": operator.or_,
   "aten.bitwise_not.default": operator.invert,
   "aten.logical_not.default": jnp.logical_not,
   "aten.logical_and.default": jnp.logical_and,
@@ -758,7 +813,8 @@ ATEN: dict[str, Callable[..., Any]] = {
   "aten.hardtanh.default": lambda x, lo=-1.0, hi=1.0: jnp.clip(x, lo, hi),
   "aten.leaky_relu.default": lambda x, s=0.01: jnp.where(x > 0, x, x * s),
   "aten.elu.default": lambda x, a=1.0, scale=1.0, iscale=1.0: jnp.where(
-    x > 0, x * scale, a * scale * jnp.expm1(x * iscale)),
+    x > 0, x * scale, a * scale * jnp.expm1(x * iscale)
+  ),
   "aten.softplus.default": _softplus,
   "aten.softmax.int": _softmax,
   "aten._softmax.default": _softmax,
@@ -774,8 +830,12 @@ ATEN: dict[str, Callable[..., Any]] = {
   "aten.einsum.default": _einsum,
   "aten.scaled_dot_product_attention.default": _sdpa,
   # layers
-  "aten.conv1d.default": _conv, "aten.conv2d.default": _conv, "aten.conv3d.default": _conv,
-  "aten.conv1d.padding": _conv, "aten.conv2d.padding": _conv, "aten.conv3d.padding": _conv,
+  "aten.conv1d.default": _conv,
+  "aten.conv2d.default": _conv,
+  "aten.conv3d.default": _conv,
+  "aten.conv1d.padding": _conv,
+  "aten.conv2d.padding": _conv,
+  "aten.conv3d.padding": _conv,
   "aten.convolution.default": _convolution,
   "aten.conv_transpose1d.default": _conv_transpose,
   "aten.conv_transpose2d.input": _conv_transpose,
@@ -792,7 +852,8 @@ ATEN: dict[str, Callable[..., Any]] = {
   "aten.layer_norm.default": _layer_norm,
   "aten.native_layer_norm.default": _native_layer_norm,
   "aten.group_norm.default": lambda x, g, w=None, b=None, eps=1e-5, cudnn=True: _group_norm(
-    x, g, w, b, eps),
+    x, g, w, b, eps
+  ),
   "aten._native_batch_norm_legit_no_training.default": _batch_norm_no_training,
   "aten.batch_norm.default": _batch_norm,
   "aten.embedding.default": _embedding,

@@ -89,8 +89,11 @@ class _Watch:
   @contextlib.contextmanager
   def active(self):
     from torch.nn.modules import module as mm
-    handles = [mm.register_module_forward_pre_hook(self.pre),
-               mm.register_module_forward_hook(self.post)]
+
+    handles = [
+      mm.register_module_forward_pre_hook(self.pre),
+      mm.register_module_forward_hook(self.post),
+    ]
     function = torch.autograd.Function
     original = function.__dict__["apply"]
     watch = self
@@ -124,8 +127,9 @@ def export_model(model: torch.nn.Module, args: tuple, kwargs: dict, options: Exp
   watch = _Watch(model)
   try:
     with watch.active():
-      ep = torch.export.export(model, args, kwargs, dynamic_shapes=options.dynamic_shapes,
-                               strict=False)
+      ep = torch.export.export(
+        model, args, kwargs, dynamic_shapes=options.dynamic_shapes, strict=False
+      )
   except _CustomFunction:
     name, module = watch.custom
     raise ConversionError(
@@ -133,8 +137,11 @@ def export_model(model: torch.nn.Module, args: tuple, kwargs: dict, options: Exp
       f"Function {name}; torch.export would keep its forward and drop its backward, so the "
       "converted model's gradients would differ. Fix: replace the Function by torch ops "
       "(or by a module whose gradient is the autograd one) before converting.",
-      code="custom_autograd_function", module=module, function=name,
-      fix="replace the autograd.Function by plain torch ops") from None
+      code="custom_autograd_function",
+      module=module,
+      function=name,
+      fix="replace the autograd.Function by plain torch ops",
+    ) from None
   except ConversionError:
     raise
   except Exception as error:
@@ -145,8 +152,11 @@ def export_model(model: torch.nn.Module, args: tuple, kwargs: dict, options: Exp
       f"{module or '<root>'!r}): {type(error).__name__}: {first[:300]}. Data-dependent "
       "control flow (an `if` on a tensor's values) is the usual cause. Fix: make the branch "
       "static, or use torch.cond, or pass the shapes that vary as dynamic_shapes.",
-      code="export_failed", module=module, cause=type(error).__name__,
-      fix="make the control flow static or rewrite it with torch.cond") from error
+      code="export_failed",
+      module=module,
+      cause=type(error).__name__,
+      fix="make the control flow static or rewrite it with torch.cond",
+    ) from error
   finally:
     for m, training in flags:
       m.training = training
@@ -203,13 +213,20 @@ class Program:
       elif kind in kinds:
         self.state[node] = (kinds[kind], spec.target)
       else:
-        raise _error("unsupported_input", "", f"an input of kind {kind} ({spec.target})",
-                     "export a model whose inputs are tensors, parameters and buffers")
+        raise _error(
+          "unsupported_input",
+          "",
+          f"an input of kind {kind} ({spec.target})",
+          "export a model whose inputs are tensors, parameters and buffers",
+        )
     for spec in sig.output_specs:
       if spec.kind.name != "USER_OUTPUT":
-        raise _error("buffer_mutation", _owner(spec.target),
-                     f"the model writes its buffer {spec.target!r} ({spec.kind.name})",
-                     "convert the model in eval mode (eval_mode=True, the default)")
+        raise _error(
+          "buffer_mutation",
+          _owner(spec.target),
+          f"the model writes its buffer {spec.target!r} ({spec.kind.name})",
+          "convert the model in eval mode (eval_mode=True, the default)",
+        )
     self.out_spec = ep.call_spec.out_spec
     values = {}
     values.update(ep.state_dict)
@@ -219,7 +236,7 @@ class Program:
     self.templates: dict[str, list[_Call]] = {}
     self.children: dict[str, list[str]] = {"": []}
     self._index(self.root)
-    for node, (_, fqn) in self.state.items():
+    for _node, (_, fqn) in self.state.items():
       self._add_path(_owner(fqn))
     self.owned: dict[str, list] = {}  # torch module -> its (placeholder, collection, fqn)
     for node, (collection, fqn) in self.state.items():
@@ -239,8 +256,9 @@ class Program:
         continue
       stack = [(k, v) for k, v in (node.meta.get("nn_module_stack") or {}).items() if v[0]]
       depth = 0  # how much of the open stack this node's stack continues
-      while (depth < len(stack) and depth + 1 < len(open_)
-             and open_[depth + 1].key == stack[depth][0]):
+      while (
+        depth < len(stack) and depth + 1 < len(open_) and open_[depth + 1].key == stack[depth][0]
+      ):
         depth += 1
       while len(open_) > depth + 1:
         closed.add(open_.pop().key)
@@ -312,21 +330,26 @@ class Program:
     for node in self.graph.nodes:
       if node.op == "call_function" and str(node.target) not in ATEN:
         stack = list((node.meta.get("nn_module_stack") or {}).values())
-        missing.append({"op": str(node.target), "node": node.name,
-                        "module": stack[-1][0] if stack else ""})
+        missing.append(
+          {"op": str(node.target), "node": node.name, "module": stack[-1][0] if stack else ""}
+        )
       elif node.op not in ("call_function", "placeholder", "output"):
         missing.append({"op": f"{node.op}:{node.target}", "node": node.name, "module": ""})
     if missing:
       ops = sorted({m["op"] for m in missing})
-      lines = "; ".join(f"{m['op']} at node {m['node']} in module {m['module'] or '<root>'!r}"
-                        for m in missing[:20])
+      lines = "; ".join(
+        f"{m['op']} at node {m['node']} in module {m['module'] or '<root>'!r}" for m in missing[:20]
+      )
       more = f" (and {len(missing) - 20} more nodes)" if len(missing) > 20 else ""
       raise ConversionError(
         f"[unsupported_op] {len(ops)} ATen operator(s) have no JAX entry: {', '.join(ops)}. "
         f"Nodes: {lines}{more}. Fix: add them to torch_bridge.convert._aten.ATEN, or rewrite "
         "that part of the model with supported ops.",
-        code="unsupported_op", module=missing[0]["module"], ops=missing,
-        fix="add the operators to torch_bridge.convert._aten.ATEN")
+        code="unsupported_op",
+        module=missing[0]["module"],
+        ops=missing,
+        fix="add the operators to torch_bridge.convert._aten.ATEN",
+      )
 
   def template_of(self, path: str) -> _Call:
     if "@" in path.rsplit(".", 1)[-1]:
@@ -368,6 +391,7 @@ def _code(call: _Call) -> tuple:
       else:
         local[item] = ("n", len(out))
         out.append((str(item.target), _map_args(item.args, ref), _map_args(item.kwargs, ref)))
+
   walk(call)
   out.append(tuple(ref(n) for n in call.outputs))
   return tuple(out)
@@ -400,8 +424,12 @@ def _leaf(fqn: str) -> str:
 
 
 def _error(code: str, module: str, what: str, fix: str) -> ConversionError:
-  return ConversionError(f"[{code}] module {module or '<root>'!r}: {what}. Fix: {fix}.",
-                         code=code, module=module, fix=fix)
+  return ConversionError(
+    f"[{code}] module {module or '<root>'!r}: {what}. Fix: {fix}.",
+    code=code,
+    module=module,
+    fix=fix,
+  )
 
 
 # -- the Flax modules ----------------------------------------------------------------------
@@ -452,8 +480,10 @@ class _Node(nn.Module):
     if self.tpath == "":  # the root: flatten the user's inputs as torch did
       leaves, _ = tree.tree_flatten((args, kwargs))
       if len(leaves) != len(prog.user_inputs):
-        raise TypeError(f"the converted model takes {len(prog.user_inputs)} input arrays "
-                        f"(as the example inputs), got {len(leaves)}")
+        raise TypeError(
+          f"the converted model takes {len(prog.user_inputs)} input arrays "
+          f"(as the example inputs), got {len(leaves)}"
+        )
       call = prog.root
       env = dict(zip(prog.user_inputs, leaves))
     else:
@@ -462,8 +492,9 @@ class _Node(nn.Module):
       env = dict(zip(call.inputs, args))
     self._tb_run(call, env)
     if self.tpath == "":
-      outs = [env.get(n) if isinstance(n, torch.fx.Node) else n
-              for n in _output_node(prog.graph).args[0]]
+      outs = [
+        env.get(n) if isinstance(n, torch.fx.Node) else n for n in _output_node(prog.graph).args[0]
+      ]
       return _unflatten(outs, prog.out_spec)
     outs = [env[n] for n in call.outputs]
     return outs[0] if len(outs) == 1 else tuple(outs)
@@ -472,7 +503,7 @@ class _Node(nn.Module):
     node: Any = self
     while node.tpath and not path.startswith(node.tpath + "."):
       node = node.parent
-    rel = path[len(node.tpath) + 1:] if node.tpath else path
+    rel = path[len(node.tpath) + 1 :] if node.tpath else path
     for part in rel.split(".") if rel else ():
       node = node.kids[part]
     return node
@@ -534,6 +565,7 @@ def _constant_init(value, dtype):
 
   def init(*_):
     return jnp.asarray(array, dtype=dtype)
+
   return init
 
 
@@ -578,6 +610,7 @@ def _unflatten(leaves: list, spec) -> Any:
     if _is_namedtuple(s.type):
       return s.type(*kids)
     return tuple(kids)
+
   return build(spec)
 
 
@@ -640,26 +673,35 @@ def _check_dtypes(program) -> None:
         module = _owner(program.state[node][1])
       if v.dtype in _JAX_LACKS or v.is_complex() or v.is_quantized:
         lacks = "which JAX lacks" if v.dtype in _JAX_LACKS else "which the converter lacks"
-        raise _error("unsupported_dtype", module, f"node {node.name} has dtype {v.dtype}, {lacks}",
-                     "convert the model to a real floating dtype (e.g. model.float())")
+        raise _error(
+          "unsupported_dtype",
+          module,
+          f"node {node.name} has dtype {v.dtype}, {lacks}",
+          "convert the model to a real floating dtype (e.g. model.float())",
+        )
       if v.dtype == torch.float64 and not x64 and program.dtype_override is None:
-        raise _error("unsupported_dtype", module,
-                     f"node {node.name} is float64, which needs jax_enable_x64",
-                     'enable it with jax.config.update("jax_enable_x64", True) or pass '
-                     "dtype=jnp.float32")
+        raise _error(
+          "unsupported_dtype",
+          module,
+          f"node {node.name} is float64, which needs jax_enable_x64",
+          'enable it with jax.config.update("jax_enable_x64", True) or pass dtype=jnp.float32',
+        )
       try:
         _torch_to_jax_dtype(v.dtype)
       except TypeError:
-        raise _error("unsupported_dtype", module,
-                     f"node {node.name} has dtype {v.dtype}, which JAX lacks",
-                     "convert the model to float32, float64 or bfloat16") from None
+        raise _error(
+          "unsupported_dtype",
+          module,
+          f"node {node.name} has dtype {v.dtype}, which JAX lacks",
+          "convert the model to float32, float64 or bfloat16",
+        ) from None
 
 
 def _tied(program) -> dict[str, str]:
   """Parameters torch ties to another (``{"transformer.wte.weight": "lm_head.weight"}``)."""
   tied = {}
   by_id: dict[int, str] = {}
-  for node, (collection, fqn) in program.state.items():
+  for node, (_collection, fqn) in program.state.items():
     if node not in program.values:
       continue
     key = id(program.values[node])
@@ -670,4 +712,3 @@ def _tied(program) -> dict[str, str]:
     else:
       by_id[key] = fqn
   return tied
-

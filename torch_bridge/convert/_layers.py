@@ -106,9 +106,7 @@ class GPTBlock(torch.nn.Module):
   def forward(self, x: torch.Tensor) -> torch.Tensor:
     """Applies the block to ``x`` of shape ``(batch, seq, d_model)``."""
     seq = x.shape[-2]
-    causal_mask = torch.triu(
-      torch.ones(seq, seq, dtype=torch.bool, device=x.device), diagonal=1
-    )
+    causal_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=x.device), diagonal=1)
     h = self.ln1(x)
     attn_out, _ = self.attn(h, h, h, attn_mask=causal_mask, need_weights=False)
     x = x + attn_out
@@ -222,8 +220,7 @@ class FlaxLayerNorm(nn.Module):
     n = len(self.normalized_shape)
     if tuple(x.shape[x.ndim - n :]) != tuple(self.normalized_shape):
       raise ValueError(
-        f"FlaxLayerNorm expects trailing dims {self.normalized_shape}, "
-        f"got input shape {x.shape}"
+        f"FlaxLayerNorm expects trailing dims {self.normalized_shape}, got input shape {x.shape}"
       )
     axes = tuple(range(x.ndim - n, x.ndim))
     mean = jnp.mean(x, axis=axes, keepdims=True)
@@ -231,13 +228,9 @@ class FlaxLayerNorm(nn.Module):
     var = jnp.mean(jnp.square(centered), axis=axes, keepdims=True)
     y = centered * jax.lax.rsqrt(var + self.eps)
     if self.use_scale:
-      y = y * self.param(
-        "scale", nn.initializers.ones, self.normalized_shape, self.param_dtype
-      )
+      y = y * self.param("scale", nn.initializers.ones, self.normalized_shape, self.param_dtype)
     if self.use_bias:
-      y = y + self.param(
-        "bias", nn.initializers.zeros, self.normalized_shape, self.param_dtype
-      )
+      y = y + self.param("bias", nn.initializers.zeros, self.normalized_shape, self.param_dtype)
     return y
 
 
@@ -279,8 +272,7 @@ class FlaxConv(nn.Module):
       x = x[None]
     if x.ndim != n_spatial + 2:
       raise ValueError(
-        f"FlaxConv expects (N, C, *{n_spatial} spatial) or unbatched "
-        f"input, got shape {x.shape}"
+        f"FlaxConv expects (N, C, *{n_spatial} spatial) or unbatched input, got shape {x.shape}"
       )
     kernel = self.param(
       "kernel",
@@ -296,9 +288,7 @@ class FlaxConv(nn.Module):
     x, kernel, bias = promote_dtype(x, kernel, bias)
     sp = _SPATIAL[n_spatial]
     # Keep activations channels-first (torch layout); kernel is Flax's.
-    dims = jax.lax.conv_dimension_numbers(
-      x.shape, kernel.shape, ("NC" + sp, sp + "IO", "NC" + sp)
-    )
+    dims = jax.lax.conv_dimension_numbers(x.shape, kernel.shape, ("NC" + sp, sp + "IO", "NC" + sp))
     y = jax.lax.conv_general_dilated(
       x,
       kernel,
@@ -525,7 +515,9 @@ def _check_state(module: torch.nn.Module, spec: _Spec, ctx: _Context) -> None:
   for cname, child in module._modules.items():
     if spec.children is not None and cname not in spec.children:
       raise ctx.bad_attribute(
-        module, cname, type(child).__name__,
+        module,
+        cname,
+        type(child).__name__,
         f"only the children: {', '.join(spec.children) or 'none'}",
       )
     if child is None:
@@ -549,8 +541,7 @@ def _lookup(module: torch.nn.Module, ctx: _Context) -> _Spec:
   raise ctx.error(
     module,
     "unsupported_module",
-    f"module type {type(module).__name__} is not supported. "
-    f"Supported types: {_supported_names()}",
+    f"module type {type(module).__name__} is not supported. Supported types: {_supported_names()}",
   )
 
 

@@ -37,15 +37,30 @@ UNITS = [0, 1]
 def _edits(jdonor, tdonor):
   """(name, kind, jaxlens spec builder, torch spec builder) per edit."""
   return [
-    ("scale(0.5)", "keeping", lambda s: jl.when(jl.module(s), jl.scale(0.5)),
-     lambda s: ref.when(s, ref.scale(0.5))),
-    ("zero_ablate", "cutting", lambda s: jl.when(jl.module(s), jl.zero_ablate()),
-     lambda s: ref.when(s, ref.zero_ablate())),
-    ("patch_from(donor)", "cutting", lambda s: jl.when(jl.module(s), jl.patch_from(jdonor)),
-     lambda s: ref.when(s, ref.patch_from(tdonor))),
-    ("units([0, 1]) zero_ablate", "selection",
-     lambda s: jl.when(jl.units(jl.module(s), jnp.asarray(UNITS)), jl.zero_ablate()),
-     lambda s: ref.when(ref.units(s, UNITS), ref.zero_ablate())),
+    (
+      "scale(0.5)",
+      "keeping",
+      lambda s: jl.when(jl.module(s), jl.scale(0.5)),
+      lambda s: ref.when(s, ref.scale(0.5)),
+    ),
+    (
+      "zero_ablate",
+      "cutting",
+      lambda s: jl.when(jl.module(s), jl.zero_ablate()),
+      lambda s: ref.when(s, ref.zero_ablate()),
+    ),
+    (
+      "patch_from(donor)",
+      "cutting",
+      lambda s: jl.when(jl.module(s), jl.patch_from(jdonor)),
+      lambda s: ref.when(s, ref.patch_from(tdonor)),
+    ),
+    (
+      "units([0, 1]) zero_ablate",
+      "selection",
+      lambda s: jl.when(jl.units(jl.module(s), jnp.asarray(UNITS)), jl.zero_ablate()),
+      lambda s: ref.when(ref.units(s, UNITS), ref.zero_ablate()),
+    ),
   ]
 
 
@@ -103,8 +118,9 @@ def _get(tree_, path):
   return tree_
 
 
-def check(name: str, dtype: torch.dtype = torch.float64, edits: tuple = EDITS,
-          attention_probs: bool = False) -> Result:
+def check(
+  name: str, dtype: torch.dtype = torch.float64, edits: tuple = EDITS, attention_probs: bool = False
+) -> Result:
   """Converts zoo model ``name`` and measures its parity (see the module docstring)."""
   from torch_bridge.convert import convert
 
@@ -121,6 +137,7 @@ def check(name: str, dtype: torch.dtype = torch.float64, edits: tuple = EDITS,
   proj = torch.randn(want.shape, dtype=want.dtype)
   jproj = to_jax(proj)
   if not edits:  # the output, and the gradient of its projection without edits
+
     def plain(params):
       y = first_leaf(fmodel.apply({**variables, "params": params}, *jin))
       return jnp.sum(y * jproj), y
@@ -130,8 +147,16 @@ def check(name: str, dtype: torch.dtype = torch.float64, edits: tuple = EDITS,
     (first_leaf(model(*inputs)) * proj).sum().backward()
     tgrad = dict(model.named_parameters())[weight].grad
     model.zero_grad(set_to_none=True)
-    return Result(name, str(dtype).removeprefix("torch."), site, site_map.get(site, ""), weight,
-                  _rel(y, want), {"": (0.0, _rel(_get(grad, jweight), tgrad))}, convert_s)
+    return Result(
+      name,
+      str(dtype).removeprefix("torch."),
+      site,
+      site_map.get(site, ""),
+      weight,
+      _rel(y, want),
+      {"": (0.0, _rel(_get(grad, jweight), tgrad))},
+      convert_s,
+    )
   donor_in = _donor_inputs(inputs)
   jdonor_in = [to_jax(x) for x in donor_in]
   tdonor = ref.trace(model, *donor_in)
@@ -170,18 +195,24 @@ def check(name: str, dtype: torch.dtype = torch.float64, edits: tuple = EDITS,
     results[ename] = (_rel(jy, ty), _rel(jg, tg))
   model.zero_grad(set_to_none=True)
   output = _rel(jax_out[""], want)
-  return Result(name, str(dtype).removeprefix("torch."), site, flax_site, weight, output,
-                results, convert_s)
+  return Result(
+    name, str(dtype).removeprefix("torch."), site, flax_site, weight, output, results, convert_s
+  )
 
 
 def table(results: list[Result]) -> str:
   """The markdown table of :func:`check` results."""
-  head = ("| model | dtype | site (torch -> Flax) | output | "
-          + " | ".join(f"{e}: out / grad" for e in EDITS) + " |")
+  head = (
+    "| model | dtype | site (torch -> Flax) | output | "
+    + " | ".join(f"{e}: out / grad" for e in EDITS)
+    + " |"
+  )
   lines = [head, "|" + "---|" * (4 + len(EDITS))]
   for r in results:
-    cells = [f"{r.edits[e][0]:.1e} / {r.edits[e][1]:.1e}" if e in r.edits else "-"
-             for e in EDITS]
-    lines.append(f"| {r.model} | {r.dtype} | `{r.site}` -> `{r.flax_site}` | {r.output:.1e} | "
-                 + " | ".join(cells) + " |")
+    cells = [f"{r.edits[e][0]:.1e} / {r.edits[e][1]:.1e}" if e in r.edits else "-" for e in EDITS]
+    lines.append(
+      f"| {r.model} | {r.dtype} | `{r.site}` -> `{r.flax_site}` | {r.output:.1e} | "
+      + " | ".join(cells)
+      + " |"
+    )
   return "\n".join(lines)

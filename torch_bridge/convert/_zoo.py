@@ -22,14 +22,24 @@ def _quiet_transformers():
   # Small configs trip the token-id range warnings of transformers' config checks.
   logging.getLogger("transformers").setLevel(logging.ERROR)
   from transformers.utils import logging as tlog
+
   tlog.set_verbosity_error()
 
 
 def gpt2(attn: str = "eager"):
   _quiet_transformers()
   from transformers import GPT2Config, GPT2LMHeadModel
-  cfg = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=37, n_positions=16,
-                   use_cache=False, bos_token_id=0, eos_token_id=0)
+
+  cfg = GPT2Config(
+    n_layer=2,
+    n_embd=16,
+    n_head=2,
+    vocab_size=37,
+    n_positions=16,
+    use_cache=False,
+    bos_token_id=0,
+    eos_token_id=0,
+  )
   cfg._attn_implementation = attn
   model = GPT2LMHeadModel(cfg)
   return model, (torch.randint(0, 37, (2, 5)),), "transformer.h.0.mlp"
@@ -38,9 +48,20 @@ def gpt2(attn: str = "eager"):
 def llama(attn: str = "eager"):
   _quiet_transformers()
   from transformers import LlamaConfig, LlamaForCausalLM
-  cfg = LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                    use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+  cfg = LlamaConfig(
+    vocab_size=37,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=16,
+    use_cache=False,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+  )
   cfg._attn_implementation = attn
   model = LlamaForCausalLM(cfg)
   return model, (torch.randint(0, 37, (2, 5)),), "model.layers.0.mlp"
@@ -49,8 +70,16 @@ def llama(attn: str = "eager"):
 def bert(attn: str = "eager"):
   _quiet_transformers()
   from transformers import BertConfig, BertModel
-  cfg = BertConfig(vocab_size=37, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                   intermediate_size=32, max_position_embeddings=16, pad_token_id=0)
+
+  cfg = BertConfig(
+    vocab_size=37,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=32,
+    max_position_embeddings=16,
+    pad_token_id=0,
+  )
   cfg._attn_implementation = attn
   model = BertModel(cfg, add_pooling_layer=True)
   return model, (torch.randint(0, 37, (2, 5)),), "encoder.layer.0.intermediate"
@@ -68,8 +97,9 @@ class BasicBlock(nn.Module):
     self.bn2 = nn.BatchNorm2d(cout)
     self.downsample = None
     if stride != 1 or cin != cout:
-      self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                      nn.BatchNorm2d(cout))
+      self.downsample = nn.Sequential(
+        nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+      )
 
   def forward(self, x):
     identity = x if self.downsample is None else self.downsample(x)
@@ -163,10 +193,15 @@ def multihead_attention():
 
 def conv_bn_relu():
   model = nn.Sequential(
-    nn.Conv1d(3, 8, 3, padding=1), nn.BatchNorm1d(8), nn.ReLU(),
+    nn.Conv1d(3, 8, 3, padding=1),
+    nn.BatchNorm1d(8),
+    nn.ReLU(),
     nn.Unflatten(1, (8, 1)),
-    nn.Conv2d(8, 8, (1, 3), padding=(0, 1)), nn.BatchNorm2d(8), nn.ReLU(),
-    nn.Flatten(1), nn.Linear(8 * 12, 4),
+    nn.Conv2d(8, 8, (1, 3), padding=(0, 1)),
+    nn.BatchNorm2d(8),
+    nn.ReLU(),
+    nn.Flatten(1),
+    nn.Linear(8 * 12, 4),
   )
   return model, (torch.randn(2, 3, 12),), "2"
 
