@@ -166,8 +166,12 @@ def test_stack_is_not_unrolled_and_values_are_saved_stacked(models):
     "inp",
     "blocks/up",
     "blocks/down",
+    "blocks#0",
     "head",
   ]
+  # Each layer returns a tuple, so its first element is a site of its own, saved stacked.
+  for k in range(L):
+    np.testing.assert_allclose(t["blocks#0"].out[k], tf[f"blocks_{k}#0"].out, atol=1e-12)
 
 
 def test_layer_selection_spellings_and_errors(models):
