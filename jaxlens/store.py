@@ -81,7 +81,7 @@ class StoreError(JaxlensError, OSError):
   Attributes:
     fields: ``{"code": ..., "path": ..., "fix": ...}``; codes: ``store_path_invalid``,
       ``store_not_empty``, ``store_mismatch``, ``disk_full``, ``store_missing``,
-      ``store_corrupt``, ``unknown_site``.
+      ``store_corrupt``, ``unknown_site``, ``store_not_local``.
   """
 
   def __init__(
@@ -194,6 +194,22 @@ def _save_shard(arrays: dict, path: Path) -> None:
   except BaseException:
     tmp.unlink(missing_ok=True)
     raise
+
+
+def _check_local(values: dict, root: Path) -> None:
+  """Refuses site values split over processes: the writer can read only local shards."""
+  split = sorted(
+    k for k, v in values.items() if isinstance(v, jax.Array) and not v.is_fully_addressable
+  )
+  if split:
+    raise StoreError(
+      f"the values of {split} are split over processes; this process cannot write them",
+      code="store_not_local",
+      path=root,
+      site=split[0],
+      fix="collect one store per process from its local rows (see docs/scaling.md), "
+      "or gather the batch first",
+    )
 
 
 class _Writer(threading.Thread):
@@ -384,7 +400,9 @@ def collect(
   try:
     for batch in _chain(first, iterator):
       if index >= done:
-        writer.put((index, run(variables, *as_args(batch))))
+        values = run(variables, *as_args(batch))
+        _check_local(values, root)
+        writer.put((index, values))
       index += 1
   finally:
     writer.queue.put(None)

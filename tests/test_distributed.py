@@ -439,27 +439,23 @@ def test_reading_a_trace_or_spec_needs_no_gather(parity_run):
       assert probes[name] is None, (name, probes[name])
 
 
-# Three places where jaxlens reads an array's values on the host (np.asarray) fail, on a
-# value whose shards live on other processes, with jax's RuntimeError ("Fetching value
-# for `jax.Array` that spans non-addressable ... devices is not possible") instead of a
-# typed jaxlens error; the probes in tests/_dist_worker.py record where.
-HOST_READ_BUGS = {
-  "spec.save": "jaxlens/_src/portable.py _Writer.array: np.asarray(a) of a spec array "
-  "split over processes; expected a typed refusal (e.g. spec_not_portable, "
-  "fix: jaxlens.distributed.save_spec)",
-  "store.collect of a global batch": "jaxlens/store.py _Writer.run: np.asarray of site "
-  "values split over processes in the writer thread; "
-  "expected a typed StoreError (or one store per process)",
-  "eager units mask": "jaxlens/_src/selections.py _host (from _mask/_units): np.asarray of "
-  "a concrete units mask split over processes in an eager door; "
-  "expected the value checks skipped as for a tracer (jitted, it works)",
+# Three places where jaxlens would read an array's values on the host (np.asarray) and
+# fail, on a value whose shards live on other processes, with jax's RuntimeError ("Fetching
+# value for `jax.Array` that spans non-addressable ... devices"): each must refuse with a typed
+# jaxlens error or work; the probes in tests/_dist_worker.py record which.
+HOST_READS = {
+  "spec.save": "spec_not_portable",
+  "store.collect of a global batch": "store_not_local",
+  "eager units mask": None,  # works: checks skipped as for a traced mask
 }
 
 
-@pytest.mark.parametrize("probe", sorted(HOST_READ_BUGS))
-def test_values_on_other_processes_are_refused_typed_or_work(parity_run, probe, request):
-  request.applymarker(pytest.mark.xfail(strict=True, reason=HOST_READ_BUGS[probe]))
+@pytest.mark.parametrize("probe", sorted(HOST_READS))
+def test_values_on_other_processes_are_refused_typed_or_work(parity_run, probe):
   _, facts, _ = parity_run
   for f in facts:
     got = f["float64"]["probes"][probe]
-    assert got is None or got["jaxlens"], got
+    if HOST_READS[probe] is None:
+      assert got is None, got
+    else:
+      assert got is not None and got["jaxlens"] and got["code"] == HOST_READS[probe], got

@@ -69,6 +69,13 @@ class _Writer:
         site=where,
         fix="save the spec outside transformed functions",
       )
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+      raise SpecFormatError(
+        "cannot save a spec holding an array whose shards live on other processes",
+        code="spec_not_portable",
+        site=where,
+        fix="save it with jaxlens.distributed.save_spec(spec, path), which gathers the values",
+      )
     key = f"a{len(self.arrays)}"
     self.arrays[key] = np.asarray(a)
     return {"$array": key}

@@ -57,8 +57,16 @@ def _concrete(a) -> bool:
 
 
 def _host(a):
-  """A numpy copy of a concrete argument (for checks on its values), else None."""
-  return None if isinstance(a, jax.core.Tracer) else np.asarray(a)
+  """A numpy copy of a concrete argument (for checks on its values), else None.
+
+  None also for an array split over processes: its values cannot be read here, so the
+  checks are skipped as for a tracer (and the edit is the same computation).
+  """
+  if isinstance(a, jax.core.Tracer):
+    return None
+  if isinstance(a, jax.Array) and not a.is_fully_addressable:
+    return None
+  return np.asarray(a)
 
 
 @dataclasses.dataclass(frozen=True)
