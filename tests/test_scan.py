@@ -108,8 +108,12 @@ FLAT_SITE = jl.module(f"blocks_{LAYER}/up")
 
 
 def _outcome(fn, v):
+  # Jitted: one compile per cell instead of an eager scan (which compiles its body at every
+  # call); both models of a cell go through the same transformation, so they stay comparable.
   try:
-    out, grads = jax.value_and_grad(lambda v: (lambda o: (o.sum(), o))(fn(v)), has_aux=True)(v)
+    out, grads = jax.jit(
+      jax.value_and_grad(lambda v: (lambda o: (o.sum(), o))(fn(v)), has_aux=True)
+    )(v)
   except jl.InvalidArgumentError as error:
     return error.code, None, None
   return "ran", out[1], grads
