@@ -459,3 +459,33 @@ def test_world_models_run_in_their_dtype(dtype_name):
   """The property tests' models compute in the dtype they claim (else they test nothing)."""
   w = world(dtype_name, SHAPES[1])
   assert w.plain.dtype == DTYPES[dtype_name] and w.site.dtype == DTYPES[dtype_name]
+
+
+# -- regressions of what the properties found ------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_subspace_null_edit_is_bit_identical_in_half_precision(dtype):
+  x = (jnp.sin(jnp.arange(30.0)) * 2).reshape(3, 2, 5).astype(dtype)
+  raw = np.zeros((5, 1))
+  raw[[0, 1], 0] = [1.0, 0.3]
+  basis = jl.orthonormal(jnp.asarray(raw))
+  _assert_bits(jl.subspace_scale(basis, 1.0)(x), x)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_a_spec_holding_an_ml_dtypes_array_round_trips(tmp_path, dtype):
+  value = jnp.asarray([0.5, -1.0, 2.0, 0.25], dtype)
+  spec = jl.when(jl.module(SITE), jl.add(value))
+  loaded = jl.load_spec(spec.save(tmp_path / "s"))
+  assert repr(loaded) == repr(spec)
+  got = loaded.rules[0][1].arguments["delta"]
+  assert got.dtype == value.dtype
+  _assert_bits(got, value)
+
+
+def test_a_non_finite_basis_is_a_typed_error():
+  x = jnp.ones((2, 4))
+  with pytest.raises(jl.InvalidArgumentError) as info:
+    jl.subspace_scale(np.full((4, 1), np.nan), 2.0)(x)
+  assert info.value.code == "basis_not_finite"
