@@ -150,3 +150,25 @@ def test_repr_of_a_trace_whose_model_returns_a_pytree():
   model = Two()
   t = jl.trace(model, model.init(jax.random.key(0), x), x)
   assert "'a': (1, 2)" in repr(t)
+
+
+def test_an_unbound_module_called_without_variables_names_the_fix(setup, tmp_path):
+  model, variables, x = setup
+  spec = jl.when(SITE, jl.scale(2.0))
+  loaded = jl.load_spec(spec.save(tmp_path / "s"))
+  calls = {
+    "trace": lambda: jl.trace(model, x),
+    "bind": lambda: spec.bind(model)(x),
+    "loaded bind": lambda: loaded.bind(model)(x),
+    "check_spec": lambda: jl.check_spec(spec, model, x),
+  }
+  for name, call in calls.items():
+    with pytest.raises(jl.InvalidArgumentError) as info:
+      call()
+    assert info.value.code == "missing_variables", name
+    assert "variables" in info.value.fields["fix"], name
+  # The spellings the fix names work.
+  np.testing.assert_array_equal(
+    spec.bind(model)(variables, x), spec.bind(model.bind(variables))(x)
+  )
+  assert jl.trace(model.bind(variables), x).output.shape == (3, 2)

@@ -650,6 +650,9 @@ def trace(
         fix="jl.trace(model, variables, x)",
       )
     variables, args = args[0], args[1:]
+    model_calls.check_variables(
+      variables, model, "jl.trace(model, variables, x), or jl.trace(model.bind(variables), x)"
+    )
   save_given = save is not None and save is not False
   if save is None:
     selector = module_sites()
