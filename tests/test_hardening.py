@@ -172,3 +172,31 @@ def test_an_unbound_module_called_without_variables_names_the_fix(setup, tmp_pat
     spec.bind(model)(variables, x), spec.bind(model.bind(variables))(x)
   )
   assert jl.trace(model.bind(variables), x).output.shape == (3, 2)
+
+
+def test_replay_of_a_trace_returned_from_vmap_is_a_typed_error_and_the_fix_works(setup):
+  model, variables, x = setup
+  xs = jnp.stack([x, 2 * x, -x])
+  t = jax.vmap(lambda xi: jl.trace(model, variables, xi))(xs)
+  edit = jl.scale(2.0)
+  attempts = {
+    "replay": lambda: t.fork().do(SITE, edit),
+    "differentiable": lambda: t.fork().do(
+      SITE, edit, intervention=jl.InterventionOptions(differentiable=True)
+    ),
+    "set_only": lambda: t.fork()
+    .do(SITE, edit, intervention=jl.InterventionOptions(engine="set_only"))
+    .run(),
+    "rerun": lambda: t.fork().do(SITE, edit, model=model),
+  }
+  for name, attempt in attempts.items():
+    with pytest.raises(jl.InvalidArgumentError) as info:
+      attempt()
+    assert info.value.code == "batched_trace", name
+  fixed = jax.vmap(lambda one: one.fork().do(SITE, edit).output)(t)
+  want = jnp.stack([_bind(model, variables, xi, edit) for xi in xs])
+  np.testing.assert_allclose(fixed, want, rtol=1e-12, atol=1e-12)
+
+
+def _bind(model, variables, x, edit):
+  return jl.when(SITE, edit).bind(model)(variables, x)

@@ -433,7 +433,33 @@ class Trace(Donor):
         fix="jl.trace(model, variables, x) (keep_inputs=True, the default), or rerun with "
         "trace.fork().do(site, edit, model=model.bind(variables), inputs=x)",
       )
+    if inputs and self._keep_inputs:
+      self._check_not_batched(what)
     return self._program
+
+  def _check_not_batched(self, what):
+    """Refuses a trace whose arrays carry axes its program does not have.
+
+    A Trace returned from ``jax.vmap`` holds every value with the batch axis in front,
+    but its captured program is the per-example one: replaying it would feed batched
+    values to per-example operations.
+    """
+    shapes = getattr(self._program, "in_shapes", None)
+    if shapes is None:
+      return
+    for arg, shape in zip(self._args, shapes):
+      got = jnp.shape(arg)
+      if got != tuple(shape):
+        raise InvalidArgumentError(
+          f"{what}: this trace holds values of shape {got} where its captured program has "
+          f"{tuple(shape)}: it was returned from jax.vmap (or another batching transform), "
+          "which adds a batch axis to every value but not to the program",
+          code="batched_trace",
+          expected=tuple(shape),
+          received=got,
+          fix="replay per example under the same transform: "
+          "jax.vmap(lambda t: t.fork().do(site, edit).output)(trace)",
+        )
 
   def _replay(self, new: Spec, *, differentiable: bool) -> "Trace":
     prog = self._need_program("replay")
@@ -507,11 +533,16 @@ class Trace(Donor):
       variables, old_inputs = jax.tree.unflatten(prog.in_tree, self._args)
     else:
       variables = old_inputs = None
+    saved_used = inputs is None
     if model is None:
       module = self._module
+      saved_used = True
     else:
       module, bound = model_calls.split(model)
       variables = variables if bound is None else bound
+      saved_used = saved_used or bound is None
+    if saved_used and self._keep_inputs:
+      self._check_not_batched("rerun")
     if inputs is None:
       inputs = old_inputs
     if variables is None or inputs is None:
