@@ -200,3 +200,51 @@ def test_replay_of_a_trace_returned_from_vmap_is_a_typed_error_and_the_fix_works
 
 def _bind(model, variables, x, edit):
   return jl.when(SITE, edit).bind(model)(variables, x)
+
+
+def _primitives(jaxpr):
+  out = []
+  for eqn in jaxpr.eqns:
+    out.append(eqn.primitive.name)
+    for sub in jax.core.jaxprs_in_params(eqn.params):
+      out.extend(_primitives(sub))
+  return out
+
+
+def test_replay_at_a_leaf_module_reads_its_saved_value(setup):
+  """The replay is the downstream cone: layers_0's own matmul and kernel are not in it."""
+  model, variables, x = setup
+  t = jl.trace(model, variables, x)
+  for opts in (None, jl.InterventionOptions(differentiable=True)):
+    replay = lambda t: t.fork().do(SITE, jl.scale(2.0), intervention=opts).output
+    prims = _primitives(jax.make_jaxpr(replay)(t).jaxpr)
+    assert prims.count("dot_general") == 1, prims  # layers_1's only
+    np.testing.assert_allclose(replay(t), _run(setup, SITE, jl.scale(2.0)), rtol=1e-12)
+  # Nothing of the replay depends on layers_0's parameters or on the input.
+  dep = jl.depends_on(lambda args: replay(t._with(args=args)).sum(), t._args)
+  kernel0 = [
+    i
+    for i, leaf in enumerate(t._args)
+    if leaf is variables["params"]["layers_0"]["kernel"]
+  ]
+  assert kernel0 and not any(dep[i] for i in kernel0)
+  assert not dep[-1]  # x
+  # Differentiable replay: the site's own value is the frontier, and gradients through it.
+  r = t.fork().do(SITE, jl.scale(2.0), intervention=jl.InterventionOptions(differentiable=True))
+  assert set(r.frontier) == {"layers_0"}
+  np.testing.assert_allclose(r.replay(r.frontier), r.output, rtol=1e-12)
+  g = jax.grad(lambda f: r.replay(f).sum())(r.frontier)["layers_0"]
+  kernel1 = variables["params"]["layers_1"]["kernel"]
+  np.testing.assert_allclose(g, np.broadcast_to(2.0 * kernel1.sum(1), g.shape), rtol=1e-12)
+
+
+def test_replay_after_an_edit_at_the_same_site_recomputes_it(setup):
+  """A saved value an earlier rule edited is not the site's own: the edits stack."""
+  model, variables, x = setup
+  t = jl.trace(model, variables, x, intervene=jl.when(SITE, jl.scale(3.0)))
+  np.testing.assert_allclose(
+    t.fork().do(SITE, jl.scale(2.0)).output, _run(setup, SITE, jl.scale(6.0)), rtol=1e-12
+  )
+  twice = jl.trace(model, variables, x).do(SITE, jl.scale(2.0)).do(SITE, jl.add(1.0))
+  want = jl.when(SITE, jl.compose(jl.scale(2.0), jl.add(1.0))).bind(model)(variables, x)
+  np.testing.assert_allclose(twice.output, want, rtol=1e-12)

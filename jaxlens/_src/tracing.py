@@ -379,6 +379,9 @@ class Trace(Donor):
           expected=str(jnp.shape(want)),
           received=str(jnp.shape(value)),
         )
+    # Start sites that began from their saved value did so through the frontier (this
+    # trace's saved value there is the edited one): they start from it again.
+    reused = tuple(lbl for lbl in self._replay_starts if lbl in self.frontier)
     ev = interpret.evaluate(
       prog,
       self._args,
@@ -387,8 +390,9 @@ class Trace(Donor):
       None,
       known=self.values,
       start_labels=self._replay_starts,
-      frontier_values=frontier,
+      frontier_values={**{lbl: self.frontier[lbl] for lbl in reused}, **frontier},
       releaf_layers=dict(self._replay_layers) or None,
+      reuse_labels=reused,
     )
     return interpret.program_output(prog, ev, self.output)
 
@@ -477,6 +481,16 @@ class Trace(Donor):
           first_layers[info.label] = min(layers + [first_layers.get(info.label, layers[0])])
     rules = self._spec.rules + new.rules
     spec = Spec(rules)
+    # A start site whose saved value no earlier rule edited is read, not recomputed:
+    # the replay is the downstream cone of the edit, from that value.
+    by_label = {i.label: i for i in prog.infos}
+    reuse = tuple(
+      lbl
+      for lbl in dict.fromkeys(starts)
+      if lbl in self.values
+      and lbl in by_label
+      and not any(site_hits(sel, by_label[lbl]) for sel, _ in self._spec.rules)
+    )
     asks = runtime.asks_keep_grad(new.rules)
     if asks:
       if differentiable:
@@ -494,6 +508,7 @@ class Trace(Donor):
         known=self.values,
         start_labels=tuple(starts),
         releaf=differentiable,
+        reuse_labels=reuse,
       )
       if not differentiable:
         # (Re-leafed frontier values are fresh inputs of a differentiable replay: a
@@ -510,6 +525,7 @@ class Trace(Donor):
       releaf=differentiable,
       grad_disabled=runtime.grad_disabled(),
       releaf_layers=first_layers if differentiable else None,
+      reuse_labels=reuse,
     )
     values = dict(self.values)
     values.update(ev.saved)
