@@ -1,5 +1,7 @@
 """Issue 13: no silent wrong result, no raw internal error (one regression test per item)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,9 +170,7 @@ def test_an_unbound_module_called_without_variables_names_the_fix(setup, tmp_pat
     assert info.value.code == "missing_variables", name
     assert "variables" in info.value.fields["fix"], name
   # The spellings the fix names work.
-  np.testing.assert_array_equal(
-    spec.bind(model)(variables, x), spec.bind(model.bind(variables))(x)
-  )
+  np.testing.assert_array_equal(spec.bind(model)(variables, x), spec.bind(model.bind(variables))(x))
   assert jl.trace(model.bind(variables), x).output.shape == (3, 2)
 
 
@@ -184,9 +184,9 @@ def test_replay_of_a_trace_returned_from_vmap_is_a_typed_error_and_the_fix_works
     "differentiable": lambda: t.fork().do(
       SITE, edit, intervention=jl.InterventionOptions(differentiable=True)
     ),
-    "set_only": lambda: t.fork()
-    .do(SITE, edit, intervention=jl.InterventionOptions(engine="set_only"))
-    .run(),
+    "set_only": lambda: (
+      t.fork().do(SITE, edit, intervention=jl.InterventionOptions(engine="set_only")).run()
+    ),
     "rerun": lambda: t.fork().do(SITE, edit, model=model),
   }
   for name, attempt in attempts.items():
@@ -211,21 +211,23 @@ def _primitives(jaxpr):
   return out
 
 
+def _replay_scale(t, opts):
+  return t.fork().do(SITE, jl.scale(2.0), intervention=opts).output
+
+
 def test_replay_at_a_leaf_module_reads_its_saved_value(setup):
   """The replay is the downstream cone: layers_0's own matmul and kernel are not in it."""
   model, variables, x = setup
   t = jl.trace(model, variables, x)
   for opts in (None, jl.InterventionOptions(differentiable=True)):
-    replay = lambda t: t.fork().do(SITE, jl.scale(2.0), intervention=opts).output
+    replay = functools.partial(_replay_scale, opts=opts)
     prims = _primitives(jax.make_jaxpr(replay)(t).jaxpr)
     assert prims.count("dot_general") == 1, prims  # layers_1's only
     np.testing.assert_allclose(replay(t), _run(setup, SITE, jl.scale(2.0)), rtol=1e-12)
   # Nothing of the replay depends on layers_0's parameters or on the input.
   dep = jl.depends_on(lambda args: replay(t._with(args=args)).sum(), t._args)
   kernel0 = [
-    i
-    for i, leaf in enumerate(t._args)
-    if leaf is variables["params"]["layers_0"]["kernel"]
+    i for i, leaf in enumerate(t._args) if leaf is variables["params"]["layers_0"]["kernel"]
   ]
   assert kernel0 and not any(dep[i] for i in kernel0)
   assert not dep[-1]  # x

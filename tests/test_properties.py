@@ -77,16 +77,23 @@ class World:
     dtype = DTYPES[dtype_name]
     self.dtype_name, self.dtype, self.shape, self.d = dtype_name, dtype, shape, shape[-1]
     self.model = nn.Sequential(
-      [nn.Dense(self.d, dtype=dtype, param_dtype=dtype), nn.Dense(2, dtype=dtype, param_dtype=dtype)]
+      [
+        nn.Dense(self.d, dtype=dtype, param_dtype=dtype),
+        nn.Dense(2, dtype=dtype, param_dtype=dtype),
+      ]
     )
     n = int(np.prod(shape))
     self.x = (jnp.sin(jnp.arange(n, dtype=jnp.float32) * 1.7) * 2).reshape(shape).astype(dtype)
     # Deterministic weights built directly (model.init compiles a random draw per shape).
     dense = lambda i, o, seed: {
-      "kernel": jnp.asarray(np.cos(np.arange(i * o) * 0.9 + seed).reshape(i, o) / np.sqrt(i), dtype),
+      "kernel": jnp.asarray(
+        np.cos(np.arange(i * o) * 0.9 + seed).reshape(i, o) / np.sqrt(i), dtype
+      ),
       "bias": jnp.asarray(np.sin(np.arange(o) + seed) * 0.1, dtype),
     }
-    self.variables = {"params": {"layers_0": dense(self.d, self.d, 0), "layers_1": dense(self.d, 2, 1)}}
+    self.variables = {
+      "params": {"layers_0": dense(self.d, self.d, 0), "layers_1": dense(self.d, 2, 1)}
+    }
     self.plain = self.model.apply(self.variables, self.x)
     self.plain_trace = jl.trace(self.model, self.variables, self.x)
     self.site = self.plain_trace[SITE].out
