@@ -30,6 +30,9 @@ from hypothesis import strategies as st
 import jaxlens as jl
 from jaxlens import contract
 
+# One xdist worker runs the file, so its models and compiled functions are shared.
+pytestmark = pytest.mark.xdist_group("properties")
+
 SITE = "layers_0"
 DTYPES = {
   "float16": jnp.float16,
