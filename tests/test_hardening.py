@@ -1,5 +1,7 @@
 """Issue 13: no silent wrong result, no raw internal error (one regression test per item)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,3 +152,101 @@ def test_repr_of_a_trace_whose_model_returns_a_pytree():
   model = Two()
   t = jl.trace(model, model.init(jax.random.key(0), x), x)
   assert "'a': (1, 2)" in repr(t)
+
+
+def test_an_unbound_module_called_without_variables_names_the_fix(setup, tmp_path):
+  model, variables, x = setup
+  spec = jl.when(SITE, jl.scale(2.0))
+  loaded = jl.load_spec(spec.save(tmp_path / "s"))
+  calls = {
+    "trace": lambda: jl.trace(model, x),
+    "bind": lambda: spec.bind(model)(x),
+    "loaded bind": lambda: loaded.bind(model)(x),
+    "check_spec": lambda: jl.check_spec(spec, model, x),
+  }
+  for name, call in calls.items():
+    with pytest.raises(jl.InvalidArgumentError) as info:
+      call()
+    assert info.value.code == "missing_variables", name
+    assert "variables" in info.value.fields["fix"], name
+  # The spellings the fix names work.
+  np.testing.assert_array_equal(spec.bind(model)(variables, x), spec.bind(model.bind(variables))(x))
+  assert jl.trace(model.bind(variables), x).output.shape == (3, 2)
+
+
+def test_replay_of_a_trace_returned_from_vmap_is_a_typed_error_and_the_fix_works(setup):
+  model, variables, x = setup
+  xs = jnp.stack([x, 2 * x, -x])
+  t = jax.vmap(lambda xi: jl.trace(model, variables, xi))(xs)
+  edit = jl.scale(2.0)
+  attempts = {
+    "replay": lambda: t.fork().do(SITE, edit),
+    "differentiable": lambda: t.fork().do(
+      SITE, edit, intervention=jl.InterventionOptions(differentiable=True)
+    ),
+    "set_only": lambda: (
+      t.fork().do(SITE, edit, intervention=jl.InterventionOptions(engine="set_only")).run()
+    ),
+    "rerun": lambda: t.fork().do(SITE, edit, model=model),
+  }
+  for name, attempt in attempts.items():
+    with pytest.raises(jl.InvalidArgumentError) as info:
+      attempt()
+    assert info.value.code == "batched_trace", name
+  fixed = jax.vmap(lambda one: one.fork().do(SITE, edit).output)(t)
+  want = jnp.stack([_bind(model, variables, xi, edit) for xi in xs])
+  np.testing.assert_allclose(fixed, want, rtol=1e-12, atol=1e-12)
+
+
+def _bind(model, variables, x, edit):
+  return jl.when(SITE, edit).bind(model)(variables, x)
+
+
+def _primitives(jaxpr):
+  out = []
+  for eqn in jaxpr.eqns:
+    out.append(eqn.primitive.name)
+    for sub in jax.core.jaxprs_in_params(eqn.params):
+      out.extend(_primitives(sub))
+  return out
+
+
+def _replay_scale(t, opts):
+  return t.fork().do(SITE, jl.scale(2.0), intervention=opts).output
+
+
+def test_replay_at_a_leaf_module_reads_its_saved_value(setup):
+  """The replay is the downstream cone: layers_0's own matmul and kernel are not in it."""
+  model, variables, x = setup
+  t = jl.trace(model, variables, x)
+  for opts in (None, jl.InterventionOptions(differentiable=True)):
+    replay = functools.partial(_replay_scale, opts=opts)
+    prims = _primitives(jax.make_jaxpr(replay)(t).jaxpr)
+    assert prims.count("dot_general") == 1, prims  # layers_1's only
+    np.testing.assert_allclose(replay(t), _run(setup, SITE, jl.scale(2.0)), rtol=1e-12)
+  # Nothing of the replay depends on layers_0's parameters or on the input.
+  dep = jl.depends_on(lambda args: replay(t._with(args=args)).sum(), t._args)
+  kernel0 = [
+    i for i, leaf in enumerate(t._args) if leaf is variables["params"]["layers_0"]["kernel"]
+  ]
+  assert kernel0 and not any(dep[i] for i in kernel0)
+  assert not dep[-1]  # x
+  # Differentiable replay: the site's own value is the frontier, and gradients through it.
+  r = t.fork().do(SITE, jl.scale(2.0), intervention=jl.InterventionOptions(differentiable=True))
+  assert set(r.frontier) == {"layers_0"}
+  np.testing.assert_allclose(r.replay(r.frontier), r.output, rtol=1e-12)
+  g = jax.grad(lambda f: r.replay(f).sum())(r.frontier)["layers_0"]
+  kernel1 = variables["params"]["layers_1"]["kernel"]
+  np.testing.assert_allclose(g, np.broadcast_to(2.0 * kernel1.sum(1), g.shape), rtol=1e-12)
+
+
+def test_replay_after_an_edit_at_the_same_site_recomputes_it(setup):
+  """A saved value an earlier rule edited is not the site's own: the edits stack."""
+  model, variables, x = setup
+  t = jl.trace(model, variables, x, intervene=jl.when(SITE, jl.scale(3.0)))
+  np.testing.assert_allclose(
+    t.fork().do(SITE, jl.scale(2.0)).output, _run(setup, SITE, jl.scale(6.0)), rtol=1e-12
+  )
+  twice = jl.trace(model, variables, x).do(SITE, jl.scale(2.0)).do(SITE, jl.add(1.0))
+  want = jl.when(SITE, jl.compose(jl.scale(2.0), jl.add(1.0))).bind(model)(variables, x)
+  np.testing.assert_allclose(twice.output, want, rtol=1e-12)

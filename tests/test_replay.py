@@ -69,7 +69,7 @@ def test_replay_evaluates_only_the_downstream_cone(mlp):
   model, v = mlp
   t = jl.trace(model, v, X)
   prog = t._program
-  nodes, _ = capture._replay_plan(prog, ["block_1/mlp"], t.values)
+  nodes, _, _ = capture._replay_plan(prog, ["block_1/mlp"], t.values)
   modules = {prog.nodes[k].module for k in nodes}
   assert not any(m.startswith("block_0") for m in modules)
   # Every evaluated node that computes on the data runs at or after the edited site;

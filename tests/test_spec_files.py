@@ -88,6 +88,47 @@ def test_concurrent_writers_and_a_reader(tmp_path):
   assert not [n for n in names if "tmp" in n]
 
 
+def test_concurrent_writer_processes_and_a_reader_process(tmp_path):
+  """Three writer processes save to one path while a reader process loads it in a loop:
+  every load is one whole spec (never spec_not_found or spec_corrupt), no writer raises,
+  and nothing temporary is left behind."""
+  import multiprocessing
+
+  import _spec_race_worker as worker
+
+  path = _spec(0).save(tmp_path / "s")
+  ctx = multiprocessing.get_context("spawn")
+  ks, seconds = (1, 2, 3), 2.0
+  barrier, queue = ctx.Barrier(len(ks) + 1), ctx.Queue()
+  procs = [
+    ctx.Process(target=worker.writer, args=(str(path), k, barrier, seconds, queue)) for k in ks
+  ]
+  procs.append(
+    ctx.Process(target=worker.reader, args=(str(path), (0, *ks), barrier, seconds, queue))
+  )
+  for p in procs:
+    p.start()
+  try:
+    # Each process imports jax (a few seconds), meets the others, then races for `seconds`.
+    reports = [queue.get(timeout=120) for _ in procs]
+  finally:
+    for p in procs:
+      p.join(timeout=30)
+      if p.is_alive():
+        p.terminate()
+        p.join()
+  assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+  errors = [e for _, _, errs in reports for e in errs]
+  assert not errors, errors[:5]
+  counts = {role: sum(n for r, n, _ in reports if r == role) for role in ("writer", "reader")}
+  assert counts["writer"] > 0 and counts["reader"] > 0, counts
+  assert repr(jl.load_spec(path)) in {repr(_spec(k)) for k in ks}
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+  names = [p.name for p in path.iterdir()]
+  assert len([n for n in names if n.startswith("v-")]) == 1, names
+  assert not [n for n in names if "tmp" in n], names
+
+
 def test_a_failed_write_leaves_the_old_spec_and_no_debris(tmp_path, monkeypatch):
   path = _spec(1).save(tmp_path / "s")
   import jaxlens._src.saving as saving

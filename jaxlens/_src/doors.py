@@ -114,7 +114,14 @@ class Spec:
       return nnx_fn
     if bound_vars is not None:
       return lambda *inputs, **kwargs: run(call, bound_vars, inputs, kwargs)
-    return lambda variables, *inputs, **kwargs: run(call, variables, inputs, kwargs)
+
+    def unbound_fn(variables, *inputs, **kwargs):
+      model_calls.check_variables(
+        variables, model, "spec.bind(model)(variables, x), or spec.bind(model.bind(variables))(x)"
+      )
+      return run(call, variables, inputs, kwargs)
+
+    return unbound_fn
 
 
 def _show_rule(selector, edit: Edit) -> str:
@@ -221,6 +228,7 @@ def check_spec(spec: Spec, model, *args) -> SpecReport:
         fix="jl.check_spec(spec, model, variables, x)",
       )
     variables, args = args[0], args[1:]
+    model_calls.check_variables(variables, model, "jl.check_spec(spec, model, variables, x)")
   missing, mismatched = [], []
   for i, r in enumerate(as_spec(spec).rules):
     try:

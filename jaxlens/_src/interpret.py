@@ -68,6 +68,7 @@ def evaluate(
   layer=None,
   site_values: dict | None = None,
   releaf_layers: dict | None = None,
+  reuse_labels=(),
 ) -> Evaluation:
   """Runs the program, applying ``rules`` and keeping the sites ``save`` selects.
 
@@ -88,6 +89,9 @@ def evaluate(
       first layer replayed. At that layer the values entering the body, and the
       site's own value before the edit, are re-leafed, as the frontier of the same
       replay on the unrolled stack would be.
+    reuse_labels: replay: start sites (module sites outside layer stacks) whose value
+      before the edit is ``known[label]``; the replay starts from that value instead of
+      recomputing the module's own operations and the inputs they need.
   """
   ev = Evaluation(len(rules), probe)
   env = ev.env
@@ -98,8 +102,14 @@ def evaluate(
 
   run_nodes = range(len(prog.nodes))
   frontier_ids: set[int] = set()
+  reused: dict[int, Any] = {}  # node index -> the saved value its site starts from
   if start_labels is not None:
-    run_nodes, frontier_ids = _replay_plan(prog, start_labels, known or {})
+    reuse_labels = set(reuse_labels) & set(known or {})
+    run_nodes, frontier_ids, reused_nodes = _replay_plan(
+      prog, start_labels, known or {}, reuse_labels
+    )
+    for k in reused_nodes:
+      reused[k] = known[prog.nodes[k].infos[0].label]
     # Values read by the nodes that run but produced by none of them come from the
     # saved sites (the frontier, and saved values the recomputed nodes need).
     produced = {i for k in run_nodes for i in prog.nodes[k].outs}
@@ -131,13 +141,32 @@ def evaluate(
   pending_frontier = {i for i in frontier_ids if i not in env}
   for k in run_nodes:
     node = prog.nodes[k]
-    invals = [read(a) for a in node.ins]
-    if node.sub is not None:
+    if k in reused:
+      # The site's saved value, as it was before the edit: the module is not recomputed.
+      # It enters the replayed computation from outside, so it is a frontier value.
+      lbl = node.infos[0].label
+      val = reused[k]
+      if frontier_values is not None and lbl in frontier_values:
+        val = frontier_values[lbl]
+      elif releaf and _is_float(val):
+        val = jax.lax.stop_gradient(val)
+      if node.outs[0] in prog.data_ids and (releaf or frontier_values):
+        ev.frontier[lbl] = val
+      outs = [val]
+    elif node.sub is not None:
       outs = _eval_scan(
-        node, invals, rules, save, ev, site_values, grad_disabled, probe, releaf_layers
+        node,
+        [read(a) for a in node.ins],
+        rules,
+        save,
+        ev,
+        site_values,
+        grad_disabled,
+        probe,
+        releaf_layers,
       )
     else:
-      out = node.prim.bind(*invals, **node.params)
+      out = node.prim.bind(*[read(a) for a in node.ins], **node.params)
       outs = list(out) if node.prim.multiple_results else [out]
     for j, (i, info) in enumerate(zip(node.outs, node.infos)):
       val = outs[j]
@@ -254,11 +283,14 @@ def _eval_scan(
   return [*carry_out, *ys]
 
 
-def _replay_plan(prog: Program, start_labels, known: dict):
-  """The nodes to evaluate for a replay from ``start_labels``, and the frontier ids."""
+def _replay_plan(prog: Program, start_labels, known: dict, reuse_labels=frozenset()):
+  """The nodes to evaluate for a replay from ``start_labels``, the frontier ids, and
+  the start nodes that read their site's saved value (``reuse_labels``) instead of
+  their input."""
   starts = set(start_labels)
   cone: set[int] = set()
   tainted: set[int] = set()
+  reused: set[int] = set()
   for k, node in enumerate(prog.nodes):
     is_start = any(info is not None and info.label in starts for info in node.infos) or (
       node.sub is not None and any(info.label in starts for info in node.sub.infos)
@@ -266,11 +298,24 @@ def _replay_plan(prog: Program, start_labels, known: dict):
     if is_start or any(not isinstance(a, tuple) and a in tainted for a in node.ins):
       cone.add(k)
       tainted.update(node.outs)
+      if (
+        is_start
+        and node.sub is None
+        and len(node.infos) == 1
+        and node.infos[0] is not None
+        and node.infos[0].kind == "module"
+        and node.infos[0].layers is None
+        and node.infos[0].label in reuse_labels
+        and not any(not isinstance(a, tuple) and a in tainted for a in node.ins)
+      ):
+        reused.add(k)
   # Values the cone reads from outside it. Only those computed from the model inputs
   # form the frontier; values computed from the variables alone (a reshaped bias)
   # stay connected to the parameters downstream of the edit.
   frontier = set()
   for k in cone:
+    if k in reused:
+      continue  # reads its saved value, not its input
     for a in prog.nodes[k].ins:
       if not isinstance(a, tuple) and a not in tainted:
         frontier.add(a)
@@ -289,7 +334,7 @@ def _replay_plan(prog: Program, start_labels, known: dict):
         if not isinstance(a, tuple) and a not in available:
           need.add(a)
   # Outputs not in the cone come from the original trace; nothing else to run.
-  return sorted(cone | extra), frontier
+  return sorted(cone | extra), frontier, reused
 
 
 # --------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -59,6 +60,21 @@ class LinenCall:
 
     with nn.intercept_methods(adapt):
       return self.module.apply(variables, *inputs, method=method, **apply_kwargs, **kwargs)
+
+
+def check_variables(variables, model, fix: str):
+  """Refuses, as ``missing_variables``, what cannot be an unbound linen module's variables.
+
+  ``jl.trace(model, x)`` on an unbound module takes ``x`` for the variables; ``apply``
+  would fail on it with an error about arrays, far from the mistake.
+  """
+  if not isinstance(variables, Mapping):
+    raise InvalidArgumentError(
+      f"{type(model).__name__} is an unbound linen module, so its first argument must be its "
+      f"variables (a dict such as model.init(key, x) returns); got {type(variables).__name__}",
+      code="missing_variables",
+      fix=fix,
+    )
 
 
 _patch_lock = threading.RLock()

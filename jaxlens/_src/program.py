@@ -67,6 +67,7 @@ class Program:
     self.const_ids: list[int] = []
     self.out_ids: list = []
     self.in_tree = None
+    self.in_shapes: tuple | None = None  # the shapes of the captured call's input leaves
     self.out_tree = None
     self.n_var_leaves = 0
     self.module_infos: dict[str, SiteInfo] = {}
@@ -355,6 +356,7 @@ def build_program(
 
   leaves, in_tree = jax.tree.flatten((variables, inputs))
   prog.in_tree = in_tree
+  prog.in_shapes = tuple(jnp.shape(x) for x in leaves)
   prog.n_var_leaves = len(jax.tree.leaves(variables))
   out_box = []
 

@@ -35,6 +35,7 @@ import zipfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxlens._src.edit import ByIdentity, Donor, Edit, Population, SavedDonor, verb_named
@@ -77,7 +78,14 @@ class _Writer:
         fix="save it with jaxlens.distributed.save_spec(spec, path), which gathers the values",
       )
     key = f"a{len(self.arrays)}"
-    self.arrays[key] = np.asarray(a)
+    a = np.asarray(a)
+    if a.dtype.kind == "V" and a.dtype.names is None:
+      # ml_dtypes (bfloat16, float8_*, int4) have no .npy form: numpy writes them as
+      # raw void bytes. They are stored as unsigned integers of their width, bit for
+      # bit, with the dtype's name beside them.
+      self.arrays[key] = a.view(np.dtype(f"u{a.dtype.itemsize}"))
+      return {"$bits": [key, a.dtype.name]}
+    self.arrays[key] = a
     return {"$array": key}
 
   def value(self, v, where: str):
@@ -170,11 +178,29 @@ class _Reader:
     self.arrays, self.path, self.version = arrays, path, version
 
   def array(self, ref):
+    if isinstance(ref, dict) and len(ref) == 1 and "$bits" in ref:
+      return self.bits(ref["$bits"])
     if not isinstance(ref, dict) or ref.get("$array") not in self.arrays:
       raise _corrupt(f"bad array reference {ref!r:.80}", self.path)
     # Host arrays: verbs convert them where they are used, and checks on their
     # values (index bounds, basis rank) still run inside jit and grad.
     return self.arrays[ref["$array"]]
+
+  def bits(self, body):
+    """An ml_dtypes array stored as unsigned integers of its width (``_Writer.array``)."""
+    ok = isinstance(body, list) and len(body) == 2 and all(isinstance(b, str) for b in body)
+    if not ok or body[0] not in self.arrays:
+      raise _corrupt(f"bad array reference {body!r:.80}", self.path)
+    raw = self.arrays[body[0]]
+    try:
+      dtype = np.dtype(jnp.dtype(body[1]))
+    except (TypeError, ValueError, AttributeError):
+      raise _corrupt(f"unknown dtype {body[1]!r:.40}", self.path) from None
+    if not dtype.type.__module__.startswith("ml_dtypes"):
+      raise _corrupt(f"unknown dtype {body[1]!r:.40}", self.path)
+    if raw.dtype != np.dtype(f"u{dtype.itemsize}"):
+      raise _corrupt(f"array {body[0]} of dtype {raw.dtype} does not hold {dtype}", self.path)
+    return raw.view(dtype)
 
   def value(self, v, depth=0):
     if depth > _MAX_DEPTH:
@@ -184,7 +210,7 @@ class _Reader:
     if not isinstance(v, dict) or len(v) != 1:
       raise _corrupt(f"unexpected value {v!r:.80}", self.path)
     ((tag, body),) = v.items()
-    if tag == "$array":
+    if tag in ("$array", "$bits"):
       return self.array(v)
     if tag == "$edit":
       return self.edit(body, depth + 1)

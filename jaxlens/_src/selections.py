@@ -293,6 +293,13 @@ def _coords_fn(B, host, ctx):
   gram = B.T @ B
   bad = None
   if host is not None:
+    if not np.all(np.isfinite(host)):
+      raise InvalidArgumentError(
+        "subspace: the basis holds NaN or infinite values",
+        code="basis_not_finite",
+        site=ctx.label,
+        fix="pass a finite basis (e.g. jl.orthonormal(raw) of a finite raw)",
+      )
     sv = np.linalg.svd(host.astype(np.float64), compute_uv=False)
     if sv.min() <= sv.max() * 1e-10:
       raise InvalidArgumentError(
@@ -376,6 +383,10 @@ def _subspace(x, p, s, ctx):
   else:
     comp = back(c @ B.T).astype(x.dtype)
     y = jnp.moveaxis(fire(inner, comp, ctx).astype(work), axis, -1)
+    # The change is measured against the coordinates of the component the verb saw
+    # (rounded to the site dtype), so a verb that leaves it alone changes nothing, bit
+    # for bit, also in half precision.
+    c = coords(jnp.moveaxis(comp.astype(work), axis, -1))
     c_new = coords(y)
   out = (xw + back((c_new - c) @ B.T)).astype(x.dtype)
   return out if bad is None else verbs.poison(bad, out)

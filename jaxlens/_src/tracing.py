@@ -379,6 +379,9 @@ class Trace(Donor):
           expected=str(jnp.shape(want)),
           received=str(jnp.shape(value)),
         )
+    # Start sites that began from their saved value did so through the frontier (this
+    # trace's saved value there is the edited one): they start from it again.
+    reused = tuple(lbl for lbl in self._replay_starts if lbl in self.frontier)
     ev = interpret.evaluate(
       prog,
       self._args,
@@ -387,8 +390,9 @@ class Trace(Donor):
       None,
       known=self.values,
       start_labels=self._replay_starts,
-      frontier_values=frontier,
+      frontier_values={**{lbl: self.frontier[lbl] for lbl in reused}, **frontier},
       releaf_layers=dict(self._replay_layers) or None,
+      reuse_labels=reused,
     )
     return interpret.program_output(prog, ev, self.output)
 
@@ -433,7 +437,33 @@ class Trace(Donor):
         fix="jl.trace(model, variables, x) (keep_inputs=True, the default), or rerun with "
         "trace.fork().do(site, edit, model=model.bind(variables), inputs=x)",
       )
+    if inputs and self._keep_inputs:
+      self._check_not_batched(what)
     return self._program
+
+  def _check_not_batched(self, what):
+    """Refuses a trace whose arrays carry axes its program does not have.
+
+    A Trace returned from ``jax.vmap`` holds every value with the batch axis in front,
+    but its captured program is the per-example one: replaying it would feed batched
+    values to per-example operations.
+    """
+    shapes = getattr(self._program, "in_shapes", None)
+    if shapes is None:
+      return
+    for arg, shape in zip(self._args, shapes):
+      got = jnp.shape(arg)
+      if got != tuple(shape):
+        raise InvalidArgumentError(
+          f"{what}: this trace holds values of shape {got} where its captured program has "
+          f"{tuple(shape)}: it was returned from jax.vmap (or another batching transform), "
+          "which adds a batch axis to every value but not to the program",
+          code="batched_trace",
+          expected=tuple(shape),
+          received=got,
+          fix="replay per example under the same transform: "
+          "jax.vmap(lambda t: t.fork().do(site, edit).output)(trace)",
+        )
 
   def _replay(self, new: Spec, *, differentiable: bool) -> "Trace":
     prog = self._need_program("replay")
@@ -451,6 +481,16 @@ class Trace(Donor):
           first_layers[info.label] = min(layers + [first_layers.get(info.label, layers[0])])
     rules = self._spec.rules + new.rules
     spec = Spec(rules)
+    # A start site whose saved value no earlier rule edited is read, not recomputed:
+    # the replay is the downstream cone of the edit, from that value.
+    by_label = {i.label: i for i in prog.infos}
+    reuse = tuple(
+      lbl
+      for lbl in dict.fromkeys(starts)
+      if lbl in self.values
+      and lbl in by_label
+      and not any(site_hits(sel, by_label[lbl]) for sel, _ in self._spec.rules)
+    )
     asks = runtime.asks_keep_grad(new.rules)
     if asks:
       if differentiable:
@@ -468,6 +508,7 @@ class Trace(Donor):
         known=self.values,
         start_labels=tuple(starts),
         releaf=differentiable,
+        reuse_labels=reuse,
       )
       if not differentiable:
         # (Re-leafed frontier values are fresh inputs of a differentiable replay: a
@@ -484,6 +525,7 @@ class Trace(Donor):
       releaf=differentiable,
       grad_disabled=runtime.grad_disabled(),
       releaf_layers=first_layers if differentiable else None,
+      reuse_labels=reuse,
     )
     values = dict(self.values)
     values.update(ev.saved)
@@ -507,11 +549,16 @@ class Trace(Donor):
       variables, old_inputs = jax.tree.unflatten(prog.in_tree, self._args)
     else:
       variables = old_inputs = None
+    saved_used = inputs is None
     if model is None:
       module = self._module
+      saved_used = True
     else:
       module, bound = model_calls.split(model)
       variables = variables if bound is None else bound
+      saved_used = saved_used or bound is None
+    if saved_used and self._keep_inputs:
+      self._check_not_batched("rerun")
     if inputs is None:
       inputs = old_inputs
     if variables is None or inputs is None:
@@ -650,6 +697,9 @@ def trace(
         fix="jl.trace(model, variables, x)",
       )
     variables, args = args[0], args[1:]
+    model_calls.check_variables(
+      variables, model, "jl.trace(model, variables, x), or jl.trace(model.bind(variables), x)"
+    )
   save_given = save is not None and save is not False
   if save is None:
     selector = module_sites()
