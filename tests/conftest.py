@@ -2,14 +2,55 @@
 
 import importlib.util
 import os
+import re
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The tests' programs are tiny, so XLA's optimising passes cost more than they save (the
+# compile time of a small model's jitted forward and backward falls by about a third);
+# tests/test_properties.py turns them back on for its bit-identity checks. Set in the
+# environment so that the tests' subprocesses (distributed workers, benchmarks) inherit it.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
 import pytest  # noqa: E402
+
+_ROOT = Path(__file__).resolve().parent.parent
+_GROUP_MARK = re.compile(r"""^pytestmark = pytest\.mark\.xdist_group\(["']([\w-]+)["']\)""", re.M)
+
+
+def _file_groups() -> dict[str, str]:
+  """``{test file relative to the root: group}`` from each file's module-level
+  ``pytestmark = pytest.mark.xdist_group(name)``."""
+  groups = {}
+  for path in sorted((_ROOT / "tests").rglob("test_*.py")):
+    found = _GROUP_MARK.search(path.read_text())
+    if found:
+      groups[path.relative_to(_ROOT).as_posix()] = found.group(1)
+  return groups
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+  """``--dist loadgroup`` that works with pytest 9: pytest-xdist 3.8 marks a group by
+  rewriting ``item._nodeid``, which pytest 9 no longer reads, so every test of a group
+  went to any worker and each worker measured the shared matrix cells again. Here a
+  test file's ``xdist_group`` mark names its scope; the scheduler sends a scope to one
+  worker and starts the largest scopes first."""
+  if config.getvalue("dist") != "loadgroup":
+    return None
+  from xdist.scheduler import LoadScopeScheduling
+
+  groups = _file_groups()
+
+  class FileGroups(LoadScopeScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      return groups.get(nodeid.split("::", 1)[0], nodeid)
+
+  return FileGroups(config, log)
 
 
 @pytest.fixture(scope="session")

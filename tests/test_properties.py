@@ -33,6 +33,15 @@ from jaxlens import contract
 # One xdist worker runs the file, so its models and compiled functions are shared.
 pytestmark = pytest.mark.xdist_group("properties")
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _optimised_xla():
+  """XLA's optimising passes on (tests/conftest.py turns them off for speed): the
+  bit-identity and jit-versus-eager properties must hold for the programs users run."""
+  jax.config.update("jax_disable_most_optimizations", False)
+  yield
+  jax.config.update("jax_disable_most_optimizations", True)
+
 SITE = "layers_0"
 DTYPES = {
   "float16": jnp.float16,

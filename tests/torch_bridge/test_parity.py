@@ -18,6 +18,7 @@ import torch
 
 import jaxlens as jl
 import torch_bridge
+import torch_bridge.convert
 from jaxlens import contract as matrix
 from jaxlens._src import selections
 from torch_bridge import _matrix
@@ -290,7 +291,7 @@ def test_a_loaded_spec_gives_forward_hooks_and_keeps_keep_grad(converted, tmp_pa
 
 def test_a_spec_for_a_converted_transformer(tmp_path):
   torch.manual_seed(0)
-  tmodel = torch_bridge._convert.TinyGPT(11, 8, 2, 2, 6).double().eval()
+  tmodel = torch_bridge.convert.TinyGPT(11, 8, 2, 2, 6).double().eval()
   idx = torch.randint(0, 11, (2, 5))
   fmodel, fvariables, site_map = torch_bridge.from_torch(tmodel)
   direction = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float64)
