@@ -1,8 +1,11 @@
 """Test environment: float64 on, several CPU devices, warnings as errors (pyproject)."""
 
+import atexit
 import importlib.util
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -11,6 +14,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # tests/test_properties.py turns them back on for its bit-identity checks. Set in the
 # environment so that the tests' subprocesses (distributed workers, benchmarks) inherit it.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# One compilation cache for this run, shared by the xdist workers and the tests'
+# subprocesses: eager execution compiles every primitive per shape and dtype (about 0.1 s
+# each on CPU) and the workers compile many of the same ones; a cache hit costs a third.
+# The controller makes the directory (workers inherit the environment) and removes it.
+if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE = tempfile.mkdtemp(prefix="jaxlens-tests-xla-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 import jax  # noqa: E402
 
@@ -33,7 +46,7 @@ def _file_groups() -> dict[str, str]:
   return groups
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
   """``--dist loadgroup`` that works with pytest 9: pytest-xdist 3.8 marks a group by
   rewriting ``item._nodeid``, which pytest 9 no longer reads, so every test of a group
