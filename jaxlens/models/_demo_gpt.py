@@ -27,6 +27,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxlens.models._layers import layer_norm_options
+
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "gpt_config", "init_gpt"]
 
 _CONFIGS = {
@@ -131,9 +133,13 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    h = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="ln_1")(x)
+    h = nn.LayerNorm(
+      dtype=self.dtype, param_dtype=jnp.float32, name="ln_1", **layer_norm_options(self.dtype)
+    )(x)
     x = x + CausalSelfAttention(self.d_model, self.n_heads, self.dtype, name="attn")(h)
-    h = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="ln_2")(x)
+    h = nn.LayerNorm(
+      dtype=self.dtype, param_dtype=jnp.float32, name="ln_2", **layer_norm_options(self.dtype)
+    )(x)
     return x + MLP(self.d_model, self.mlp_ratio, self.dtype, name="mlp")(h)
 
 
@@ -190,7 +196,9 @@ class GPT(nn.Module):
     )(positions)
     for i in range(self.n_layers):
       x = Block(self.d_model, self.n_heads, self.mlp_ratio, self.dtype, name=f"block_{i}")(x)
-    x = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="ln_f")(x)
+    x = nn.LayerNorm(
+      dtype=self.dtype, param_dtype=jnp.float32, name="ln_f", **layer_norm_options(self.dtype)
+    )(x)
     return nn.Dense(
       self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_INIT, name="head"
     )(x)
