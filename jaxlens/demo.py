@@ -192,7 +192,7 @@ def run_demo(
 
   @jax.jit
   def evaluate(p, tokens, answers, clean, corrupt):
-    accuracy = (model.apply(p, tokens)[:, -1].argmax(-1) == answers).mean()
+    accuracy = (model.apply(p, tokens)[:, -1].argmax(-1).astype(answers.dtype) == answers).mean()
     return accuracy, metric(model.apply(p, clean)), metric(model.apply(p, corrupt))
 
   start = time.perf_counter()

@@ -162,7 +162,7 @@ def _choose(logits, key, *, greedy, temperature, top_k, top_p):
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
     drop_sorted = jnp.zeros(logits.shape, bool)
     if top_k is not None:
-      drop_sorted |= jnp.arange(logits.shape[-1]) >= top_k
+      drop_sorted |= jnp.arange(logits.shape[-1], dtype=top_k.dtype) >= top_k
     if top_p is not None:
       # The smallest set of most probable tokens whose probability reaches top_p (the most
       # probable token always stays).

@@ -39,6 +39,14 @@ _CONFIGS = {
 _INIT = nn.initializers.normal(stddev=0.02)
 
 
+def _layer_norm(dtype, name: str) -> nn.LayerNorm:
+  """A LayerNorm computing in ``dtype``. Its parameters are float32, as the other layers', or
+  ``dtype`` where that is wider: flax multiplies the normalised value by the scale without a
+  cast, a float64 x float32 mix that strict dtype promotion refuses."""
+  param_dtype = dtype if jnp.dtype(dtype).itemsize > 4 else jnp.float32
+  return nn.LayerNorm(dtype=dtype, param_dtype=param_dtype, name=name, **layer_norm_options(dtype))
+
+
 class CausalSelfAttention(nn.Module):
   """Multi-head causal self-attention with explicit q/k/v/out projections.
 
@@ -133,13 +141,9 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    h = nn.LayerNorm(
-      dtype=self.dtype, param_dtype=jnp.float32, name="ln_1", **layer_norm_options(self.dtype)
-    )(x)
+    h = _layer_norm(self.dtype, "ln_1")(x)
     x = x + CausalSelfAttention(self.d_model, self.n_heads, self.dtype, name="attn")(h)
-    h = nn.LayerNorm(
-      dtype=self.dtype, param_dtype=jnp.float32, name="ln_2", **layer_norm_options(self.dtype)
-    )(x)
+    h = _layer_norm(self.dtype, "ln_2")(x)
     return x + MLP(self.d_model, self.mlp_ratio, self.dtype, name="mlp")(h)
 
 
@@ -196,9 +200,7 @@ class GPT(nn.Module):
     )(positions)
     for i in range(self.n_layers):
       x = Block(self.d_model, self.n_heads, self.mlp_ratio, self.dtype, name=f"block_{i}")(x)
-    x = nn.LayerNorm(
-      dtype=self.dtype, param_dtype=jnp.float32, name="ln_f", **layer_norm_options(self.dtype)
-    )(x)
+    x = _layer_norm(self.dtype, "ln_f")(x)
     return nn.Dense(
       self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_INIT, name="head"
     )(x)
