@@ -23,7 +23,7 @@ sites and positions; it is exact where the metric is linear in the site value.
 Example:
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxlens as jl
   >>> model = nn.Sequential([nn.Dense(3), nn.Dense(2)])
-  >>> x = jnp.ones((1, 4))
+  >>> x = jnp.ones((1, 4), jnp.float32)
   >>> variables = model.init(jax.random.key(0), x)
   >>> g = jl.site_grads(model, variables, x, metric=lambda y: y.sum(), sites=["layers_0"])
   >>> g["layers_0"].grad.shape
@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from jaxlens._src import tracing as _tracing
 from jaxlens._src.errors import InvalidArgumentError, ShapeError, SiteError
+from jaxlens._src.tracebacks import api_boundary
 
 __all__ = ["SiteGrad", "SiteGrads", "attribution_patching", "site_grads"]
 
@@ -134,6 +135,7 @@ def _resolve(run_trace, selectors):
   return dict(values)
 
 
+@api_boundary
 def site_grads(
   model,
   variables,
@@ -215,6 +217,7 @@ def grads_at_sites(run_trace, metric, sites, intervene=None) -> SiteGrads:
   return SiteGrads(value, grads, outs)
 
 
+@api_boundary
 def attribution_patching(
   model,
   variables,

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlens._src.errors import InvalidArgumentError, ShapeError
+from jaxlens._src.tracebacks import api_boundary
 from jaxlens._src.sites import module
 from jaxlens._src.tracing import trace
 
@@ -45,7 +46,7 @@ _SITES = ("resid_post", "resid_pre")
 
 def _family(model):
   """The block class, the final norm and the unembedding of a zoo decoder."""
-  from jaxlens.models._layers import RMSNorm
+  from jaxlens.models._layers import RMSNorm, layer_norm_options
   from jaxlens.models.gpt2 import GPT2, GPT2Block
   from jaxlens.models.llama import Llama, LlamaBlock
 
@@ -54,7 +55,9 @@ def _family(model):
     block, norm = LlamaBlock, RMSNorm(cfg.norm_eps, cfg.dtype)
   elif isinstance(model, GPT2):
     block = GPT2Block
-    norm = nn.LayerNorm(cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype)
+    norm = nn.LayerNorm(
+      cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype, **layer_norm_options(cfg.dtype)
+    )
   else:
     raise InvalidArgumentError(
       f"cone_sweep runs the zoo's causal decoders (Llama, GPT2), got {type(model).__name__}",
@@ -196,6 +199,7 @@ def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, 
   return grid[np.argsort(order)]
 
 
+@api_boundary
 def cone_sweep(
   model,
   variables,

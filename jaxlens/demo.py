@@ -184,12 +184,15 @@ def run_demo(
   def step(p, state, keys, i):
     tokens, answers = make_batch(keys[i], batch, seq_len, vocab)
     value, grads = jax.value_and_grad(loss_fn)(p, tokens, answers)
-    updates, state = opt.update(grads, state, p)
+    # optax.adam's bias correction raises a float to its int32 step count: standard dtype
+    # promotion for the optimiser, so the demo also runs where a user turned on strict.
+    with jax.numpy_dtype_promotion("standard"):
+      updates, state = opt.update(grads, state, p)
     return optax.apply_updates(p, updates), state, value
 
   @jax.jit
   def evaluate(p, tokens, answers, clean, corrupt):
-    accuracy = (model.apply(p, tokens)[:, -1].argmax(-1) == answers).mean()
+    accuracy = (model.apply(p, tokens)[:, -1].argmax(-1).astype(answers.dtype) == answers).mean()
     return accuracy, metric(model.apply(p, clean)), metric(model.apply(p, corrupt))
 
   start = time.perf_counter()

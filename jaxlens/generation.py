@@ -46,6 +46,7 @@ from jaxlens._src.errors import InvalidArgumentError, ShapeError
 from jaxlens._src.sites import as_selector
 from jaxlens._src.edit import Edit, fire, register
 from jaxlens._src.verbs import as_edit, hook
+from jaxlens._src.tracebacks import api_boundary
 
 __all__ = ["Generation", "at_steps", "generate", "left_pad"]
 
@@ -66,6 +67,7 @@ def _at_steps(x, p, s, ctx):
   return jnp.where(jnp.isin(call, p["steps"]), edited, x)
 
 
+@api_boundary
 def at_steps(steps, edit) -> Edit:
   """Applies ``edit`` only in the forward calls that produce the chosen new tokens.
 
@@ -120,7 +122,9 @@ class Generation:
   @property
   def sequences(self):
     """``(batch, prompt_len + max_new_tokens)``: the prompt followed by the new tokens."""
-    return jnp.concatenate([self.prompt, self.tokens], axis=1)
+    # The wider of the two int dtypes, cast explicitly (strict dtype promotion refuses a mix).
+    dtype = max(jnp.result_type(self.prompt), self.tokens.dtype, key=lambda d: d.itemsize)
+    return jnp.concatenate([self.prompt.astype(dtype), self.tokens.astype(dtype)], axis=1)
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_token: int = 0):
@@ -158,7 +162,7 @@ def _choose(logits, key, *, greedy, temperature, top_k, top_p):
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
     drop_sorted = jnp.zeros(logits.shape, bool)
     if top_k is not None:
-      drop_sorted |= jnp.arange(logits.shape[-1]) >= top_k
+      drop_sorted |= jnp.arange(logits.shape[-1], dtype=top_k.dtype) >= top_k
     if top_p is not None:
       # The smallest set of most probable tokens whose probability reaches top_p (the most
       # probable token always stays).
@@ -233,8 +237,10 @@ def _generate(
   )
   cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
   key_mask = jnp.concatenate([mask, jnp.ones((batch, n), mask.dtype)], axis=1)
-  positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-  n_real = jnp.sum(mask, axis=1)
+  # int32 like the decode step counter they meet (a sum or cumsum would widen to int64 under
+  # x64, and strict dtype promotion refuses the mix).
+  positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+  n_real = jnp.sum(mask, axis=1, dtype=jnp.int32)
   choose = functools.partial(
     _choose, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p
   )
@@ -353,6 +359,7 @@ def _check_decoder(model: nn.Module) -> None:
     )
 
 
+@api_boundary
 def generate(
   model: nn.Module,
   variables,

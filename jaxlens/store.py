@@ -67,6 +67,7 @@ import jax
 import numpy as np
 
 from jaxlens._src.errors import JaxlensError
+from jaxlens._src.tracebacks import api_boundary
 
 __all__ = ["ActivationStore", "StoreError", "collect", "open"]
 
@@ -296,6 +297,7 @@ def _runner(model, selectors: tuple, method, apply_kwargs: dict):
 _RUNNERS: dict = {}
 
 
+@api_boundary
 def collect(
   model,
   variables,
@@ -599,6 +601,7 @@ class ActivationStore:
       yield emit({k: np.concatenate(carry[k]) for k in names})
 
 
+@api_boundary
 def open(path) -> ActivationStore:
   """Opens a store written by :func:`collect`."""
   return ActivationStore(path)

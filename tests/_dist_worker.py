@@ -298,7 +298,10 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
     for name, spec in train.items():
       f = spec.bind(model)
       value, g = jax.value_and_grad(lambda p, f=f: jnp.mean((f(p, x) - target) ** 2))(params[name])
-      updates, state = opt.update(g, states[name], params[name])
+      # optax.adam's bias correction raises a float to its int32 step count, which strict
+      # dtype promotion (tests/conftest.py) refuses: only the optimiser runs under standard.
+      with jax.numpy_dtype_promotion("standard"):
+        updates, state = opt.update(g, states[name], params[name])
       new[name] = (optax.apply_updates(params[name], updates), state, value)
     return new
 
@@ -381,6 +384,10 @@ def _init_distributed(args):
   import jax
 
   jax.config.update("jax_enable_x64", True)
+  # As tests/conftest.py: strict dtype promotion. Tracebacks keep jaxlens's frames, which
+  # the probes record (where a failure happened).
+  jax.config.update("jax_numpy_dtype_promotion", "strict")
+  jax.config.update("jax_traceback_filtering", "off")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
     coordinator_address=f"127.0.0.1:{args.port}",

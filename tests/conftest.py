@@ -1,4 +1,5 @@
-"""Test environment: float64 on, several CPU devices, warnings as errors (pyproject)."""
+"""Test environment: float64 on, strict dtype promotion, several CPU devices, warnings as errors
+(pyproject)."""
 
 import atexit
 import importlib.util
@@ -28,6 +29,10 @@ if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not i
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+# Strict promotion: an implicit mix of dtypes (a float32 array meeting a float64 one, an int meeting
+# a float) raises instead of silently widening, so jaxlens works for users who turn it on. A test
+# that needs a third-party library which mixes dtypes itself opts out with `standard_promotion`.
+jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 import pytest  # noqa: E402
 
@@ -84,3 +89,11 @@ def matrix_weights():
 def spec_model(matrix_weights):
   """The specification's float64 two-layer model: (model, variables, x, x_donor, source)."""
   return matrix_weights()
+
+
+@pytest.fixture
+def standard_promotion():
+  """Standard dtype promotion for one test, for a third-party library that mixes dtypes itself
+  (the test says which and why)."""
+  with jax.numpy_dtype_promotion("standard"):
+    yield

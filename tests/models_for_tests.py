@@ -10,12 +10,12 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    shared = nn.Dense(4, name="shared")
+    shared = nn.Dense(4, name="shared", param_dtype=jnp.float64)
     for i in range(2):
       x = Block(name=f"block_{i}")(x)
     x = shared(x)
     x = shared(jnp.tanh(x))
-    return nn.Dense(2, name="head")(x)
+    return nn.Dense(2, name="head", param_dtype=jnp.float64)(x)
 
 
 class Block(nn.Module):
@@ -27,7 +27,7 @@ class Block(nn.Module):
 class MLPPart(nn.Module):
   @nn.compact
   def __call__(self, x):
-    return nn.Dense(4, name="fc")(jnp.tanh(x))
+    return nn.Dense(4, name="fc", param_dtype=jnp.float64)(jnp.tanh(x))
 
 
 class WithDetached(nn.Module):
@@ -36,13 +36,13 @@ class WithDetached(nn.Module):
   @nn.compact
   def __call__(self, x):
     frozen = Frozen(name="frozen")(x)
-    return nn.Dense(2, name="head")(x + frozen)
+    return nn.Dense(2, name="head", param_dtype=jnp.float64)(x + frozen)
 
 
 class Frozen(nn.Module):
   @nn.compact
   def __call__(self, x):
-    return jax.lax.stop_gradient(nn.Dense(4, name="inner")(x))
+    return jax.lax.stop_gradient(nn.Dense(4, name="inner", param_dtype=jnp.float64)(x))
 
 
 class WithIntSite(nn.Module):
@@ -52,7 +52,9 @@ class WithIntSite(nn.Module):
   def __call__(self, x):
     idx = ArgMax(name="argmax")(x)
     pair = Pair(name="pair")(x)
-    return nn.Dense(2, name="head")(x + idx[:, None] + pair[0])
+    return nn.Dense(2, name="head", param_dtype=jnp.float64)(
+      x + idx[:, None].astype(x.dtype) + pair[0]
+    )
 
 
 class ArgMax(nn.Module):

@@ -14,16 +14,16 @@ class Linear(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    h = nn.Dense(6, name="layers_0")(x)
-    h = nn.Dense(6, name="layers_1")(h) + h
-    return nn.Dense(3, name="layers_2")(h)
+    h = nn.Dense(6, name="layers_0", param_dtype=jnp.float64)(x)
+    h = nn.Dense(6, name="layers_1", param_dtype=jnp.float64)(h) + h
+    return nn.Dense(3, name="layers_2", param_dtype=jnp.float64)(h)
 
 
 class Tanh(nn.Module):
   @nn.compact
   def __call__(self, x):
-    h = nn.Dense(5, name="layers_0")(x)
-    return nn.Dense(2, name="layers_1")(jnp.tanh(h))
+    h = nn.Dense(5, name="layers_0", param_dtype=jnp.float64)(x)
+    return nn.Dense(2, name="layers_1", param_dtype=jnp.float64)(jnp.tanh(h))
 
 
 def metric(out):
@@ -48,7 +48,10 @@ def test_site_grads_is_the_gradient_at_the_site_value():
   g = jl.site_grads(model, v, x, metric=lambda y: (y**2).sum(), sites=["layers_0"])
   h = jl.trace(model, v, x)["layers_0"].out
   # The rest of the model as a function of the site value, by hand.
-  rest = lambda h: (nn.Dense(2).apply({"params": v["params"]["layers_1"]}, jnp.tanh(h)) ** 2).sum()
+  rest = lambda h: (
+    nn.Dense(2, param_dtype=jnp.float64).apply({"params": v["params"]["layers_1"]}, jnp.tanh(h))
+    ** 2
+  ).sum()
   np.testing.assert_allclose(g["layers_0"].grad, jax.grad(rest)(h), rtol=1e-12)
   np.testing.assert_allclose(g["layers_0"].out, h)
   np.testing.assert_allclose(g.value, (model.apply(v, x) ** 2).sum())

@@ -284,7 +284,7 @@ class _IntSite(nn.Module):
   @nn.compact
   def __call__(self, x):
     idx = _ArgMax(name="argmax")(x)
-    return nn.Dense(2, name="head")(x + idx[:, None])
+    return nn.Dense(2, name="head", param_dtype=jnp.float64)(x + idx[:, None].astype(x.dtype))
 
 
 class _ArgMax(nn.Module):

@@ -79,21 +79,25 @@ def test_unknown_op_site_lists_close_ones(mlp):
 class _Cell(nn.Module):
   @nn.compact
   def __call__(self, c, _):
-    return nn.Dense(4, name="dense")(c), None
+    return nn.Dense(4, name="dense", param_dtype=jnp.float64)(c), None
 
 
 class ScanModel(nn.Module):
   @nn.compact
   def __call__(self, x):
-    x = nn.Dense(4, name="pre")(x)
+    x = nn.Dense(4, name="pre", param_dtype=jnp.float64)(x)
     x, _ = nn.scan(_Cell, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)(
       name="cells"
     )(x, None)
     x, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c), None), x, None, length=3)
     x = nn.cond(
-      x.sum() > 0, lambda m, y: m(y) * 2.0, lambda m, y: -m(y), nn.Dense(4, name="gate"), x
+      x.sum() > 0,
+      lambda m, y: m(y) * 2.0,
+      lambda m, y: -m(y),
+      nn.Dense(4, name="gate", param_dtype=jnp.float64),
+      x,
     )
-    return nn.Dense(2, name="post")(x)
+    return nn.Dense(2, name="post", param_dtype=jnp.float64)(x)
 
 
 def test_control_flow_runs_as_op_sites_or_refuses_with_a_typed_error():
@@ -132,7 +136,7 @@ def test_trace_under_grad_jit_vmap_matches_apply(mlp):
 class _RematBlock(nn.Module):
   @nn.compact
   def __call__(self, x):
-    return x + nn.Dense(4, name="fc")(jnp.tanh(x))
+    return x + nn.Dense(4, name="fc", param_dtype=jnp.float64)(jnp.tanh(x))
 
 
 class RematModel(nn.Module):
@@ -141,7 +145,7 @@ class RematModel(nn.Module):
     for i in range(2):
       x = nn.remat(_RematBlock)(name=f"block_{i}")(x)
     x = jax.checkpoint(lambda y: jnp.sin(y) * 2.0)(x)
-    return nn.Dense(1, name="head")(x)
+    return nn.Dense(1, name="head", param_dtype=jnp.float64)(x)
 
 
 def test_edits_under_remat_on_every_door():

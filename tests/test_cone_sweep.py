@@ -46,7 +46,8 @@ def logit_diff(logits):
 
 
 def whole_output(logits):  # reads every position: the cells' earlier columns must be right
-  return (logits * jnp.linspace(-1.0, 1.0, logits.shape[1])[None, :, None]).sum() / 100.0
+  weights = jnp.linspace(-1.0, 1.0, logits.shape[1], dtype=logits.dtype)
+  return (logits * weights[None, :, None]).sum() / 100.0
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))

@@ -2,16 +2,21 @@
 
 The blocks of one page run in order in one namespace (a page reads like a notebook).
 A block preceded by the line ``<!-- no-run -->`` is not run. A block containing
-``# docs-test: expected=<literal>`` must leave ``RESULT == <literal>``.
+``# docs-test: expected=<literal>`` must leave ``RESULT == <literal>``. Blocks run under
+strict dtype promotion (tests/conftest.py), except a block preceded by the line
+``<!-- docs-test: promotion=standard -->``, for a third-party library that mixes dtypes
+itself (the page says which next to the marker).
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import re
 from pathlib import Path
 
+import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +27,7 @@ CONTRACT = ROOT / "docs" / "gradient_contract.md"
 _EXPECTED = re.compile(r"^# docs-test: expected=(.*)$", re.M)
 # A page that needs optional packages (the model wheels) says so and is skipped without them.
 _REQUIRES = re.compile(r"^<!-- docs-test: requires=(\S+) -->$", re.M)
+_STANDARD_PROMOTION = "<!-- docs-test: promotion=standard -->"
 
 
 def python_blocks(path: Path) -> list[tuple[int, str]]:
@@ -43,6 +49,17 @@ def python_blocks(path: Path) -> list[tuple[int, str]]:
   return blocks
 
 
+def standard_promotion_blocks(path: Path) -> set[int]:
+  """First code line numbers of the python blocks marked to run under standard promotion."""
+  lines = path.read_text().splitlines()
+  return {
+    i + 2
+    for i, line in enumerate(lines)
+    if line.strip() == "```python"
+    and next((l.strip() for l in reversed(lines[:i]) if l.strip()), "") == _STANDARD_PROMOTION
+  }
+
+
 def test_the_contract_page_has_examples():
   assert len(python_blocks(CONTRACT)) >= 4
 
@@ -54,9 +71,14 @@ def test_docs_examples_run(path):
     if importlib.util.find_spec(name) is None:
       pytest.skip(f"{path.name} needs {name}")
   namespace = {"__name__": f"docs_{path.stem}"}
+  standard = standard_promotion_blocks(path)
   for line, code in python_blocks(path):
+    promotion = (
+      jax.numpy_dtype_promotion("standard") if line in standard else contextlib.nullcontext()
+    )
     # Padding puts the block at its own line numbers, so a traceback points into the page.
-    exec(compile("\n" * (line - 1) + code, str(path), "exec"), namespace)
+    with promotion:
+      exec(compile("\n" * (line - 1) + code, str(path), "exec"), namespace)
     expected = _EXPECTED.search(code)
     if expected:
       assert namespace.get("RESULT") == ast.literal_eval(expected.group(1)), (
@@ -70,3 +92,12 @@ def test_the_runner_skips_marked_blocks(tmp_path):
     "text\n\n```python\nA = 1\n```\n\n<!-- no-run -->\n```python\nraise SystemExit\n```\n"
   )
   assert python_blocks(page) == [(4, "A = 1")]
+
+
+def test_the_runner_finds_standard_promotion_blocks(tmp_path):
+  page = tmp_path / "page.md"
+  page.write_text(
+    "```python\nA = 1\n```\n\n<!-- docs-test: promotion=standard -->\n```python\nB = 2\n```\n"
+  )
+  assert python_blocks(page) == [(2, "A = 1"), (7, "B = 2")]
+  assert standard_promotion_blocks(page) == {7}

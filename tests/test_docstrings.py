@@ -38,7 +38,8 @@ def _examples():
       if not getattr(obj, "__module__", "").startswith("jaxlens"):
         continue
       try:
-        defined_here = inspect.getsourcefile(obj) == path
+        # Unwrapped: a public entry point is wrapped by jaxlens's traceback boundary.
+        defined_here = inspect.getsourcefile(inspect.unwrap(obj)) == path
       except TypeError:
         defined_here = False
       if defined_here:

@@ -259,7 +259,7 @@ class _TupleLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    h = nn.Dense(4)(x)
+    h = nn.Dense(4, param_dtype=jnp.float64)(x)
     return h, jnp.tanh(h)
 
 
@@ -267,7 +267,7 @@ class _TupleModel(nn.Module):
   @nn.compact
   def __call__(self, x):
     h, aux = _TupleLayer(name="layer")(x)
-    return nn.Dense(2)(h + aux)
+    return nn.Dense(2, param_dtype=jnp.float64)(h + aux)
 
 
 def test_one_element_of_a_tuple_output_on_every_door():

@@ -110,7 +110,7 @@ def test_replay_frontier_of_the_wrong_shape_is_refused(setup):
     (lambda: jl.mean_ablate(dim=5), "invalid_argument"),
     (lambda: jl.permute_batch(seed=0, axis=5), "invalid_argument"),
     (lambda: jl.add_noise(0.1, seed=-1), "invalid_seed"),
-    (lambda: jl.steer(jnp.ones(4) * 1j), "dtype_mismatch"),
+    (lambda: jl.steer(jnp.ones(4, jnp.complex128) * 1j), "dtype_mismatch"),
   ],
   ids=["scale", "steer", "mean_ablate", "permute_batch", "seed", "complex"],
 )
@@ -145,7 +145,7 @@ def test_repr_of_a_trace_whose_model_returns_a_pytree():
   class Two(nn.Module):
     @nn.compact
     def __call__(self, x):
-      h = nn.Dense(2)(x)
+      h = nn.Dense(2, param_dtype=jnp.float64)(x)
       return {"a": h, "b": (h, h)}
 
   x = jnp.ones((1, 3))

@@ -13,6 +13,8 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "jaxlens" / "_src"
 
 FLOORS = {
+  # -1: jaxlens's frames left out of tracebacks (api_boundary; imports only jax).
+  "tracebacks": -1,
   # 0: typed errors; structural dependence on jaxprs.
   "errors": 0,
   "dependence": 0,

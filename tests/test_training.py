@@ -57,7 +57,10 @@ def _train(loss, params, steps, lr=1e-2):
   @jax.jit
   def step(p, state):
     value, grads = jax.value_and_grad(loss)(p)
-    updates, state = opt.update(grads, state, p)
+    # optax.adam's bias correction raises a float to its int32 step count, which strict
+    # dtype promotion (tests/conftest.py) refuses: only the optimiser runs under standard.
+    with jax.numpy_dtype_promotion("standard"):
+      updates, state = opt.update(grads, state, p)
     return optax.apply_updates(p, updates), state, value
 
   state = opt.init(params)
@@ -137,7 +140,10 @@ def test_keep_grad_refuses_a_cutting_edit_in_the_train_step():
   @jax.jit
   def step(p, state):
     grads = jax.grad(lambda v: _mse(f(v, x), y))(p)
-    updates, state = opt.update(grads, state, p)
+    # optax.adam's bias correction raises a float to its int32 step count, which strict
+    # dtype promotion (tests/conftest.py) refuses: only the optimiser runs under standard.
+    with jax.numpy_dtype_promotion("standard"):
+      updates, state = opt.update(grads, state, p)
     return optax.apply_updates(p, updates), state
 
   with pytest.raises(jl.GradientContractError, match="edit_detached_from_graph") as info:
@@ -155,7 +161,10 @@ def test_changing_edit_values_does_not_recompile_the_train_step():
   @chex.assert_max_traces(n=1)
   def step(p, state, spec, x_, y_):
     value, grads = jax.value_and_grad(lambda v: _mse(spec.bind(model)(v, x_), y_))(p)
-    updates, state = opt.update(grads, state, p)
+    # optax.adam's bias correction raises a float to its int32 step count, which strict
+    # dtype promotion (tests/conftest.py) refuses: only the optimiser runs under standard.
+    with jax.numpy_dtype_promotion("standard"):
+      updates, state = opt.update(grads, state, p)
     return optax.apply_updates(p, updates), state, value
 
   def spec_for(t):

@@ -86,13 +86,13 @@ def test_repr_of_a_trace_whose_model_returns_a_pytree():
   class Two(nn.Module):
     @nn.compact
     def __call__(self, x):
-      h = nn.Dense(3, name="dense")(x)
+      h = nn.Dense(3, name="dense", param_dtype=jnp.float64)(x)
       return {"h": h, "y": (h.sum(-1), x)}
 
   class Pair(nn.Module):
     @nn.compact
     def __call__(self, x):
-      h = nn.Dense(3, name="dense")(x)
+      h = nn.Dense(3, name="dense", param_dtype=jnp.float64)(x)
       return h, h.sum(-1)
 
   x = jnp.ones((2, 4))

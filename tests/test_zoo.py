@@ -242,8 +242,8 @@ def test_named_in_a_users_linen_and_nnx_model():
   class Net(nn.Module):
     @nn.compact
     def __call__(self, x):
-      h = jl.named(jnp.tanh(nn.Dense(4, name="fc")(x)), "hidden")
-      return nn.Dense(2, name="out")(h)
+      h = jl.named(jnp.tanh(nn.Dense(4, name="fc", param_dtype=jnp.float64)(x)), "hidden")
+      return nn.Dense(2, name="out", param_dtype=jnp.float64)(h)
 
   x = jnp.ones((3, 4))
   v = Net().init(jax.random.key(0), x)
@@ -254,7 +254,7 @@ def test_named_in_a_users_linen_and_nnx_model():
 
   class NNXNet(nnx.Module):
     def __init__(self):
-      self.fc = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+      self.fc = nnx.Linear(4, 4, rngs=nnx.Rngs(0), param_dtype=jnp.float64)
       self.hidden = jl.NamedNNX()
 
     def __call__(self, x):

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from jaxlens._src.edit import ByIdentity, Edit, FireContext, register, takes_hook_keyword
 from jaxlens._src.errors import InvalidArgumentError, ShapeError
+from jaxlens._src.tracebacks import api_boundary
 
 __all__ = ["grad_scale", "grad_zero", "grad_clip", "backward_hook"]
 
@@ -140,6 +141,7 @@ def _grad_scale(x, p, s, ctx):
   return _identity(_scale_rule, x, {"factor": factor})
 
 
+@api_boundary
 def grad_scale(factor) -> Edit:
   """Leaves the site value as it is and multiplies its gradient by ``factor``.
 
@@ -176,6 +178,7 @@ def _grad_zero(x, p, s, ctx):
   return _identity(_zero_rule, x, {})
 
 
+@api_boundary
 def grad_zero() -> Edit:
   """Leaves the site value as it is and sends back a zero gradient.
 
@@ -216,6 +219,7 @@ def _grad_clip(x, p, s, ctx):
   return _identity(_clip_rule, x, {"min": lo, "max": hi})
 
 
+@api_boundary
 def grad_clip(limit=None, *, min=None, max=None) -> Edit:  # noqa: A002 (as jl.clamp)
   """Leaves the site value as it is and clips each element of its gradient.
 
@@ -346,6 +350,7 @@ def _backward_hook(x, p, s, ctx):
   return _identity(rule, x, {})
 
 
+@api_boundary
 def backward_hook(fn: Callable[..., Any]) -> Edit:
   """Leaves the site value as it is and replaces its gradient by ``fn(cotangent)``.
 

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from jaxlens._src.tracebacks import api_boundary
+
 __all__ = ["depends_on", "outputs_depend_on_inputs"]
 
 
@@ -130,6 +132,7 @@ def outputs_depend_on_inputs(fun: Callable[..., Any], *args: Any) -> tuple[list[
   return table, out_tree_box[-1]
 
 
+@api_boundary
 def depends_on(fun: Callable[..., Any], *args: Any, argnums: int = 0) -> Any:
   """Says, per leaf of ``args[argnums]``, whether ``fun``'s output depends on it.
 

@@ -24,6 +24,7 @@ from jaxlens._src.edit import Edit
 from jaxlens._src.errors import InvalidArgumentError, SiteError
 from jaxlens._src.selections import Selection, show_selection
 from jaxlens._src.sites import as_selector
+from jaxlens._src.tracebacks import api_boundary
 from jaxlens._src.verbs import as_edit
 
 __all__ = ["Spec", "when", "load_spec", "save_spec", "check_spec", "SpecReport"]
@@ -53,10 +54,12 @@ class Spec:
   def __repr__(self) -> str:
     return " + ".join(_show_rule(s, e) for s, e in self.rules) or "Spec()"
 
+  @api_boundary
   def save(self, path):
     """Saves this spec to a directory (portable JSON + npz, hashed, atomic)."""
     return save_spec(self, path)
 
+  @api_boundary
   def check(self, model, *args) -> "SpecReport":
     """Checks this spec against a model's sites; see ``jl.check_spec``."""
     return check_spec(self, model, *args)
@@ -65,6 +68,7 @@ class Spec:
   def keep_grad(self) -> bool:
     return runtime.asks_keep_grad(self.rules)
 
+  @api_boundary
   def bind(
     self, model, *, method: str | Callable | None = None, **apply_kwargs
   ) -> Callable[..., Any]:
@@ -111,9 +115,9 @@ class Spec:
         call, state = model_calls.split(model)
         return run(call, state, inputs, kwargs)
 
-      return nnx_fn
+      return api_boundary(nnx_fn)
     if bound_vars is not None:
-      return lambda *inputs, **kwargs: run(call, bound_vars, inputs, kwargs)
+      return api_boundary(lambda *inputs, **kwargs: run(call, bound_vars, inputs, kwargs))
 
     def unbound_fn(variables, *inputs, **kwargs):
       model_calls.check_variables(
@@ -121,7 +125,7 @@ class Spec:
       )
       return run(call, variables, inputs, kwargs)
 
-    return unbound_fn
+    return api_boundary(unbound_fn)
 
 
 def _show_rule(selector, edit: Edit) -> str:
@@ -134,6 +138,7 @@ def _show_rule(selector, edit: Edit) -> str:
   return f"jl.when({selector!r}, {edit!r})"
 
 
+@api_boundary
 def when(site, edit) -> Spec:
   """A spec that applies ``edit`` at every site ``site`` selects.
 
@@ -180,6 +185,7 @@ def as_spec(obj) -> Spec:
 # Saved specs.
 
 
+@api_boundary
 def save_spec(spec: Spec, path):
   """Saves ``spec`` to the directory ``path`` (atomic; see ``docs/guide.md``).
 
@@ -189,6 +195,7 @@ def save_spec(spec: Spec, path):
   return saving.save_rules(as_spec(spec).rules, path)
 
 
+@api_boundary
 def load_spec(path) -> Spec:
   """Loads a spec saved by :func:`save_spec`, refusing a truncated or altered one."""
   return Spec(saving.load_rules(path))
@@ -206,6 +213,7 @@ class SpecReport:
     return not self.missing and not self.mismatched
 
 
+@api_boundary
 def check_spec(spec: Spec, model, *args) -> SpecReport:
   """Checks each rule of ``spec`` against ``model``'s sites, abstractly (no compute).
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxlens._src import dependence
 from jaxlens._src.errors import GradientContractError, InvalidArgumentError, ShapeError, SiteError
+from jaxlens._src.tracebacks import api_boundary
 
 _sg = jax.lax.stop_gradient
 
@@ -203,6 +204,7 @@ class Edit:
     """
     return any(e.keep_grad for e in self.walk())
 
+  @api_boundary
   def __call__(self, x, ctx=None):
     """Applies the edit to an array outside any door (for tests and composition)."""
     return fire(self, x, ctx if ctx is not None else FireContext.standalone())

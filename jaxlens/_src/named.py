@@ -46,7 +46,7 @@ def named(x, name: str):
     ...   def __call__(self, x):
     ...     h = jl.named(jnp.tanh(nn.Dense(3, name="fc")(x)), "hidden")
     ...     return nn.Dense(2, name="out")(h)
-    >>> x = jnp.ones((1, 3))
+    >>> x = jnp.ones((1, 3), jnp.float32)
     >>> variables = Block().init(jax.random.key(0), x)
     >>> t = jl.trace(Block(), variables, x, save=jl.module("hidden"))
     >>> t["hidden"].out.shape

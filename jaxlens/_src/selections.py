@@ -50,6 +50,7 @@ from jaxlens._src.edit import (
 )
 from jaxlens._src.errors import InvalidArgumentError, ShapeError
 from jaxlens._src.sites import Site, as_selector
+from jaxlens._src.tracebacks import api_boundary
 
 
 def _concrete(a) -> bool:
@@ -100,6 +101,7 @@ def show_selection(kind: str, arguments: dict) -> str:
 # -- units --------------------------------------------------------------------
 
 
+@api_boundary
 def units(site, indices, *, feature_axis: int = -1) -> Selection:
   """Selects elements of a site; an edit then writes only those.
 
@@ -159,7 +161,7 @@ def _mask(x, indices, feature_axis, ctx):
       norm = jnp.where(idx < 0, idx + n, idx)
       # A comparison, not a scatter: an index outside [0, n) selects nothing, and a
       # traced one makes the edit's error value (NaN) visible instead.
-      line = jnp.any(jnp.arange(n)[:, None] == norm[None, :], axis=1)
+      line = jnp.any(jnp.arange(n, dtype=norm.dtype)[:, None] == norm[None, :], axis=1)
       if host is None:
         bad = jnp.any((norm < 0) | (norm >= n))
       shape = [1] * x.ndim
@@ -220,6 +222,7 @@ register("units", _units, units_edit, wraps=True)
 # -- subspace -----------------------------------------------------------------
 
 
+@api_boundary
 def subspace(site, basis, origin=None, *, feature_axis: int = -1) -> Selection:
   """Selects a linear subspace of a site's feature axis (projection semantics).
 
@@ -355,7 +358,8 @@ def _subspace(x, p, s, ctx):
     )
   # The coordinate solve runs in at least float32 (half precision has no inverse);
   # the result is cast back, exactly, where the basis has no support.
-  work = jnp.promote_types(x.dtype, jnp.float32)
+  # (Spelled without jnp.promote_types, which strict dtype promotion refuses across widths.)
+  work = x.dtype if jnp.dtype(x.dtype).itemsize >= 4 else jnp.dtype(jnp.float32)
   B = _replicated(B.astype(work))
   d = B.shape[0]
   coords, bad = _coords_fn(B, _host(p["basis"]), ctx)
@@ -418,6 +422,7 @@ def _set_affine(x, p, s, ctx):
   )
 
 
+@api_boundary
 def set_affine_coordinates(W, b) -> Edit:
   """Under ``jl.subspace``, writes coordinates ``c := W x + b`` (keeps the gradient).
 
@@ -432,16 +437,19 @@ def set_affine_coordinates(W, b) -> Edit:
 register("set_affine_coordinates", _set_affine, set_affine_coordinates, under_subspace="affine")
 
 
+@api_boundary
 def subspace_zero(basis, origin=None, *, feature_axis=-1) -> Edit:
   """Sets the subspace coordinates to zero (the value's component becomes the origin's)."""
   return subspace_edit(verbs.zero_ablate(), basis, origin, feature_axis=feature_axis)
 
 
+@api_boundary
 def subspace_scale(basis, factor, origin=None, *, feature_axis=-1) -> Edit:
   """Multiplies the subspace coordinates by ``factor``."""
   return subspace_edit(verbs.scale(factor), basis, origin, feature_axis=feature_axis)
 
 
+@api_boundary
 def subspace_set(basis, coords, origin=None, *, feature_axis=-1) -> Edit:
   """Sets the subspace coordinates to ``coords`` (shape ``(k,)``, broadcast over rows)."""
   B = jnp.asarray(basis)
@@ -449,11 +457,13 @@ def subspace_set(basis, coords, origin=None, *, feature_axis=-1) -> Edit:
   return subspace_edit(set_affine_coordinates(W, coords), basis, origin, feature_axis=feature_axis)
 
 
+@api_boundary
 def subspace_patch(basis, source, origin=None, *, feature_axis=-1) -> Edit:
   """Writes the donor's subspace component (its coordinates), keeping the complement."""
   return subspace_edit(verbs.patch_from(source), basis, origin, feature_axis=feature_axis)
 
 
+@api_boundary
 def orthonormal(raw) -> jax.Array:
   """An orthonormal ``(d, k)`` basis from an unconstrained ``(d, k)`` parameter.
 

@@ -18,6 +18,7 @@ import re
 from typing import Iterable
 
 from jaxlens._src.errors import InvalidArgumentError, SiteError, SpecFormatError
+from jaxlens._src.tracebacks import api_boundary
 
 __all__ = [
   "Site",
@@ -400,6 +401,7 @@ class _All(Site):
     return "jl.all_sites()"
 
 
+@api_boundary
 def module(
   path: str,
   *,
@@ -473,16 +475,19 @@ def module(
   return _Module(path, method, call, layer, output)
 
 
+@api_boundary
 def all_sites() -> Site:
   """Selects every site: module outputs and every op."""
   return _All()
 
 
+@api_boundary
 def module_sites() -> Site:
   """Selects every module output (the default of ``save=``)."""
   return _ModuleSites()
 
 
+@api_boundary
 def func(name: str) -> Site:
   """Selects op sites by primitive name (``"tanh"``, ``"dot_general"``; globs allowed).
 
@@ -500,6 +505,7 @@ def func(name: str) -> Site:
   return _Func(name)
 
 
+@api_boundary
 def label(name: str) -> Site:
   """Selects the site with this exact label (``"dot_general_3"``, ``"block_0/mlp"``)."""
   if not isinstance(name, str):
@@ -511,6 +517,7 @@ def label(name: str) -> Site:
   return _Label(name)
 
 
+@api_boundary
 def in_module(path: str) -> Site:
   """Selects the op sites run by the module at ``path`` or its submodules."""
   if not isinstance(path, str):

@@ -27,12 +27,14 @@ import jax.numpy as jnp
 
 from jaxlens._src.errors import InvalidArgumentError, ShapeError
 from jaxlens._src.sites import module
+from jaxlens._src.tracebacks import api_boundary
 from jaxlens._src.tracing import trace
 from jaxlens._src.verbs import at_positions, gate, patch_from
 
 __all__ = ["gate", "layer_sites", "patching_sweep"]
 
 
+@api_boundary
 def layer_sites(n_layers: int, pattern: str = "block_{}") -> tuple[str, ...]:
   """The site paths ``pattern.format(l)`` for ``l`` in ``range(n_layers)``."""
   return tuple(pattern.format(i) for i in range(n_layers))
@@ -105,6 +107,7 @@ def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_
   return jnp.stack(grid)
 
 
+@api_boundary
 def patching_sweep(
   model,
   variables,

@@ -27,6 +27,7 @@ from jaxlens._src.sites import (
   unmatched_error,
 )
 from jaxlens._src.sites import hits as site_hits
+from jaxlens._src.tracebacks import api_boundary
 
 __all__ = ["Trace", "SiteValue", "trace", "InterventionOptions"]
 
@@ -226,6 +227,7 @@ class Trace(Donor):
       return False
     return True
 
+  @api_boundary
   def __getitem__(self, key) -> SiteValue:
     if isinstance(key, str) and key in self.values:
       return SiteValue(key, self.values[key], self.infos.get(key), self.inputs.get(key))
@@ -291,10 +293,12 @@ class Trace(Donor):
 
   # -- doors --------------------------------------------------------------
 
+  @api_boundary
   def fork(self) -> "Trace":
     """A copy to edit; ``do`` never changes the trace it is called on."""
     return self._with()
 
+  @api_boundary
   def do(
     self,
     site,
@@ -330,6 +334,7 @@ class Trace(Donor):
       return self._rerun(self._staged + new, model, inputs)
     return self._replay(self._staged + new, differentiable=opts.differentiable)
 
+  @api_boundary
   def run(self, model=None, inputs=None) -> "Trace":
     """Executes the edits staged with ``engine="set_only"`` (replay, or rerun with a model)."""
     if not self._staged.rules:
@@ -338,6 +343,7 @@ class Trace(Donor):
       return self._rerun(self._staged, model, inputs)
     return self._replay(self._staged, differentiable=False)
 
+  @api_boundary
   def replay(self, frontier: dict) -> Any:
     """The output of a differentiable replay recomputed from new frontier values.
 
@@ -641,6 +647,7 @@ def _capture(
   )
 
 
+@api_boundary
 def trace(
   model,
   *args,

@@ -38,6 +38,7 @@ from jaxlens._src.edit import (
 )
 from jaxlens._src.errors import InvalidArgumentError
 from jaxlens._src.sites import Site, as_selector
+from jaxlens._src.tracebacks import api_boundary
 
 
 def _make(name, params, keeps=True, **static):
@@ -57,6 +58,7 @@ def poison(bad, y):
   return y
 
 
+@api_boundary
 def population(*sources, site=None) -> Population:
   """Gathers reference activations into a :class:`Population`.
 
@@ -101,6 +103,7 @@ def _scale(x, p, s, ctx):
   )
 
 
+@api_boundary
 def scale(factor) -> Edit:
   """Multiplies the site value by ``factor`` (keeps the gradient).
 
@@ -124,6 +127,7 @@ def _clamp(x, p, s, ctx):
   return jnp.clip(x, lo, hi)
 
 
+@api_boundary
 def clamp(*, min=None, max=None) -> Edit:  # noqa: A002 (the specification's spelling)
   """Clips the site value to ``[min, max]`` (keeps the gradient inside the range)."""
   if min is None and max is None:
@@ -150,6 +154,7 @@ def _add_noise(x, p, s, ctx):
   return x + as_param(p["std"], x, ctx, "add_noise", "std") * noise
 
 
+@api_boundary
 def add_noise(std, *, seed=None) -> Edit:
   """Adds Gaussian noise ``std * normal(key(seed), x.shape)`` (keeps the gradient).
 
@@ -176,6 +181,7 @@ def _steer(x, p, s, ctx):
   return x + magnitude * d
 
 
+@api_boundary
 def steer(direction, magnitude=1.0, *, feature_axis=None) -> Edit:
   """Adds ``magnitude * direction`` along the feature axis (keeps the gradient).
 
@@ -207,6 +213,7 @@ def _add(x, p, s, ctx):
   return x + delta
 
 
+@api_boundary
 def add(delta) -> Edit:
   """Adds ``delta`` (broadcast to the site's shape); the gradient reaches both."""
   return _make("add", {"delta": delta})
@@ -236,6 +243,7 @@ def _project_onto(x, p, s, ctx):
   return jnp.sum(x * u, axis=axis, keepdims=True) * u
 
 
+@api_boundary
 def project_onto(direction, *, feature_axis=None) -> Edit:
   """Keeps only the component along ``direction`` (keeps the gradient)."""
   return _make("project_onto", {"direction": direction}, feature_axis=feature_axis)
@@ -249,6 +257,7 @@ def _project_out(x, p, s, ctx):
   return x - jnp.sum(x * u, axis=axis, keepdims=True) * u
 
 
+@api_boundary
 def project_out(direction, *, feature_axis=None) -> Edit:
   """Removes the component along ``direction`` (keeps the gradient)."""
   return _make("project_out", {"direction": direction}, feature_axis=feature_axis)
@@ -283,6 +292,7 @@ def _mean_ablate(x, p, s, ctx):
   return donor_value(mean, x, ctx, "mean_ablate", "source mean", broadcast=True)
 
 
+@api_boundary
 def mean_ablate(*, dim=None, source=None) -> Edit:
   """Writes a mean.
 
@@ -317,6 +327,7 @@ def _scramble(x, p, s, ctx):
   return src.reshape(-1)[perm].reshape(x.shape)
 
 
+@api_boundary
 def scramble_elements(*, seed=None, source=None) -> Edit:
   """Permutes elements with ``jax.random.permutation(key(seed), x.size)``.
 
@@ -336,6 +347,7 @@ def _splice(x, p, s, ctx):
   return module(x)
 
 
+@api_boundary
 def splice_module(module, variables=None) -> Edit:
   """Replaces the site value by ``module(x)`` (keeps the gradient through x).
 
@@ -370,6 +382,7 @@ def _permute_batch(x, p, s, ctx):
   return jnp.take(x, jax.random.permutation(key, x.shape[axis]), axis=axis)
 
 
+@api_boundary
 def permute_batch(*, seed=None, axis=0) -> Edit:
   """Permutes rows along ``axis`` with ``jax.random.permutation(key(seed), n)``."""
   return _make("permute_batch", {"seed": seed}, axis=axis)
@@ -398,6 +411,7 @@ def _set_direction_mean(x, p, s, ctx):
   return x - coef * u + _sg(mean_coef) * u
 
 
+@api_boundary
 def set_direction_mean(direction, source, *, feature_axis=None) -> Edit:
   """Sets the coordinate along ``direction`` to its mean over ``source``.
 
@@ -419,6 +433,7 @@ def _compose(x, p, s, ctx):
   return x
 
 
+@api_boundary
 def compose(*edits) -> Edit:
   """Applies edits left to right; keeps the gradient when every one keeps it."""
   if not edits:
@@ -441,6 +456,7 @@ def _hook(x, p, s, ctx):
   return fn(x)
 
 
+@api_boundary
 def hook(fn: Callable) -> Edit:
   """Wraps a callable ``fn(x)`` or ``fn(x, *, hook)`` as an edit.
 
@@ -493,7 +509,7 @@ def _at_positions(x, p, s, ctx):
   flat = positions.reshape(-1)
   flat = jnp.where(flat < 0, flat + n, flat)
   # A comparison, not an index: a position outside [0, n) matches no place.
-  mask = jnp.any(jnp.arange(n)[:, None] == flat[None, :], axis=1)
+  mask = jnp.any(jnp.arange(n, dtype=flat.dtype)[:, None] == flat[None, :], axis=1)
   shape = [1] * x.ndim
   shape[axis] = n
   edited = fire(p["edit"], x, ctx)
@@ -503,6 +519,7 @@ def _at_positions(x, p, s, ctx):
   return out
 
 
+@api_boundary
 def at_positions(positions, edit, *, axis=1) -> Edit:
   """Applies ``edit`` at the given sequence positions only.
 
@@ -530,6 +547,7 @@ def _gate(x, p, s, ctx):
   return jnp.where(p["flag"], edited, x)
 
 
+@api_boundary
 def gate(flag, edit) -> Edit:
   """Applies ``edit`` when the boolean scalar ``flag`` is true, else leaves the site alone.
 
@@ -552,6 +570,7 @@ def _zero_ablate(x, p, s, ctx):
   return jnp.zeros_like(x)
 
 
+@api_boundary
 def zero_ablate() -> Edit:
   """Writes zeros (cuts: the zeros do not depend on the site value)."""
   return _make("zero_ablate", {}, keeps=False)
@@ -564,6 +583,7 @@ def _replace_with(x, p, s, ctx):
   return _sg(donor_value(p["value"], x, ctx, "replace_with", "value", broadcast=True))
 
 
+@api_boundary
 def replace_with(value) -> Edit:
   """Writes ``value`` (broadcast to the site's shape), detached (cuts)."""
   return _make("replace_with", {"value": value}, keeps=False)
@@ -598,6 +618,7 @@ def _swap_with(x, p, s, ctx):
   return _sg(donor_value(value, x, ctx, "swap_with", "other"))
 
 
+@api_boundary
 def swap_with(other) -> Edit:
   """Writes another value of the site's shape, detached (cuts).
 
@@ -619,6 +640,7 @@ def _patch_from(x, p, s, ctx):
   )
 
 
+@api_boundary
 def patch_from(source) -> Edit:
   """Writes the donor's value at the same site, detached by design (cuts).
 
@@ -668,6 +690,7 @@ def _resample_rows(x, p, s, ctx):
   return _sg(donor_value(rows, x, ctx, "resample_rows_from", "source"))
 
 
+@api_boundary
 def resample_rows_from(source, *, seed=None, axis=0) -> Edit:
   """Writes rows drawn from ``source`` along ``axis``, detached (cuts).
 
@@ -702,6 +725,7 @@ def as_edit(obj) -> Edit:
   )
 
 
+@api_boundary
 def keep_grad(edit) -> Edit:
   """Returns the same edit with a fire-time check that it keeps the gradient.
 

@@ -27,6 +27,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxlens.models._layers import layer_norm_options
+
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "gpt_config", "init_gpt"]
 
 _CONFIGS = {
@@ -35,6 +37,14 @@ _CONFIGS = {
 }
 
 _INIT = nn.initializers.normal(stddev=0.02)
+
+
+def _layer_norm(dtype, name: str) -> nn.LayerNorm:
+  """A LayerNorm computing in ``dtype``. Its parameters are float32, as the other layers', or
+  ``dtype`` where that is wider: flax multiplies the normalised value by the scale without a
+  cast, a float64 x float32 mix that strict dtype promotion refuses."""
+  param_dtype = dtype if jnp.dtype(dtype).itemsize > 4 else jnp.float32
+  return nn.LayerNorm(dtype=dtype, param_dtype=param_dtype, name=name, **layer_norm_options(dtype))
 
 
 class CausalSelfAttention(nn.Module):
@@ -131,9 +141,9 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    h = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="ln_1")(x)
+    h = _layer_norm(self.dtype, "ln_1")(x)
     x = x + CausalSelfAttention(self.d_model, self.n_heads, self.dtype, name="attn")(h)
-    h = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="ln_2")(x)
+    h = _layer_norm(self.dtype, "ln_2")(x)
     return x + MLP(self.d_model, self.mlp_ratio, self.dtype, name="mlp")(h)
 
 
@@ -190,7 +200,7 @@ class GPT(nn.Module):
     )(positions)
     for i in range(self.n_layers):
       x = Block(self.d_model, self.n_heads, self.mlp_ratio, self.dtype, name=f"block_{i}")(x)
-    x = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="ln_f")(x)
+    x = _layer_norm(self.dtype, "ln_f")(x)
     return nn.Dense(
       self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_INIT, name="head"
     )(x)

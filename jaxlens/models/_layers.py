@@ -17,7 +17,19 @@ from jaxlens._src.named import named
 
 def softmax_dtype(dtype) -> Any:
   """The dtype the softmax and norms run in: at least float32 (bfloat16 is upcast)."""
-  return jnp.promote_types(dtype, jnp.float32)
+  # (Not jnp.promote_types, which strict dtype promotion refuses across widths.)
+  return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize >= 4 else jnp.dtype(jnp.float32)
+
+
+def layer_norm_options(dtype) -> dict:
+  """Keywords for ``nn.LayerNorm`` in ``dtype``: statistics in at least float32, spelled so that
+  strict dtype promotion accepts a float32 or float64 model (flax's float32 upcast calls
+  ``jnp.promote_types``, which strict promotion refuses across widths; for those models the
+  upcast is a no-op, so leaving it out changes no value). Half precision keeps the upcast."""
+  fields = getattr(nn.LayerNorm, "__dataclass_fields__", {})
+  if jnp.dtype(dtype).itemsize >= 4 and "force_float32_reductions" in fields:
+    return {"force_float32_reductions": False}
+  return {}
 
 
 def attention_mask(q_positions, k_positions, *, causal: bool, key_mask=None):

@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxlens._src.named import named
-from jaxlens.models._layers import attend, attention_mask
+from jaxlens.models._layers import attend, attention_mask, layer_norm_options
 
 __all__ = ["Bert", "BertAttention", "BertBlock", "BertConfig", "BertMLP", "mean_pool"]
 
@@ -54,7 +54,13 @@ def _dense(cfg, n, name):
 
 
 def _norm(cfg, name):
-  return nn.LayerNorm(cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype, name=name)
+  return nn.LayerNorm(
+    cfg.norm_eps,
+    dtype=cfg.dtype,
+    param_dtype=cfg.dtype,
+    name=name,
+    **layer_norm_options(cfg.dtype),
+  )
 
 
 class BertAttention(nn.Module):

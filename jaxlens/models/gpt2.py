@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxlens._src.named import named
-from jaxlens.models._layers import attend, attention_mask, cached_keys_values
+from jaxlens.models._layers import attend, attention_mask, cached_keys_values, layer_norm_options
 
 __all__ = ["GPT2", "GPT2MLP", "GPT2Attention", "GPT2Block", "GPT2Config"]
 
@@ -58,7 +58,13 @@ def _dense(cfg, n, name):
 
 
 def _norm(cfg, name):
-  return nn.LayerNorm(cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype, name=name)
+  return nn.LayerNorm(
+    cfg.norm_eps,
+    dtype=cfg.dtype,
+    param_dtype=cfg.dtype,
+    name=name,
+    **layer_norm_options(cfg.dtype),
+  )
 
 
 class GPT2Attention(nn.Module):
@@ -90,7 +96,8 @@ class GPT2Attention(nn.Module):
       if initialised:
         # Causality in the cache is by slot (a query at slot cache_index + i sees the slots up
         # to its own); positions, which left padding shifts per row, only embed or rotate.
-        q_positions, k_positions = cache_index + jnp.arange(seq), jnp.arange(k.shape[1])
+        q_positions = cache_index + jnp.arange(seq, dtype=cache_index.dtype)
+        k_positions = jnp.arange(k.shape[1], dtype=cache_index.dtype)
     if mask is None:
       mask = attention_mask(q_positions, k_positions, causal=True, key_mask=key_mask)
     z = attend(q, k, v, mask, dtype=cfg.dtype)
@@ -144,7 +151,7 @@ class GPT2(nn.Module):
       index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
       cache_index = index.value
       if positions is None:
-        positions = cache_index + jnp.arange(seq)
+        positions = cache_index + jnp.arange(seq, dtype=cache_index.dtype)
       if self.is_mutable_collection("cache") and not self.is_initializing():
         index.value = cache_index + seq
     if positions is None:

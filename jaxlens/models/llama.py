@@ -33,7 +33,13 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxlens._src.named import named
-from jaxlens.models._layers import RMSNorm, attend, attention_mask, cached_keys_values
+from jaxlens.models._layers import (
+  RMSNorm,
+  attend,
+  attention_mask,
+  cached_keys_values,
+  softmax_dtype,
+)
 
 __all__ = ["Llama", "LlamaAttention", "LlamaBlock", "LlamaConfig", "LlamaMLP", "rotary"]
 
@@ -79,7 +85,7 @@ def rotary(x, positions, base: float):
   (float64 for a float64 model).
   """
   dim = x.shape[-1]
-  adt = jnp.promote_types(x.dtype, jnp.float32)
+  adt = softmax_dtype(x.dtype)
   inv_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=adt) / dim))
   angles = jnp.atleast_2d(positions).astype(adt)[..., None] * inv_freq  # (b, seq, dim/2)
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # (b, seq, 1, dim)
@@ -124,7 +130,8 @@ class LlamaAttention(nn.Module):
       if initialised:
         # Causality in the cache is by slot (a query at slot cache_index + i sees the slots up
         # to its own); positions, which left padding shifts per row, only embed or rotate.
-        q_positions, k_positions = cache_index + jnp.arange(seq), jnp.arange(k.shape[1])
+        q_positions = cache_index + jnp.arange(seq, dtype=cache_index.dtype)
+        k_positions = jnp.arange(k.shape[1], dtype=cache_index.dtype)
     if mask is None:
       mask = attention_mask(q_positions, k_positions, causal=True, key_mask=key_mask)
     z = attend(q, k, v, mask, dtype=cfg.dtype)
@@ -206,7 +213,7 @@ class Llama(nn.Module):
       index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
       cache_index = index.value
       if positions is None:
-        positions = cache_index + jnp.arange(seq)
+        positions = cache_index + jnp.arange(seq, dtype=cache_index.dtype)
       if (
         self.is_mutable_collection("cache")
         and self.has_variable("cache", "index")
