@@ -342,16 +342,19 @@ def run_cell(
       (_, out), grads = jax.value_and_grad(
         lambda v: (lambda o: (o.sum(), o))(out_fn(v)), has_aux=True
       )(variables)
-      dep = jl.depends_on(lambda v: out_fn(v).sum(), variables)
+      kernel_grad = grads["params"][SITE]["kernel"]
+      # A nonzero gradient proves the dependence; the structural analysis (a second run
+      # of the door) decides the cells whose gradient is zero: cut, or reaching with a
+      # zero value (a keep_grad'd zero_ablate).
+      nonzero = bool(np.any(np.asarray(kernel_grad) != 0))
+      reaches = nonzero or jl.depends_on(lambda v: out_fn(v).sum(), variables)["params"][SITE][
+        "kernel"
+      ]
     except jl.InvalidArgumentError as error:
       return Cell(f"raises:{error.code}", message=str(error))
   codes = tuple(
     sorted({w.message.fields["code"] for w in caught if isinstance(w.message, jl.JaxlensWarning)})
   )
-  kernel_grad = grads["params"][SITE]["kernel"]
-  reaches = dep["params"][SITE]["kernel"]
-  if not reaches and np.any(np.asarray(kernel_grad) != 0):
-    return Cell("inconsistent", out, kernel_grad, "no dependence but a nonzero gradient", codes)
   return Cell("reaches" if reaches else "cut", out, kernel_grad, warnings=codes)
 
 
