@@ -347,9 +347,9 @@ def run_cell(
       # of the door) decides the cells whose gradient is zero: cut, or reaching with a
       # zero value (a keep_grad'd zero_ablate).
       nonzero = bool(np.any(np.asarray(kernel_grad) != 0))
-      reaches = nonzero or jl.depends_on(lambda v: out_fn(v).sum(), variables)["params"][SITE][
-        "kernel"
-      ]
+      reaches = (
+        nonzero or jl.depends_on(lambda v: out_fn(v).sum(), variables)["params"][SITE]["kernel"]
+      )
     except jl.InvalidArgumentError as error:
       return Cell(f"raises:{error.code}", message=str(error))
   codes = tuple(

@@ -322,7 +322,7 @@ def hostile_edits(draw, w):
       jnp.full((d,), jnp.nan, dt),
       jnp.ones((bad_len,), dt),
       jnp.ones((d,), jnp.int32),
-      jnp.ones((d,)) * 1j,
+      np.ones((d,)) * 1j,
       jnp.ones((d, 2), dt),
       jnp.ones((), dt),
     ]
