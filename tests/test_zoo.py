@@ -182,10 +182,10 @@ def test_dtypes_jit_vmap_grad(llama, llama_logits, dtype):
   )
   tol = {jnp.float32: 1e-5, jnp.bfloat16: 0.05, jnp.float64: 1e-12}[dtype]
   scale = np.abs(ref).max()
-  assert np.abs(np.asarray(logits, np.float64) - ref).max() < tol * scale
+  np.testing.assert_allclose(np.asarray(logits, np.float64), ref, rtol=0, atol=tol * scale)
   if transforms:
-    assert np.abs(np.asarray(rows, np.float64) - np.asarray(logits, np.float64)).max() < (
-      tol * scale
+    np.testing.assert_allclose(
+      np.asarray(rows, np.float64), np.asarray(logits, np.float64), rtol=0, atol=tol * scale
     )
     assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
     assert np.asarray(grads["params"]["blocks_0"]["attn"]["q_proj"]["kernel"]).any()

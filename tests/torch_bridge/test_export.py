@@ -85,7 +85,7 @@ def test_gpt2_sites_are_torch_module_names(gpt2):
   logits, mlps = jax.jit(run)(variables)
   with torch.no_grad():
     want = model(*inputs).logits.numpy()
-  assert np.max(np.abs(np.asarray(logits) - want)) <= 1e-10 * np.max(np.abs(want))
+  np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-10 * np.max(np.abs(want)))
   recorded = {}
   hooks = [
     model.get_submodule(f"transformer.h.{i}.mlp").register_forward_hook(
@@ -101,7 +101,7 @@ def test_gpt2_sites_are_torch_module_names(gpt2):
       h.remove()
   for i in range(2):
     got = np.asarray(mlps[i])
-    assert np.max(np.abs(got - recorded[i].numpy())) <= 1e-12
+    np.testing.assert_allclose(got, recorded[i].numpy(), rtol=0, atol=1e-12)
 
 
 def test_gpt2_tied_weights_are_one_parameter(gpt2):
@@ -119,7 +119,7 @@ def test_gpt2_spec_saved_by_jaxlens_runs_on_torch(gpt2, tmp_path):
   bound = jl.load_spec(path).bind(fmodel)
   want = _parity.first_leaf(jax.jit(bound)(variables, *map(to_jax, inputs)))
   got = _parity.first_leaf(torch_bridge.load_spec(path, site_map).bind(model)(*inputs))
-  assert np.max(np.abs(np.asarray(want) - got.detach().numpy())) <= 1e-10
+  np.testing.assert_allclose(np.asarray(want), got.detach().numpy(), rtol=0, atol=1e-10)
 
 
 def test_from_torch_picks_the_path():
@@ -136,7 +136,9 @@ def test_from_torch_picks_the_path():
   assert set(variables["buffers"]["1"]) == {"running_mean", "running_var"}
   with torch.no_grad():
     ref = bn(x)
-  assert np.max(np.abs(np.asarray(module.apply(variables, to_jax(x))) - ref.numpy())) <= 1e-12
+  np.testing.assert_allclose(
+    np.asarray(module.apply(variables, to_jax(x))), ref.numpy(), rtol=0, atol=1e-12
+  )
 
 
 def test_eval_mode_is_restored_and_used():
@@ -146,7 +148,9 @@ def test_eval_mode_is_restored_and_used():
   assert model.training and all(m.training for m in model.modules())
   with torch.no_grad():
     ref = model.eval()(x)
-  assert np.max(np.abs(np.asarray(module.apply(variables, to_jax(x))) - ref.numpy())) <= 1e-12
+  np.testing.assert_allclose(
+    np.asarray(module.apply(variables, to_jax(x))), ref.numpy(), rtol=0, atol=1e-12
+  )
 
 
 def test_dynamic_batch_and_sequence():
@@ -159,7 +163,7 @@ def test_dynamic_batch_and_sequence():
   with torch.no_grad():
     ref = model(other)
   got = jax.jit(module.apply)(variables, to_jax(other))
-  assert np.max(np.abs(np.asarray(got) - ref.numpy())) <= 1e-10
+  np.testing.assert_allclose(np.asarray(got), ref.numpy(), rtol=0, atol=1e-10)
 
 
 def test_attention_probabilities_are_a_site():
@@ -183,7 +187,7 @@ def test_attention_probabilities_are_a_site():
       attn_mask=torch.triu(torch.ones(5, 5, dtype=torch.bool), 1),
       average_attn_weights=False,
     )
-  assert np.max(np.abs(probs - weights.numpy())) <= 1e-12
+  np.testing.assert_allclose(probs, weights.numpy(), rtol=0, atol=1e-12)
 
 
 def test_bfloat16_and_dtype_override():
@@ -193,7 +197,7 @@ def test_bfloat16_and_dtype_override():
   with torch.no_grad():
     ref = model(idx).float().numpy()
   got = np.asarray(module.apply(variables, to_jax(idx)), np.float32)
-  assert np.max(np.abs(got - ref)) <= 2e-2 * np.max(np.abs(ref))
+  np.testing.assert_allclose(got, ref, rtol=0, atol=2e-2 * np.max(np.abs(ref)))
   module, variables, _ = torch_bridge.from_torch(
     model.float(), idx, method="export", dtype=jnp.float64
   )
@@ -212,7 +216,9 @@ def test_embedding_gradient_follows_padding_idx_and_scale_grad_by_freq():
     grad = jax.grad(loss)(variables["params"])
     (model(idx) ** 2).sum().backward()
     want = model[0].weight.grad.numpy()
-    assert np.max(np.abs(np.asarray(grad["0"]["weight"]) - want)) <= 1e-12, kwargs
+    np.testing.assert_allclose(
+      np.asarray(grad["0"]["weight"]), want, rtol=0, atol=1e-12, err_msg=str(kwargs)
+    )
     assert not want[kwargs["padding_idx"]].any()
 
 

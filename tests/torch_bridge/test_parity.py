@@ -66,7 +66,9 @@ def test_the_case_constants_are_the_same(spec_model):
   tcase = _matrix.make_case(*_matrix.torch_model())
   for name in ("direction", "delta", "basis", "W", "b", "units"):
     assert np.array_equal(np.asarray(getattr(jcase, name)), np.asarray(getattr(tcase, name))), name
-  assert np.max(np.abs(np.asarray(jcase.donor) - tcase.donor.detach().numpy())) <= 1e-12
+  np.testing.assert_allclose(
+    np.asarray(jcase.donor), tcase.donor.detach().numpy(), rtol=0, atol=1e-12
+  )
   assert tcase.donor.requires_grad  # the torch donor carries a graph, as jaxlens's does
 
 
@@ -301,7 +303,7 @@ def test_a_spec_for_a_converted_transformer(tmp_path):
   path = spec.save(tmp_path / "s")
   want = np.asarray(jl.load_spec(path).bind(fmodel)(fvariables, jnp.asarray(idx.numpy())))
   got = torch_bridge.load_spec(path, site_map).bind(tmodel)(idx).detach().numpy()
-  assert np.max(np.abs(want - got)) <= 1e-10
+  np.testing.assert_allclose(want, got, rtol=0, atol=1e-10)
 
 
 def test_load_spec_refusals(converted, tmp_path):
