@@ -42,6 +42,7 @@ def _optimised_xla():
   yield
   jax.config.update("jax_disable_most_optimizations", True)
 
+
 SITE = "layers_0"
 DTYPES = {
   "float16": jnp.float16,
