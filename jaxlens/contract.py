@@ -48,6 +48,7 @@ __all__ = [
   "Cell",
   "expected",
   "spec_model",
+  "case_from",
   "make_case",
   "matrix_basis",
   "run_cell",
@@ -283,8 +284,13 @@ def spec_model():
 
 
 def make_case(model, variables, x, x_donor) -> Case:
-  donor_trace = jl.trace(model.bind(variables), x_donor)
-  donor = donor_trace[SITE].out
+  return case_from(jl.trace(model.bind(variables), x_donor), SITE, x)
+
+
+def case_from(donor_trace, site, x=None) -> Case:
+  """The matrix's edit arguments, with the donor read at ``site`` of ``donor_trace``
+  (the scanned-stack and NNX tests build their cases from their own models)."""
+  donor = donor_trace[site].out
   pop = jl.population(donor, donor[::-1] * 0.5)
   return Case(
     x=x,

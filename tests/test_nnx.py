@@ -32,20 +32,7 @@ def _nnx_spec_model(spec_model):
 
 
 def _case(m, x_donor):
-  donor_trace = jl.trace(m, x_donor)
-  donor = donor_trace["layers/0"].out
-  return matrix.Case(
-    x=None,
-    donor_trace=donor_trace,
-    donor=donor,
-    population=jl.population(donor, donor[::-1] * 0.5),
-    direction=jnp.asarray([1.0, -2.0, 0.5, 3.0]),
-    delta=jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
-    basis=matrix.matrix_basis(),
-    units=np.asarray([1, 3]),
-    W=jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]]),
-    b=jnp.asarray([0.1, -0.2]),
-  )
+  return matrix.case_from(jl.trace(m, x_donor), "layers/0")
 
 
 NNX_DOORS = {

@@ -71,38 +71,13 @@ def models():
 
 
 def _case(model, v, site):
-  donor_trace = jl.trace(model, v, X_DONOR)
-  donor = donor_trace[site].out
-  return matrix.Case(
-    x=X,
-    donor_trace=donor_trace,
-    donor=donor,
-    population=jl.population(donor, donor[::-1] * 0.5),
-    direction=jnp.asarray([1.0, -2.0, 0.5, 3.0]),
-    delta=jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
-    basis=matrix.matrix_basis(),
-    units=np.asarray([1, 3]),
-    W=jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]]),
-    b=jnp.asarray([0.1, -0.2]),
-  )
+  return matrix.case_from(jl.trace(model, v, X_DONOR), site, X)
 
 
 def _fork(model, v):
   return jl.trace(model, v, X).fork()
 
 
-DOORS = {
-  "live_bind": lambda m, v, s, e: jl.when(s, e).bind(m)(v, X),
-  "live_trace": lambda m, v, s, e: jl.trace(m, v, X, intervene=jl.when(s, e)).output,
-  "replay": lambda m, v, s, e: _fork(m, v).do(s, e).output,
-  "rerun": lambda m, v, s, e: _fork(m, v).do(s, e, model=m.bind(v), inputs=X).output,
-  "differentiable_replay": lambda m, v, s, e: (
-    _fork(m, v).do(s, e, intervention=jl.InterventionOptions(differentiable=True)).output
-  ),
-  "units:live_bind": lambda m, v, s, e: jl.when(s, jl.units(s, np.asarray([1, 3])).wrap(e)).bind(m)(
-    v, X
-  ),
-}
 SCAN_SITE = jl.module("blocks/up", layer=LAYER)
 FLAT_SITE = jl.module(f"blocks_{LAYER}/up")
 
@@ -129,7 +104,7 @@ def _spec(pairs, units):
   return spec
 
 
-# The same doors, given several (site, edit) pairs at once as one spec.
+# The doors, each given a spec of one or several (site, edit) pairs.
 SPEC_DOORS = {
   "live_bind": lambda m, v, spec: spec.bind(m)(v, X),
   "live_trace": lambda m, v, spec: jl.trace(m, v, X, intervene=spec).output,
@@ -140,7 +115,13 @@ SPEC_DOORS = {
   ),
   "units:live_bind": lambda m, v, spec: spec.bind(m)(v, X),
 }
-assert set(SPEC_DOORS) == set(DOORS)
+# One (site, edit) on a door: a one-rule spec.
+DOORS = {
+  door: lambda m, v, s, e, door=door: SPEC_DOORS[door](
+    m, v, _spec([(s, e)], door.startswith("units:"))
+  )
+  for door in SPEC_DOORS
+}
 # A covering design: the rows in groups of L, the k-th row of a group edits layer k, so one
 # compiled program (and its unrolled twin) checks L rows on a door. Every row runs on every
 # door (tests/test_coverage.py), at one of the layers.
