@@ -37,6 +37,7 @@ from jaxlens._src.named import named as named
 from jaxlens._src.runtime import no_grad as no_grad
 from jaxlens._src.sites import Site as Site
 from jaxlens._src.sites import all_sites as all_sites
+from jaxlens._src.program import clear_caches as clear_caches
 from jaxlens._src.sites import func as func
 from jaxlens._src.sites import in_module as in_module
 from jaxlens._src.sites import label as label
@@ -74,6 +75,7 @@ __all__ = sorted(
     "Trace",
     "all_sites",
     "check_spec",
+    "clear_caches",
     "depends_on",
     "func",
     "in_module",

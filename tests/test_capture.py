@@ -164,3 +164,113 @@ def test_edits_under_remat_on_every_door():
   for a, b in zip(jax.tree.leaves(g_live), jax.tree.leaves(g_trace)):
     np.testing.assert_allclose(a, b, atol=1e-12)
   assert np.all(g_live["params"]["block_1"]["fc"]["kernel"] == 0)
+
+
+class _Runs:
+  """A field compared by identity: where a module's Python runs record themselves."""
+
+  def __init__(self):
+    self.shapes = []
+
+  def __len__(self):
+    return len(self.shapes)
+
+
+class _Counted(nn.Module):
+  """Counts how often its Python runs (a capture runs it once)."""
+
+  features: int
+  calls: _Runs
+  sizes: tuple = (1, 2)  # a sequence field (linen makes lists tuples)
+
+  @nn.compact
+  def __call__(self, x, scale=1.0, *, shift=None):
+    self.calls.shapes.append(x.shape)
+    # Inputs of any float dtype: the cast is part of the program, so a dtype is a new one.
+    y = nn.Dense(self.features, param_dtype=jnp.float64)(x.astype(jnp.float64)) * scale
+    return y if shift is None else y + shift
+
+
+def test_a_models_program_is_captured_once_per_input_shape_and_static_argument():
+  calls = _Runs()
+  model = _Counted(3, calls)
+  v = model.init(jax.random.key(0), X)
+  jl.clear_caches()
+
+  def runs(*args, **kwargs):
+    """How often the model's Python ran for one trace, and the trace."""
+    before = len(calls)
+    t = jl.trace(*args, **kwargs)
+    return len(calls) - before, t
+
+  assert runs(model, v, X)[0] == 1
+  n, again = runs(model, v, X + 1.0, save="Dense_0")
+  assert n == 0
+  dense = v["params"]["Dense_0"]
+  np.testing.assert_allclose(again["Dense_0"].out, (X + 1.0) @ dense["kernel"] + dense["bias"])
+  # New variables of the same shapes reuse it; their values are used.
+  v2 = jax.tree.map(lambda a: a * 2.0, v)
+  n, t = runs(model, v2, X)
+  assert n == 0
+  np.testing.assert_allclose(t.output, model.apply(v2, X), atol=1e-12)
+  # Another input shape, static keyword or dtype is captured again, once.
+  assert runs(model, v, X[:2])[0] == 1
+  assert [runs(model, v, X, scale=2.0)[0] for _ in range(2)] == [1, 0]
+  np.testing.assert_allclose(runs(model, v, X, scale=2.0)[1].output, model.apply(v, X, 2.0))
+  assert runs(model, v, X.astype(jnp.float32))[0] == 1
+  # An equal module (same class and fields) shares it; another configuration does not.
+  assert runs(_Counted(3, calls, sizes=(1, 2)), v, X)[0] == 0
+  other = _Counted(2, calls)
+  assert runs(other, other.init(jax.random.key(1), X), X)[0] == 1
+  jl.clear_caches()
+  assert runs(model, v, X)[0] == 1
+
+
+def test_an_array_argument_is_never_baked_into_a_reused_program():
+  calls = _Runs()
+  model = _Counted(3, calls)
+  v = model.init(jax.random.key(0), X)
+  for shift in (jnp.zeros(3), jnp.ones(3)):
+    out = jl.trace(model, v, X, shift=shift).output
+    np.testing.assert_allclose(out, model.apply(v, X, shift=shift), atol=1e-12)
+  # Under jit the inputs are tracers; the program is still reused and right.
+  step = jax.jit(lambda v, x: jl.trace(model, v, x).output)
+  np.testing.assert_allclose(step(v, X), model.apply(v, X), atol=1e-12)
+  np.testing.assert_allclose(step(v, X * 3.0), model.apply(v, X * 3.0), atol=1e-12)
+
+
+def test_a_program_built_under_another_interceptor_is_not_reused():
+  calls = _Runs()
+  model = _Counted(3, calls)
+  v = model.init(jax.random.key(0), X)
+  jl.clear_caches()
+
+  def double_dense(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    return out * 2.0 if isinstance(context.module, nn.Dense) else out
+
+  with nn.intercept_methods(double_dense):
+    inside = jl.trace(model, v, X).output
+  outside = jl.trace(model, v, X).output
+  np.testing.assert_allclose(inside, 2.0 * outside, atol=1e-12)
+  np.testing.assert_allclose(outside, model.apply(v, X), atol=1e-12)
+
+
+def test_an_nnx_models_program_follows_its_static_attributes():
+  from flax import nnx
+
+  class Gated(nnx.Module):
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(4, 3, dtype=jnp.float64, param_dtype=jnp.float64, rngs=rngs)
+      self.negate = False
+      self.runs = 0
+
+    def __call__(self, x):
+      y = self.dense(x)
+      return -y if self.negate else y
+
+  model = Gated(nnx.Rngs(0))
+  jl.clear_caches()
+  plain = jl.trace(model, X).output
+  model.negate = True  # a static attribute: part of the graph definition, so a new program
+  np.testing.assert_allclose(jl.trace(model, X).output, -plain, atol=1e-12)

@@ -29,6 +29,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxlens._src.errors import InvalidArgumentError
@@ -60,6 +61,33 @@ class LinenCall:
 
     with nn.intercept_methods(adapt):
       return self.module.apply(variables, *inputs, method=method, **apply_kwargs, **kwargs)
+
+  def cache_key(self):
+    """What determines this call's program besides its arguments (the unbound module's class
+    and fields, submodules and lists of them included), or None where a program built now
+    must not be reused: under another interceptor, which may change what runs, or for a
+    field that cannot be compared by value (an array: it would be baked in)."""
+    if nn.module._global_interceptor_stack:
+      return None
+    try:
+      return ("linen", _frozen(self.module))
+    except (TypeError, AttributeError):
+      return None
+
+
+def _frozen(value):
+  """A hashable value equal for equal linen module configurations; TypeError otherwise."""
+  if isinstance(value, nn.Module):
+    fields = [f.name for f in dataclasses.fields(value) if f.name != "parent"]
+    return (type(value), tuple((name, _frozen(getattr(value, name))) for name in fields))
+  if isinstance(value, (list, tuple)):
+    return (type(value), tuple(_frozen(v) for v in value))
+  if isinstance(value, Mapping):
+    return (type(value), tuple(sorted(((repr(k), _frozen(v)) for k, v in value.items()))))
+  if isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "aval"):
+    raise TypeError("an array field")
+  hash(value)
+  return (type(value), value)
 
 
 def check_variables(variables, model, fix: str):
@@ -185,6 +213,13 @@ class NnxCall:
     fn = model if method is None else getattr(model, method)
     with _intercept_nnx(model, interceptor):
       return fn(*inputs, **kwargs)
+
+  def cache_key(self):
+    """The graph definition (structure and static attributes), or None inside an enclosing
+    door, whose interception would be part of the program."""
+    if getattr(_active, "state", None) is not None:
+      return None
+    return ("nnx", self.graphdef)
 
 
 def split(model) -> tuple[Any, Any]:

@@ -19,11 +19,14 @@ one cannot be edited or selected for saving, and asking for one raises
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
@@ -305,6 +308,66 @@ def _label_nodes(prog: Program, counts=None, calls=None, seen=None, layers=None)
     prog.module_infos.update(kept)
 
 
+# Captured programs, reused as ``jax.jit`` reuses a trace: for the same model (an unbound
+# linen module compared by its fields, an NNX graph definition), input structure, shapes and
+# dtypes, static keyword arguments and JAX configuration. Capturing costs more than
+# evaluating the small models of interpretability work, and sweeps, patching and training
+# loops trace one model many times. Least recently used first out.
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+_PROGRAMS_MAX = 32
+_programs_lock = threading.Lock()
+
+
+def clear_caches() -> None:
+  """Forgets every captured program, so that the next trace of each model runs its Python
+  code again (as ``jax.clear_caches`` does for jitted functions): for a model whose Python
+  reads state that its fields and inputs do not show, such as a global flag."""
+  with _programs_lock:
+    _PROGRAMS.clear()
+
+
+try:  # what jax.jit keys its traces on: every configuration option that changes a trace
+  from jax._src.config import trace_context as _trace_context
+except ImportError:  # pragma: no cover - a jax without it: the options that matter here
+
+  def _trace_context():
+    return (
+      jax.config.jax_enable_x64,
+      jax.config.jax_numpy_dtype_promotion,
+      jax.config.jax_default_matmul_precision,
+    )
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval")
+
+
+def _static(tree):
+  """A hashable stand-in for keyword arguments that hold no arrays (an array would be baked
+  into the program as a constant), or None. Each leaf is keyed with its type: ``True``
+  and ``1`` trace differently."""
+  leaves, treedef = jax.tree.flatten(tree)
+  if any(_is_array(x) for x in leaves):
+    return None
+  return treedef, tuple((type(x), x) for x in leaves)
+
+
+def _program_key(module, leaves, in_tree, kwargs, method, apply_kwargs, save_inputs):
+  cache_key = getattr(module, "cache_key", None)
+  call = cache_key() if cache_key is not None else None
+  statics = (_static(kwargs), _static(apply_kwargs))
+  if call is None or None in statics:
+    return None
+  context = _trace_context()
+  avals = tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+  key = (call, in_tree, avals, statics, method, save_inputs, context)
+  try:
+    hash(key)
+  except TypeError:  # a module field or argument that cannot be hashed: capture every time
+    return None
+  return key
+
+
 def build_program(
   module, variables, inputs, kwargs, method, apply_kwargs, *, save_inputs: bool = False
 ):
@@ -313,7 +376,34 @@ def build_program(
 
   With ``save_inputs`` every array leaf of each module call's ``(args, kwargs)`` is
   marked too (an identity that is not a site), so that the evaluation can return the
-  inputs of the saved module sites; without it the program is unchanged."""
+  inputs of the saved module sites; without it the program is unchanged.
+
+  A program is static data and is shared: the same call on inputs of the same structure,
+  shapes and dtypes returns the program captured first (see ``_PROGRAMS``)."""
+  leaves, in_tree = jax.tree.flatten((variables, inputs))
+  key = _program_key(module, leaves, in_tree, kwargs, method, apply_kwargs, save_inputs)
+  if key is not None:
+    with _programs_lock:
+      hit = _PROGRAMS.get(key)
+      if hit is not None:
+        _PROGRAMS.move_to_end(key)
+    if hit is not None:
+      return hit[0], list(hit[1]), leaves
+  prog, consts = _capture_program(
+    module, variables, inputs, kwargs, method, apply_kwargs, save_inputs, leaves, in_tree
+  )
+  # A constant that is a tracer belongs to an enclosing transformation's trace.
+  if key is not None and not any(isinstance(c, jax.core.Tracer) for c in consts):
+    with _programs_lock:
+      _PROGRAMS[key] = (prog, tuple(consts))
+      while len(_PROGRAMS) > _PROGRAMS_MAX:
+        _PROGRAMS.popitem(last=False)
+  return prog, consts, leaves
+
+
+def _capture_program(
+  module, variables, inputs, kwargs, method, apply_kwargs, save_inputs, leaves, in_tree
+):
   prog = Program()
   calls: dict[tuple, int] = {}
 
@@ -354,7 +444,6 @@ def build_program(
       out = runtime.replace_elements(out, marked)
     return out
 
-  leaves, in_tree = jax.tree.flatten((variables, inputs))
   prog.in_tree = in_tree
   prog.in_shapes = tuple(jnp.shape(x) for x in leaves)
   prog.n_var_leaves = len(jax.tree.leaves(variables))
@@ -383,7 +472,7 @@ def build_program(
     prog.id_label[i] = (
       f"input_{k - prog.n_var_leaves}" if k >= prog.n_var_leaves else f"variables_{k}"
     )
-  return prog, consts, leaves
+  return prog, consts
 
 
 def check_selectable(prog: Program, selector, what: str, *, editing: bool = True):
