@@ -71,6 +71,14 @@ def pytest_xdist_make_scheduler(config, log):
   return FileGroups(config, log)
 
 
+def pytest_unconfigure(config):
+  """A test process is about to exit: skip jax's exit handler, which clears every cache and
+  backend of the process (about 7 s of CPU in each xdist worker, at the very end of a run)."""
+  from jax._src import api
+
+  atexit.unregister(api.clean_up)
+
+
 @pytest.fixture(scope="session")
 def matrix_weights():
   """Where the matrix model's weights come from: the specification's torch draws where torch
