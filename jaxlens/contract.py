@@ -297,6 +297,15 @@ def case_from(donor_trace, site, x=None) -> Case:
     donor_trace=donor_trace,
     donor=donor,
     population=pop,
+    **_constants(bool(jax.config.jax_enable_x64)),
+  )
+
+
+@functools.lru_cache(maxsize=None)
+def _constants(x64: bool) -> dict:
+  """The edit arguments that do not depend on the donor, made once per process (and per
+  ``jax_enable_x64`` setting, which decides what float64 means)."""
+  return dict(
     direction=jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float64),
     delta=jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float64).reshape(3, 4),
     basis=matrix_basis(),

@@ -431,11 +431,6 @@ def _parity(args, out_dir):
     facts["seconds"][dtype] = round(time.perf_counter() - start, 2)
   np.savez(out_dir / f"result_{args.process_id}.npz", **values)
   (out_dir / f"meta_{args.process_id}.json").write_text(json.dumps(facts, indent=1))
-  sys.stdout.flush()
-  # Every process has written its results: leave without jax's exit-time shutdown of the
-  # distributed client and backends, which costs seconds of CPU per process.
-  jd.barrier("results-written", timeout_s=args.step_timeout)
-  os._exit(0)
 
 
 def _fault(args, out_dir):
