@@ -82,7 +82,8 @@ def pytest_collection_modifyitems(config, items):
   """Under ``--dist loadgroup``, the tests in the order their scopes should start (in an
   xdist worker, which collects for the scheduler, xdist has set ``dist`` to "no" and
   ``loadgroup`` to whether it was "loadgroup")."""
-  if config.getvalue("dist") != "loadgroup" and not getattr(config.option, "loadgroup", False):
+  dist = config.getoption("dist", default=None)  # None without pytest-xdist
+  if dist != "loadgroup" and not getattr(config.option, "loadgroup", False):
     return
   groups = _file_groups()
   scopes = [_scope(item.nodeid, groups) for item in items]
