@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxlens._src.edit import split_over_processes
 from jaxlens._src.errors import InvalidArgumentError, JaxlensError
 from jaxlens._src.doors import load_spec as _load_spec
 from jaxlens._src.doors import save_spec as _save_spec
@@ -85,11 +86,7 @@ def host_values(tree):
   from jax.experimental import multihost_utils
 
   leaves, treedef = jax.tree.flatten(tree)
-  remote = [
-    i
-    for i, leaf in enumerate(leaves)
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
-  ]
+  remote = [i for i, leaf in enumerate(leaves) if split_over_processes(leaf)]
   named = [i for i in remote if isinstance(leaves[i].sharding, NamedSharding)]
   by_mesh: dict[Any, list[int]] = {}
   for i in named:
@@ -105,7 +102,7 @@ def host_values(tree):
   # A replicated array holds its whole value on this process's devices.
   leaves = [
     np.asarray(leaf.addressable_data(0))
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+    if split_over_processes(leaf)
     else np.asarray(leaf)
     if isinstance(leaf, jax.Array)
     else leaf

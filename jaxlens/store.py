@@ -66,6 +66,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxlens._src.edit import split_over_processes
 from jaxlens._src.errors import JaxlensError
 from jaxlens._src.tracebacks import api_boundary
 
@@ -199,9 +200,7 @@ def _save_shard(arrays: dict, path: Path) -> None:
 
 def _check_local(values: dict, root: Path) -> None:
   """Refuses site values split over processes: the writer can read only local shards."""
-  split = sorted(
-    k for k, v in values.items() if isinstance(v, jax.Array) and not v.is_fully_addressable
-  )
+  split = sorted(k for k, v in values.items() if split_over_processes(v))
   if split:
     raise StoreError(
       f"the values of {split} are split over processes; this process cannot write them",

@@ -224,7 +224,7 @@ def show_value(v) -> str:
   """A readable, where possible re-typable, form of an argument value."""
   if isinstance(v, jax.core.Tracer):
     return f"<traced {v.aval.str_short()}>"
-  if isinstance(v, jax.Array) and not v.is_fully_addressable:
+  if split_over_processes(v):
     # Its shards live on other processes too: only its type can be shown here.
     return f"<{v.dtype}{list(v.shape)} array over processes>"
   if isinstance(v, (jax.Array, np.ndarray, np.generic)):
@@ -638,6 +638,11 @@ def _unwrap(result):
 
 def is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval")
+
+
+def split_over_processes(x) -> bool:
+  """Whether ``x`` is an array with shards on other processes (this one cannot read it)."""
+  return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
 def fire(edit: Edit, x, ctx: FireContext):

@@ -26,11 +26,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 from jaxlens._src import runtime
+from jaxlens._src.edit import is_array
 from jaxlens._src.errors import InvalidArgumentError, SiteError
 from jaxlens._src.sites import SiteInfo, hits, unmatched_error
 
@@ -338,23 +338,18 @@ except ImportError:  # pragma: no cover - a jax without it: the options that mat
     )
 
 
-def _is_array(x) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval")
-
-
 def _static(tree):
   """A hashable stand-in for keyword arguments that hold no arrays (an array would be baked
   into the program as a constant), or None. Each leaf is keyed with its type: ``True``
   and ``1`` trace differently."""
   leaves, treedef = jax.tree.flatten(tree)
-  if any(_is_array(x) for x in leaves):
+  if any(is_array(x) for x in leaves):
     return None
   return treedef, tuple((type(x), x) for x in leaves)
 
 
 def _program_key(module, leaves, in_tree, kwargs, method, apply_kwargs, save_inputs):
-  cache_key = getattr(module, "cache_key", None)
-  call = cache_key() if cache_key is not None else None
+  call = module.cache_key()  # LinenCall or NnxCall (model_calls)
   statics = (_static(kwargs), _static(apply_kwargs))
   if call is None or None in statics:
     return None

@@ -38,7 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._src.edit import ByIdentity, Donor, Edit, Population, SavedDonor, verb_named
+from jaxlens._src.edit import (
+  ByIdentity,
+  Donor,
+  Edit,
+  Population,
+  SavedDonor,
+  split_over_processes,
+  verb_named,
+)
 from jaxlens._src.errors import InvalidArgumentError, SpecFormatError
 from jaxlens._src.sites import Site, hits, selector_from_json
 
@@ -70,7 +78,7 @@ class _Writer:
         site=where,
         fix="save the spec outside transformed functions",
       )
-    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+    if split_over_processes(a):
       raise SpecFormatError(
         "cannot save a spec holding an array whose shards live on other processes",
         code="spec_not_portable",

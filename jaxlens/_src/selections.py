@@ -46,6 +46,7 @@ from jaxlens._src.edit import (
   place_like,
   register,
   show_arguments,
+  split_over_processes,
   verb_named,
 )
 from jaxlens._src.errors import InvalidArgumentError, ShapeError
@@ -65,7 +66,7 @@ def _host(a):
   """
   if isinstance(a, jax.core.Tracer):
     return None
-  if isinstance(a, jax.Array) and not a.is_fully_addressable:
+  if split_over_processes(a):
     return None
   return np.asarray(a)
 
