@@ -304,7 +304,14 @@ def case_from(donor_trace, site, x=None) -> Case:
 @functools.lru_cache(maxsize=None)
 def _constants(x64: bool) -> dict:
   """The edit arguments that do not depend on the donor, made once per process (and per
-  ``jax_enable_x64`` setting, which decides what float64 means)."""
+  ``jax_enable_x64`` setting, which decides what float64 means). They are computed eagerly
+  even when the first call comes from inside a ``jax.jit`` trace, so the cache never holds
+  a tracer."""
+  with jax.ensure_compile_time_eval():
+    return _make_constants()
+
+
+def _make_constants() -> dict:
   return dict(
     direction=jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float64),
     delta=jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float64).reshape(3, 4),

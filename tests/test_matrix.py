@@ -190,3 +190,21 @@ def test_matrix_formats_with_full_agreement(matrix_weights):
   text = matrix.format_matrix(table)
   assert f"{len(table)} of {len(table)} rows agree" in text
   assert "raises:edit_detached_from_graph" in text
+
+
+def test_a_case_first_built_under_jit_caches_no_tracer(spec_model):
+  # The donor-independent edit arguments are made once per process; a first call from
+  # inside a jit trace (as the scanned-stack tests make) must not leave tracers in the cache.
+  model, variables, x, x_donor, _ = spec_model
+  matrix._constants.cache_clear()
+
+  @jax.jit
+  def first(v):
+    return matrix.make_case(model, v, x, x_donor).delta.sum()
+
+  first(variables)
+  cached = matrix._constants(True)
+  assert all(not isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(cached))
+  np.testing.assert_allclose(cached["basis"].T @ cached["basis"], np.eye(2), atol=1e-12)
+  # A case built afterwards, outside any trace, uses the cached arrays.
+  assert matrix.make_case(model, variables, x, x_donor).delta is cached["delta"]
