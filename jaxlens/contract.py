@@ -51,6 +51,7 @@ __all__ = [
   "case_from",
   "make_case",
   "matrix_basis",
+  "case_constants",
   "run_cell",
   "measured",
   "run_matrix",
@@ -297,8 +298,18 @@ def case_from(donor_trace, site, x=None) -> Case:
     donor_trace=donor_trace,
     donor=donor,
     population=pop,
-    **_constants(bool(jax.config.jax_enable_x64)),
+    **case_constants(),
   )
+
+
+def case_constants() -> dict:
+  """The edit arguments of every case that do not depend on the donor (``direction``,
+  ``delta``, ``basis``, ``units``, ``W``, ``b``), made once per process.
+
+  torch_bridge's torch cases convert these same arrays, so both frameworks edit with
+  bit-identical arguments.
+  """
+  return dict(_constants(bool(jax.config.jax_enable_x64)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -380,7 +380,12 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
 
 
 def _init_distributed(args):
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+  # The inherited XLA flags (tests/conftest.py's compile settings) with this job's device count.
+  inherited = os.environ.get("XLA_FLAGS", "").split()
+  os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in inherited if not f.startswith("--xla_force_host_platform_device_count")]
+    + [f"--xla_force_host_platform_device_count={args.devices}"]
+  )
   import jax
 
   jax.config.update("jax_enable_x64", True)

@@ -9,7 +9,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA:CPU's newer MLIR fusion emitters take about twice as long to compile a fusion as the
+# elemental emitters they replace; the tests compile thousands of tiny programs (every eager
+# primitive, every jitted cell) whose run time is negligible, so compile time is what counts.
+XLA_TEST_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {XLA_TEST_FLAGS}")
 # The tests' programs are tiny, so XLA's optimising passes cost more than they save (the
 # compile time of a small model's jitted forward and backward falls by about a third);
 # tests/test_properties.py turns them back on for its bit-identity checks. Set in the

@@ -60,7 +60,6 @@ class Workers:
       JAX_PLATFORMS="cpu",
       PYTHONUNBUFFERED="1",
     )
-    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     try:
       for i in range(n):
         with open(out / f"log_{i}.txt", "wb") as log:

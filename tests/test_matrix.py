@@ -203,7 +203,7 @@ def test_a_case_first_built_under_jit_caches_no_tracer(spec_model):
     return matrix.make_case(model, v, x, x_donor).delta.sum()
 
   first(variables)
-  cached = matrix._constants(True)
+  cached = matrix.case_constants()
   assert all(not isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(cached))
   np.testing.assert_allclose(cached["basis"].T @ cached["basis"], np.eye(2), atol=1e-12)
   # A case built afterwards, outside any trace, uses the cached arrays.

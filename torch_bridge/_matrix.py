@@ -95,23 +95,14 @@ class TorchCase:
   b: torch.Tensor
 
 
-def _from_jax(make: Callable[[], Any]) -> torch.Tensor:
-  """A float64 constant computed by the same jax expression as in jaxlens's make_case."""
-  with jax.enable_x64(True):
-    return torch.from_numpy(np.array(make()))
-
-
 @functools.lru_cache(maxsize=1)
 def _constants() -> dict[str, Any]:
+  """jaxlens's case constants (``jaxlens.contract.case_constants``), as float64 tensors."""
+  with jax.enable_x64(True):
+    constants = matrix.case_constants()
   return {
-    "direction": _from_jax(lambda: jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float64)),
-    "delta": _from_jax(lambda: jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float64).reshape(3, 4)),
-    "basis": _from_jax(matrix.matrix_basis),
-    "units": np.asarray([1, 3]),
-    "W": _from_jax(
-      lambda: jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]], jnp.float64)
-    ),
-    "b": _from_jax(lambda: jnp.asarray([0.1, -0.2], jnp.float64)),
+    k: v if isinstance(v, np.ndarray) else torch.from_numpy(np.array(v))
+    for k, v in constants.items()
   }
 
 
