@@ -319,18 +319,14 @@ def _constants(x64: bool) -> dict:
   even when the first call comes from inside a ``jax.jit`` trace, so the cache never holds
   a tracer."""
   with jax.ensure_compile_time_eval():
-    return _make_constants()
-
-
-def _make_constants() -> dict:
-  return dict(
-    direction=jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float64),
-    delta=jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float64).reshape(3, 4),
-    basis=matrix_basis(),
-    units=np.asarray([1, 3]),
-    W=jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]], jnp.float64),
-    b=jnp.asarray([0.1, -0.2], jnp.float64),
-  )
+    return dict(
+      direction=jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float64),
+      delta=jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float64).reshape(3, 4),
+      basis=matrix_basis(),
+      units=np.asarray([1, 3]),
+      W=jnp.asarray([[0.5, -1.0, 0.0, 2.0], [1.0, 0.0, -0.5, 0.0]], jnp.float64),
+      b=jnp.asarray([0.1, -0.2], jnp.float64),
+    )
 
 
 def matrix_basis():
