@@ -61,17 +61,17 @@ def _file_groups() -> dict[str, str]:
 # with most tests first. (xdist alone orders scopes by their number of tests, which put a
 # two-test file of 35 s last.)
 _SLOWEST_SCOPES = (
-  "matrix",  # ~115 s
-  "smollm2",  # ~110 s
-  "tests/test_scan.py",  # ~90 s
-  "tests/test_zoo.py",  # ~65 s
-  "tests/test_distributed.py",  # ~60 s
-  "properties",  # ~60 s
-  "tests/torch_bridge/test_export.py",  # ~40 s
-  "tests/test_docstrings.py",  # ~40 s
-  "tests/test_generate.py",  # ~35 s
-  "tests/test_conformance.py",  # ~35 s
-  "tests/test_demo.py",  # ~35 s
+  "smollm2",  # ~100 s
+  "matrix",  # ~80 s
+  "tests/test_scan.py",  # ~40 s
+  "tests/test_distributed.py",  # ~37 s (its worker processes)
+  "properties",  # ~30 s
+  "tests/test_zoo.py",  # ~28 s
+  "tests/test_zoo_torch.py",  # ~22 s
+  "tests/test_conformance.py",  # ~22 s
+  "tests/torch_bridge/test_export.py",  # ~22 s
+  "tests/test_generate.py",  # ~21 s
+  "tests/test_docstrings.py",  # ~17 s
 )
 
 
