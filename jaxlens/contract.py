@@ -85,18 +85,36 @@ SITE = "layers_0"
 
 @dataclasses.dataclass
 class Case:
-  """The inputs of one cell, built inside the differentiated function."""
+  """The inputs of one cell, built inside the differentiated function.
+
+  The donor's fields (``donor_trace``, the donor's value ``donor`` at the site, and the
+  ``population`` of that value and its reversed half) are made on first read, from
+  ``donor_source``, a trace or a function returning one: a row that reads no donor does
+  not run the donor's forward (whose graph would be dead code in the cell's gradient).
+  """
 
   x: Any
-  donor_trace: Any
-  donor: Any
-  population: Any
+  donor_source: Any
+  site: str
   direction: Any
   delta: Any
   basis: Any = None
   units: Any = None
   W: Any = None
   b: Any = None
+
+  @functools.cached_property
+  def donor_trace(self):
+    source = self.donor_source
+    return source() if callable(source) else source
+
+  @functools.cached_property
+  def donor(self):
+    return self.donor_trace[self.site].out
+
+  @functools.cached_property
+  def population(self):
+    return jl.population(self.donor, self.donor[::-1] * 0.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,21 +303,16 @@ def spec_model():
 
 
 def make_case(model, variables, x, x_donor) -> Case:
-  return case_from(jl.trace(model.bind(variables), x_donor), SITE, x)
+  """The case of the specification's model: its donor is the trace of ``x_donor`` under
+  ``variables``, run when a row first reads it."""
+  return case_from(lambda: jl.trace(model.bind(variables), x_donor), SITE, x)
 
 
 def case_from(donor_trace, site, x=None) -> Case:
-  """The matrix's edit arguments, with the donor read at ``site`` of ``donor_trace``
-  (the scanned-stack and NNX tests build their cases from their own models)."""
-  donor = donor_trace[site].out
-  pop = jl.population(donor, donor[::-1] * 0.5)
-  return Case(
-    x=x,
-    donor_trace=donor_trace,
-    donor=donor,
-    population=pop,
-    **case_constants(),
-  )
+  """The matrix's edit arguments, with the donor read at ``site`` of ``donor_trace`` (a
+  trace, or a function returning one, called on the first read of a donor field; the
+  scanned-stack and NNX tests build their cases from their own models)."""
+  return Case(x=x, donor_source=donor_trace, site=site, **case_constants())
 
 
 def case_constants() -> dict:
@@ -352,9 +365,18 @@ def run_cell(
     model, variables, x, x_donor, _ = spec_model()
   runner = DOORS[door][1]
 
-  concrete_case = make_case(model, variables, x, x_donor) if door in CONCRETE_EDIT else None
+  concrete_case = None
+  if door in CONCRETE_EDIT:
+    # Made outside the differentiated function, so its donor carries no graph.
+    concrete_case = make_case(model, variables, x, x_donor)
+    _ = concrete_case.population  # the donor's forward runs here, outside the gradient
 
-  def out_fn(v):
+  def out_fn(kernel):
+    # A function of the site's kernel alone (the one leaf a cell reports on): the
+    # other parameters are constants, so their derivatives are never formed.
+    params = dict(variables["params"])
+    params[SITE] = {**params[SITE], "kernel": kernel}
+    v = {**variables, "params": params}
     case = concrete_case if concrete_case is not None else make_case(model, v, x, x_donor)
     edit = row.build(case)
     if keep:
@@ -368,17 +390,15 @@ def run_cell(
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always", jl.JaxlensWarning)
     try:
-      (_, out), grads = jax.value_and_grad(
-        lambda v: (lambda o: (o.sum(), o))(out_fn(v)), has_aux=True
-      )(variables)
-      kernel_grad = grads["params"][SITE]["kernel"]
+      kernel = variables["params"][SITE]["kernel"]
+      (_, out), kernel_grad = jax.value_and_grad(
+        lambda k: (lambda o: (o.sum(), o))(out_fn(k)), has_aux=True
+      )(kernel)
       # A nonzero gradient proves the dependence; the structural analysis (a second run
       # of the door) decides the cells whose gradient is zero: cut, or reaching with a
       # zero value (a keep_grad'd zero_ablate).
       nonzero = bool(np.any(np.asarray(kernel_grad) != 0))
-      reaches = (
-        nonzero or jl.depends_on(lambda v: out_fn(v).sum(), variables)["params"][SITE]["kernel"]
-      )
+      reaches = nonzero or jl.depends_on(lambda k: out_fn(k).sum(), kernel)
     except jl.InvalidArgumentError as error:
       return Cell(f"raises:{error.code}", message=str(error))
   codes = tuple(

@@ -32,7 +32,7 @@ def _nnx_spec_model(spec_model):
 
 
 def _case(m, x_donor):
-  return matrix.case_from(jl.trace(m, x_donor), "layers/0")
+  return matrix.case_from(lambda: jl.trace(m, x_donor), "layers/0")
 
 
 NNX_DOORS = {

@@ -71,7 +71,7 @@ def models():
 
 
 def _case(model, v, site):
-  return matrix.case_from(jl.trace(model, v, X_DONOR), site, X)
+  return matrix.case_from(lambda: jl.trace(model, v, X_DONOR), site, X)
 
 
 def _fork(model, v):
