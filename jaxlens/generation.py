@@ -270,8 +270,12 @@ def _generate(
 
   steps_saved: dict = {}
   if n > 1:
-    _, _, saved_shapes = jax.eval_shape(step, cache, tok, jnp.int32(1))
-    buffers = {k: jnp.zeros((n - 1,) + v.shape, v.dtype) for k, v in saved_shapes.items()}
+    buffers = {}
+    if save is not None:
+      # The shapes of a decode step's saved values (a trace of the whole model, so only
+      # when something is saved).
+      _, _, saved_shapes = jax.eval_shape(step, cache, tok, jnp.int32(1))
+      buffers = {k: jnp.zeros((n - 1,) + v.shape, v.dtype) for k, v in saved_shapes.items()}
 
     def body(carry):
       call, cache, tok, done, out_tokens, out_logits, lengths, buffers = carry
