@@ -82,16 +82,30 @@ SCAN_SITE = jl.module("blocks/up", layer=LAYER)
 FLAT_SITE = jl.module(f"blocks_{LAYER}/up")
 
 
+def _value_and_grad(fn):
+  return jax.value_and_grad(lambda v: (lambda o: (o.sum(), o))(fn(v)), has_aux=True)
+
+
 def _outcome(fn, v):
-  # Jitted: one compile per cell instead of an eager scan (which compiles its body at every
-  # call); both models of a cell go through the same transformation, so they stay comparable.
   try:
-    out, grads = jax.jit(
-      jax.value_and_grad(lambda v: (lambda o: (o.sum(), o))(fn(v)), has_aux=True)
-    )(v)
+    out, grads = jax.jit(_value_and_grad(fn))(v)
   except jl.InvalidArgumentError as error:
     return error.code, None, None
   return "ran", out[1], grads
+
+
+def _outcomes(scanned, v, unrolled, fv):
+  """Both models' ``(code, output, gradient)``, from one jitted program (one compile per
+  cell instead of an eager scan, which compiles its body at every call; both models go
+  through the same transformation, so they stay comparable). When either refuses, each
+  runs alone, so that each gives its own code."""
+  try:
+    (out_s, g_s), (out_u, g_u) = jax.jit(
+      lambda v, fv: (_value_and_grad(scanned)(v), _value_and_grad(unrolled)(fv))
+    )(v, fv)
+  except jl.InvalidArgumentError:
+    return _outcome(scanned, v), _outcome(unrolled, fv)
+  return ("ran", out_s[1], g_s), ("ran", out_u[1], g_u)
 
 
 def _spec(pairs, units):
@@ -142,8 +156,7 @@ def _compare(models, door, rows, layers):
     pairs = [(s, r.build(_case(flat, v, s))) for s, r in zip(flat_sites, rows)]
     return run(flat, v, _spec(pairs, units))
 
-  code_s, out_s, g_s = _outcome(scanned, v)
-  code_u, out_u, g_u = _outcome(unrolled, fv)
+  (code_s, out_s, g_s), (code_u, out_u, g_u) = _outcomes(scanned, v, unrolled, fv)
   assert code_s == code_u, (rows, layers)
   if code_s != "ran":
     return code_s
