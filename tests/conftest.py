@@ -61,17 +61,17 @@ def _file_groups() -> dict[str, str]:
 # with most tests first. (xdist alone orders scopes by their number of tests, which put a
 # two-test file of 35 s last.)
 _SLOWEST_SCOPES = (
-  "smollm2",  # ~100 s
-  "matrix",  # ~80 s
-  "tests/test_scan.py",  # ~40 s
-  "tests/test_distributed.py",  # ~37 s (its worker processes)
-  "properties",  # ~30 s
-  "tests/test_zoo.py",  # ~28 s
-  "tests/test_zoo_torch.py",  # ~22 s
-  "tests/test_conformance.py",  # ~22 s
-  "tests/torch_bridge/test_export.py",  # ~22 s
-  "tests/test_generate.py",  # ~21 s
-  "tests/test_docstrings.py",  # ~17 s
+  "smollm2",  # ~105 s
+  "matrix",  # ~72 s
+  "tests/test_distributed.py",  # ~44 s (its worker processes)
+  "tests/test_scan.py",  # ~37 s
+  "properties",  # ~37 s
+  "tests/test_zoo.py",  # ~32 s
+  "tests/torch_bridge/test_export.py",  # ~24 s
+  "tests/test_conformance.py",  # ~21 s
+  "tests/test_zoo_torch.py",  # ~20 s
+  "tests/test_generate.py",  # ~19 s
+  "tests/test_docstrings.py",  # ~18 s
 )
 
 
