@@ -12,40 +12,16 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jaxlens as jl
-from jaxlens.models import config_from_hf, from_state_dict
+from hf_tiny import tiny_hf, zoo_twin
 
 PROMPT = np.asarray([[3, 9, 4, 17, 5, 9], [1, 2, 3, 4, 5, 6]])
 N, MAGNITUDE = 8, 4.0
 
 
 def _build(family):
-  torch.manual_seed(0)
-  if family == "llama":
-    cfg = transformers.LlamaConfig(
-      vocab_size=64,
-      hidden_size=32,
-      intermediate_size=48,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      max_position_embeddings=32,
-      rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-      tie_word_embeddings=False,
-      attn_implementation="eager",
-    )
-    hf = transformers.LlamaForCausalLM(cfg)
-    layer = hf.model.layers[1]
-  else:
-    cfg = transformers.GPT2Config(
-      vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, attn_implementation="eager"
-    )
-    hf = transformers.GPT2LMHeadModel(cfg)
-    layer = hf.transformer.h[1]
-  for p in hf.parameters():
-    with torch.no_grad():
-      p.normal_(0.0, 0.3 if p.ndim > 1 else 0.5)
-  hf = hf.eval().float()
-  return hf, layer, from_state_dict(hf.state_dict(), config_from_hf(hf.config.to_dict()))
+  hf = tiny_hf(family)
+  layer = hf.model.layers[1] if family == "llama" else hf.transformer.h[1]
+  return hf, layer, zoo_twin(hf)
 
 
 def _hf_generate(hf, layer, direction):

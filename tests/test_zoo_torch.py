@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jaxlens as jl
-from jaxlens.models import config_from_hf, from_state_dict, load_hf
+from hf_tiny import tiny_hf, zoo_twin
+from jaxlens.models import load_hf
 
 TOKENS = np.asarray([[3, 9, 4, 17, 5, 9, 26, 2], [1, 2, 3, 4, 5, 6, 7, 8]])
 MASK = np.asarray([[1] * 8, [1] * 6 + [0] * 2])
@@ -48,45 +49,12 @@ def _float64_llama(hf):
 
 
 def _build(family, dtype):
-  torch.manual_seed(0)
-  if family == "llama":
-    cfg = transformers.LlamaConfig(
-      vocab_size=64,
-      hidden_size=32,
-      intermediate_size=48,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      max_position_embeddings=32,
-      rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-      tie_word_embeddings=False,
-      attn_implementation="sdpa",
-    )
-    hf = transformers.LlamaForCausalLM(cfg)
-  elif family == "gpt2":
-    cfg = transformers.GPT2Config(
-      vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, attn_implementation="eager"
-    )
-    hf = transformers.GPT2LMHeadModel(cfg)
-  else:
-    cfg = transformers.BertConfig(
-      vocab_size=64,
-      hidden_size=32,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      intermediate_size=48,
-      max_position_embeddings=16,
-      attn_implementation="eager",
-    )
-    hf = transformers.BertModel(cfg)
-  for p in hf.parameters():  # random, not the near-zero init of some layers
-    with torch.no_grad():
-      p.normal_(0.0, 0.3 if p.ndim > 1 else 0.5)
-  hf = hf.eval().to(torch.float64 if dtype == jnp.float64 else torch.float32)
+  torch_dtype = torch.float64 if dtype == jnp.float64 else torch.float32
+  attention = "sdpa" if family == "llama" else "eager"  # Llama's default attention kernel
+  hf = tiny_hf(family, dtype=torch_dtype, attention=attention, positions=16)
   if family == "llama" and dtype == jnp.float64:
     _float64_llama(hf)
-  lm = from_state_dict(hf.state_dict(), config_from_hf(hf.config.to_dict(), dtype))
-  return hf, lm
+  return hf, zoo_twin(hf, dtype)
 
 
 def _hf_out(family, hf, tokens, mask=None):
