@@ -421,3 +421,34 @@ def test_gguf_undoes_the_rotary_permutation_and_refuses_bad_files(llama, tmp_pat
     load_gguf(tmp_path / "other.gguf")
   with pytest.raises(LoadError, match=r"\[file_not_found\]"):
     load_gguf(tmp_path / "none.gguf")
+
+
+def test_the_gguf_reader_reads_what_gguf_reads(tmp_path):
+  """jaxlens's reader (gguf.GGUFReader over a plain view of the memory map) gives the same
+  metadata, strings and tensors as gguf's own."""
+  gguf = pytest.importorskip("gguf")
+  from jaxlens.models.loading import _gguf_reader
+
+  path = tmp_path / "m.gguf"
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.add_block_count(2)
+  w.add_token_list([f"tok{i}" for i in range(300)] + ["Ġé", ""])
+  w.add_token_merges(["t o", "to k"])
+  w.add_token_types([1] * 302)
+  rng = np.random.default_rng(0)
+  w.add_tensor("a.weight", rng.normal(size=(3, 5)).astype(np.float32))
+  w.add_tensor("b.weight", rng.normal(size=(7,)).astype(np.float16))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  ours, theirs = _gguf_reader(path), gguf.GGUFReader(str(path))
+  assert type(ours.data) is np.ndarray and isinstance(theirs.data, np.memmap)
+  assert list(ours.fields) == list(theirs.fields)
+  for key, field in theirs.fields.items():
+    assert ours.fields[key].contents() == field.contents(), key
+  assert ours.fields["tokenizer.ggml.tokens"].contents()[-2:] == ["Ġé", ""]
+  assert [t.name for t in ours.tensors] == ["a.weight", "b.weight"]
+  for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+    assert (a.tensor_type, list(a.shape)) == (b.tensor_type, list(b.shape))
+    np.testing.assert_array_equal(a.data, b.data)

@@ -402,6 +402,21 @@ def load_hf(path, dtype=jnp.float32) -> Pretrained:
 def _gguf_reader(path):
   import gguf
 
+  class Reader(gguf.GGUFReader):
+    """``gguf.GGUFReader`` over a plain ndarray view of its memory map: the reader slices
+    its data once per metadata value (about 250,000 times for SmolLM2's vocabulary and
+    merges), and a ``np.memmap`` slice runs Python-level hooks that a plain view skips
+    (the read takes a third of the time). The view keeps the map alive, and the tensors'
+    ``data`` are views of it as before."""
+
+    @property
+    def data(self):
+      return self._data
+
+    @data.setter
+    def data(self, value):
+      self._data = value.view(np.ndarray)
+
   path = Path(path)
   if not path.is_file():
     raise LoadError(
@@ -411,7 +426,7 @@ def _gguf_reader(path):
       fix="pass the path of a .gguf file",
     )
   try:
-    return gguf.GGUFReader(str(path))
+    return Reader(str(path))
   except (ValueError, IndexError, OSError, KeyError) as e:
     raise LoadError(
       f"{path.name} is not a readable GGUF file (truncated or corrupt): {e}",
