@@ -14,6 +14,7 @@ import ast
 import contextlib
 import importlib.util
 import re
+import tempfile
 from pathlib import Path
 
 import jax
@@ -65,7 +66,9 @@ def test_the_contract_page_has_examples():
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
-def test_docs_examples_run(path):
+def test_docs_examples_run(path, tmp_path, monkeypatch):
+  # Examples that save write under tempfile.mkdtemp(): here, under the test's tmp_path.
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
   requires = _REQUIRES.search(path.read_text())
   for name in requires.group(1).split(",") if requires else ():
     if importlib.util.find_spec(name) is None:

@@ -9,6 +9,7 @@ import doctest
 import importlib
 import inspect
 import pkgutil
+import tempfile
 
 import pytest
 
@@ -62,7 +63,9 @@ def test_examples_are_found():
 
 
 @pytest.mark.parametrize("test", EXAMPLES, ids=lambda t: t.name)
-def test_docstring_example(test):
+def test_docstring_example(test, tmp_path, monkeypatch):
+  # Examples that save write under tempfile.mkdtemp(): here, under the test's tmp_path.
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
   runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   runner.run(test, out=lambda text: None)
   result = runner.summarize(verbose=False)

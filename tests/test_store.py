@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -165,7 +166,7 @@ def test_typed_errors_for_bad_paths_other_sites_and_a_full_disk(
 
 
 MEMORY_SCRIPT = textwrap.dedent("""
-    import json, sys, tempfile
+    import json, sys
     import numpy as np, jax, jax.numpy as jnp, flax.linen as nn
     from jaxlens import store
 
@@ -180,7 +181,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
     def data(n):
       for i in range(n):
         yield np.random.default_rng(i).standard_normal((64, 64, 16)).astype(np.float32)
-    root = tempfile.mkdtemp()
+    root = sys.argv[2]
     store.collect(model, v, data(2), root + "/warm", sites=["layers_0"], progress=False)
     with open("/proc/self/clear_refs", "w") as f:
       f.write("5")  # resets the peak (VmHWM) to the current RSS
@@ -191,15 +192,20 @@ MEMORY_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_dataset_larger_than_the_memory_cap_is_collected_within_it():
+def test_a_dataset_larger_than_the_memory_cap_is_collected_within_it(tmp_path):
   cap = 80 * 2**20  # 20 batches of 4 MiB of activations; the dataset is 320 MiB
   # A fixed mmap threshold: glibc otherwise raises it to the size of a freed 4 MiB batch, so
   # later batches come from the heap, whose fragments the peak counts though malloc reuses
   # them (20 to 93 MiB of growth from run to run; with it, 20 to 24 MiB).
   env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 2**10))
   out = subprocess.run(
-    [sys.executable, "-c", MEMORY_SCRIPT, "80"], capture_output=True, text=True, check=True, env=env
+    [sys.executable, "-c", MEMORY_SCRIPT, "80", str(tmp_path)],
+    capture_output=True,
+    text=True,
+    check=True,
+    env=env,
   )
+  shutil.rmtree(tmp_path / "acts")  # 320 MiB: not left for pytest's retention of old runs
   got = json.loads(out.stdout.strip().splitlines()[-1])
   assert got["rows"] == 80 * 64 and got["stored"] == 320 * 2**20 == 4 * cap
   assert got["peak_growth"] < cap, got
