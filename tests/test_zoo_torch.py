@@ -51,7 +51,8 @@ def _float64_llama(hf):
 def _build(family, dtype):
   torch_dtype = torch.float64 if dtype == jnp.float64 else torch.float32
   attention = "sdpa" if family == "llama" else "eager"  # Llama's default attention kernel
-  hf = tiny_hf(family, dtype=torch_dtype, attention=attention, positions=16)
+  positions = 32 if family == "llama" else 16  # GPT-2's and BERT's learned tables: 16 rows
+  hf = tiny_hf(family, dtype=torch_dtype, attention=attention, positions=positions)
   if family == "llama" and dtype == jnp.float64:
     _float64_llama(hf)
   return hf, zoo_twin(hf, dtype)
