@@ -232,10 +232,7 @@ def _generate(
   batch, plen = prompt.shape
   n = max_new_tokens
   total = plen + n
-  shapes = jax.eval_shape(
-    lambda: module.init(jax.random.key(0), jnp.zeros((batch, total), jnp.int32), decode=True)
-  )
-  cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
+  cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _cache_shapes(module, batch, total))
   key_mask = jnp.concatenate([mask, jnp.ones((batch, n), mask.dtype)], axis=1)
   # int32 like the decode step counter they meet (a sum or cumsum would widen to int64 under
   # x64, and strict dtype promotion refuses the mix).
@@ -343,11 +340,16 @@ def _check_prompt(prompt, mask, module, max_new_tokens):
 
 
 @functools.lru_cache(maxsize=64)
-def _check_decoder(model: nn.Module) -> None:
-  """Raises ``no_kv_cache`` unless ``model`` keeps a KV cache (checked once per model)."""
+def _cache_shapes(model: nn.Module, batch: int, length: int):
+  """The shapes of ``model``'s ``cache`` collection for ``batch`` rows of ``length`` tokens.
+
+  Raises ``no_kv_cache`` unless ``model`` keeps a KV cache. It traces the model's ``init``
+  abstractly (about a second for a 30-layer model), so it is cached: ``generate`` checks the
+  model with it before compiling and reads the shapes from it while tracing.
+  """
   try:
     shapes = jax.eval_shape(
-      lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32), decode=True)
+      lambda: model.init(jax.random.key(0), jnp.zeros((batch, length), jnp.int32), decode=True)
     )
   except TypeError as err:
     raise InvalidArgumentError(
@@ -361,6 +363,7 @@ def _check_decoder(model: nn.Module) -> None:
       code="no_kv_cache",
       fix="a decoder of jaxlens.models (Llama, GPT2)",
     )
+  return shapes["cache"]
 
 
 @api_boundary
@@ -430,7 +433,7 @@ def generate(
       code="invalid_argument",
       fix="jl.generate(lm.model, lm.variables, prompt)",
     )
-  _check_decoder(model)
+  _cache_shapes(model, prompt.shape[0], prompt.shape[1] + max_new_tokens)
   greedy = temperature == 0
   if not greedy and not temperature > 0:
     raise InvalidArgumentError(
