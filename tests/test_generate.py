@@ -330,3 +330,26 @@ def test_bad_input_gets_typed_errors(llama):
   with pytest.raises(jl.InvalidArgumentError) as e:
     generate(model, variables, row, 2, temperature=1.0, top_p=0.0)
   assert e.value.code == "invalid_argument"
+
+
+def test_the_decoder_init_is_traced_once_per_model_and_cache_size(llama, monkeypatch):
+  # The check that the model keeps a KV cache and the cache's shapes come from one abstract
+  # init per (model, batch, cache length): a first generation on a model new to the process
+  # traces init once (it traced it twice, once for the check and once for the shapes), and a
+  # second one, the same shapes with a new steering value, traces none.
+  import dataclasses
+
+  base, variables = llama
+  model = Llama(dataclasses.replace(base.config, max_len=1234))  # max_len: documentation only
+  inits = []
+  real_init = Llama.init
+  monkeypatch.setattr(
+    Llama, "init", lambda self, *a, **k: inits.append(1) or real_init(self, *a, **k)
+  )
+  counts = []
+  for magnitude in (1.0, 2.0):
+    spec = jl.when(jl.module(SITE), jl.steer(_direction(0), magnitude))
+    out = generate(model, variables, TOKENS, N, attention_mask=MASK, intervene=spec)
+    counts.append(len(inits))
+  assert counts == [1, 1]
+  assert out.tokens.shape == (TOKENS.shape[0], N)
