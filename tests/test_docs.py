@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-# The files that load SmolLM2 (a cached load of about 5 s) run in one xdist worker.
+# The files that load SmolLM2 (a cached load of about 3 s) run in one xdist worker.
 pytestmark = pytest.mark.xdist_group("smollm2")
 CONTRACT = ROOT / "docs" / "gradient_contract.md"
 _EXPECTED = re.compile(r"^# docs-test: expected=(.*)$", re.M)

@@ -301,6 +301,13 @@ def test_loader_errors_name_the_tensor(llama):
   bad = {**tensors, "model.norm.weight": np.ones(7)}
   with pytest.raises(LoadError, match=r"\[tensor_shape\].*model.norm.weight.*\(7,\)"):
     params_from_hf(LLAMA, bad)
+  # A block's tensors are checked against the block's shapes, in the last block too.
+  up = tensors["model.layers.1.mlp.up_proj.weight"]
+  bad = {**tensors, "model.layers.1.mlp.up_proj.weight": up[:, :-1]}
+  with pytest.raises(LoadError, match=r"\[tensor_shape\].*model.layers.1.mlp.up_proj") as e:
+    params_from_hf(LLAMA, bad)
+  # (the shapes are the Flax kernel's: the torch weight transposed)
+  assert e.value.fields["expected"] == (32, 48) and e.value.fields["received"] == (31, 48)
   with pytest.raises(LoadError, match=r"\[unknown_architecture\].*'t5'"):
     config_from_hf({"model_type": "t5"})
   unprefixed = {k.removeprefix("model."): v for k, v in tensors.items()}
