@@ -61,14 +61,13 @@ def test_cone_sweep_equals_the_plain_sweep(family):
   site = "resid_pre" if family == "gpt2" else "resid_post"
   layers, positions = (0, 1, 2), (0, 2, 3, 6)
   cone = cone_sweep(model, variables, clean, corrupt, metric, positions=positions, site=site)
+  sites = tuple(f"blocks_{k}/{site}" for k in layers)
+  # A zoo model's default sites are the residual stream entering each block: GPT-2's sweep
+  # runs without sites=.
+  assert model.layer_sites() == tuple(f"blocks_{k}/resid_pre" for k in layers)
+  by_default = {} if site == "resid_pre" else {"sites": sites}
   plain = jl.sweep.patching_sweep(
-    model,
-    variables,
-    clean,
-    corrupt,
-    metric,
-    positions=positions,
-    sites=[f"blocks_{k}/{site}" for k in layers],
+    model, variables, clean, corrupt, metric, positions=positions, **by_default
   )
   np.testing.assert_allclose(cone, plain, atol=1e-5, rtol=1e-5)
   assert float(jnp.abs(plain - plain[:, :1]).max()) > 1e-2  # the cells differ

@@ -205,7 +205,12 @@ def test_gate_is_exactly_the_identity_or_the_edit():
       "metric_not_scalar",
       r"metric returned shape \(3,\)",
     ),
-    (dict(model="no_layers"), jl.InvalidArgumentError, "invalid_argument", "has no n_layers"),
+    (
+      dict(model="no_layers"),
+      jl.InvalidArgumentError,
+      "invalid_argument",
+      "has neither layer_sites",
+    ),
   ],
 )
 def test_errors(gpt, kwargs, error, code, match):

@@ -107,6 +107,23 @@ def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_
   return jnp.stack(grid)
 
 
+def _default_sites(model) -> tuple[str, ...]:
+  """A model's own per-layer sites (``model.layer_sites()``: the zoo's ``blocks_{i}/resid_pre``),
+  else ``block_0`` .. ``block_{L-1}`` from ``model.n_layers`` (the demo GPT)."""
+  own = getattr(model, "layer_sites", None)
+  if callable(own):
+    return tuple(own())
+  n_layers = getattr(model, "n_layers", None)
+  if n_layers is None:
+    raise InvalidArgumentError(
+      f"patching_sweep: a {type(model).__name__} has neither layer_sites() nor n_layers; name "
+      "the sites",
+      code="invalid_argument",
+      fix='patching_sweep(..., sites=("layers_0", "layers_1"))',
+    )
+  return layer_sites(n_layers)
+
+
 @api_boundary
 def patching_sweep(
   model,
@@ -130,15 +147,18 @@ def patching_sweep(
 
   Args:
     model: an unbound linen module whose sites ``sites`` return
-      ``(batch, seq, ...)`` values (``jaxlens.models.GPT``: ``"block_0"`` ..).
+      ``(batch, seq, ...)`` values (``jaxlens.models.GPT``: ``"block_0"`` ..; the zoo's
+      ``Llama``, ``GPT2``, ``Bert``: ``"blocks_0/resid_pre"`` ..).
     variables: its variables.
     clean: the input whose values are patched in, ``(batch, seq, ...)``.
     corrupt: the input that is run, of the same shape.
     metric: a function of the model output returning a scalar (for example the
       mean logit difference between the clean and the corrupt answer). It must be
       hashable; a module-level function avoids a recompile per call.
-    sites: the module paths to patch, in order (default: ``block_0`` ..
-      ``block_{L-1}`` from ``model.n_layers``).
+    sites: the module paths to patch, in order (default: the model's
+      ``layer_sites()``, which for the zoo's models is the residual stream entering
+      each block, ``blocks_{i}/resid_pre``; else ``block_0`` .. ``block_{L-1}`` from
+      ``model.n_layers``).
     positions: the sequence positions (default: all of them).
     batch_size: how many cells to run at once (default: all); bounds memory.
 
@@ -162,14 +182,7 @@ def patching_sweep(
     (1, 3)
   """
   if sites is None:
-    n_layers = getattr(model, "n_layers", None)
-    if n_layers is None:
-      raise InvalidArgumentError(
-        f"patching_sweep: a {type(model).__name__} has no n_layers; name the sites",
-        code="invalid_argument",
-        fix='patching_sweep(..., sites=("layers_0", "layers_1"))',
-      )
-    sites = layer_sites(n_layers)
+    sites = _default_sites(model)
   sites = tuple(sites)
   seq = jnp.shape(clean)[1] if jnp.ndim(clean) >= 2 else 0
   positions = tuple(range(seq)) if positions is None else tuple(int(p) for p in positions)

@@ -111,3 +111,13 @@ class RMSNorm(nn.Module):
     h = x.astype(softmax_dtype(self.dtype))
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
     return weight * h.astype(self.dtype)
+
+
+class LayerSites:
+  """The zoo families' per-layer sites (a mixin of their top-level modules)."""
+
+  @nn.nowrap
+  def layer_sites(self) -> tuple[str, ...]:
+    """``blocks_{i}/resid_pre`` for every block: the residual stream entering each block, which
+    :func:`jaxlens.sweep.patching_sweep` patches by default."""
+    return tuple(f"blocks_{i}/resid_pre" for i in range(self.config.n_layers))

@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxlens._src.named import named
-from jaxlens.models._layers import attend, attention_mask, layer_norm_options
+from jaxlens.models._layers import LayerSites, attend, attention_mask, layer_norm_options
 
 __all__ = ["Bert", "BertAttention", "BertBlock", "BertConfig", "BertMLP", "mean_pool"]
 
@@ -113,7 +113,7 @@ class BertBlock(nn.Module):
     return named(_norm(cfg, "ln_2")(h + m), "resid_post")
 
 
-class Bert(nn.Module):
+class Bert(LayerSites, nn.Module):
   """A BERT encoder.
 
   Methods (pass ``method=`` to ``apply`` or to a jaxlens door):

@@ -17,7 +17,13 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxlens._src.named import named
-from jaxlens.models._layers import attend, attention_mask, cached_keys_values, layer_norm_options
+from jaxlens.models._layers import (
+  LayerSites,
+  attend,
+  attention_mask,
+  cached_keys_values,
+  layer_norm_options,
+)
 
 __all__ = ["GPT2", "GPT2MLP", "GPT2Attention", "GPT2Block", "GPT2Config"]
 
@@ -136,7 +142,7 @@ class GPT2Block(nn.Module):
     return named(x + m, "resid_post")
 
 
-class GPT2(nn.Module):
+class GPT2(LayerSites, nn.Module):
   """GPT-2. Call: ``(tokens, attention_mask=None, positions=None, decode=False) -> logits``;
   the arguments are those of :class:`jaxlens.models.llama.Llama`."""
 

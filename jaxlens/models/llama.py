@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from jaxlens._src.named import named
 from jaxlens.models._layers import (
+  LayerSites,
   RMSNorm,
   attend,
   attention_mask,
@@ -186,7 +187,7 @@ class LlamaBlock(nn.Module):
     return named(x + m, "resid_post")
 
 
-class Llama(nn.Module):
+class Llama(LayerSites, nn.Module):
   """A Llama-family causal language model.
 
   Call: ``model.apply(variables, tokens, attention_mask=None, positions=None, decode=False)``
