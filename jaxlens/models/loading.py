@@ -261,8 +261,8 @@ def _as_numpy(x):
 
 def _param_shapes(config):
   """``(shapes, block)``: the zoo params' shapes for ``config`` outside the blocks, and one
-  block's. Every block of a family has the same shapes, so a one-block model is traced: the
-  abstract ``init`` of SmolLM2's 30 blocks took about 1.3 s of a 5 s load."""
+  block's. Every block of a family has the same shapes, so a one-block model is traced (0.02 s;
+  the abstract ``init`` of SmolLM2's 30 blocks takes 0.5-0.8 s)."""
   model = model_for(dataclasses.replace(config, n_layers=1))
   init = functools.partial(model.init, method="pool") if isinstance(model, Bert) else model.init
   shapes = dict(jax.eval_shape(init, jax.random.key(0), jnp.zeros((1, 2), jnp.int32))["params"])
