@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlens._src.named import named
+from jaxlens._src.sweep import layer_sites
 
 
 def softmax_dtype(dtype) -> Any:
@@ -120,4 +121,4 @@ class LayerSites:
   def layer_sites(self) -> tuple[str, ...]:
     """``blocks_{i}/resid_pre`` for every block: the residual stream entering each block, which
     :func:`jaxlens.sweep.patching_sweep` patches by default."""
-    return tuple(f"blocks_{i}/resid_pre" for i in range(self.config.n_layers))
+    return layer_sites(self.config.n_layers, "blocks_{}/resid_pre")
