@@ -38,6 +38,8 @@ from jaxlens._src.runtime import no_grad as no_grad
 from jaxlens._src.sites import Site as Site
 from jaxlens._src.sites import all_sites as all_sites
 from jaxlens._src.program import clear_caches as clear_caches
+from jaxlens._src.compile_cache import compilation_cache_dir as compilation_cache_dir
+from jaxlens._src.compile_cache import set_compilation_cache as set_compilation_cache
 from jaxlens._src.sites import func as func
 from jaxlens._src.sites import in_module as in_module
 from jaxlens._src.sites import label as label
@@ -99,6 +101,8 @@ __all__ = sorted(
     "generation",
     "generate",
     "at_steps",
+    "compilation_cache_dir",
+    "set_compilation_cache",
   }
 )
 
@@ -114,3 +118,10 @@ def _set_public_module():
 
 _set_public_module()
 del _set_public_module
+
+# JAX's persistent compilation cache in a per-user directory, unless the environment or JAX's
+# config already chose (jaxlens._src.compile_cache).
+from jaxlens._src.compile_cache import _configure_at_import  # noqa: E402
+
+_configure_at_import()
+del _configure_at_import
