@@ -1,0 +1,417 @@
+"""Dictionary files: SAELens's directory format both ways, and the Gemma Scope layout.
+
+SAELens (``SAE.save_model`` / ``SAE.load_from_disk``) writes a directory of
+``cfg.json`` (the config's fields, ``"architecture"`` and ``"metadata"``) and
+``sae_weights.safetensors`` (the state dict: ``W_enc (d_in, d_sae)``, ``b_enc``,
+``W_dec (d_sae, d_out)``, ``b_dec``, and ``threshold`` / ``W_skip`` where the
+architecture has them). Gemma Scope publishes ``params.npz`` (or a safetensors file)
+with the same tensors (lower-case names in its later releases) and no config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlens._optional import require
+from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder
+
+__all__ = ["load_saelens", "save_saelens", "load_gemma_scope"]
+
+CFG = "cfg.json"
+WEIGHTS = "sae_weights.safetensors"
+# The SAELens release whose format this module writes (its cfg.json "metadata" carries it,
+# and SAELens reads configs without it as pre-6.0 ones).
+SAELENS_VERSION = "6.54.12"
+
+# architecture -> (class, activation, has a skip connection)
+_ARCHITECTURES = {
+  "standard": (SAE, "relu", False),
+  "jumprelu": (SAE, "jumprelu", False),
+  "topk": (SAE, "topk", False),
+  "batchtopk": (SAE, "batchtopk", False),
+  "transcoder": (Transcoder, "relu", False),
+  "skip_transcoder": (Transcoder, "relu", True),
+  "jumprelu_transcoder": (Transcoder, "jumprelu", False),
+  "jumprelu_skip_transcoder": (Transcoder, "jumprelu", True),
+}
+_DTYPES = {
+  "float32": jnp.float32,
+  "float64": jnp.float64,
+  "float16": jnp.float16,
+  "bfloat16": jnp.bfloat16,
+}
+
+
+def _safetensors():
+  return require("safetensors", feature="jaxlens.sae files", extra="sae")
+
+
+def _dtype(name, field="dtype"):
+  text = str(name).removeprefix("torch.")
+  if text not in _DTYPES:
+    raise SAEError(
+      f"{field}={name!r} is not a float dtype jaxlens reads ({sorted(_DTYPES)})",
+      code="sae_config_invalid",
+      field=field,
+      fix='"dtype": "float32"',
+    )
+  return _DTYPES[text]
+
+
+def _read_tensors(path: Path) -> dict:
+  _safetensors()
+  from safetensors import SafetensorError, safe_open
+
+  try:
+    with safe_open(str(path), framework="flax") as f:
+      return {k: f.get_tensor(k) for k in f.keys()}
+  except (SafetensorError, OSError, ValueError) as error:
+    raise SAEError(
+      f"{path} is not a readable safetensors file: {error}",
+      code="sae_weights_invalid",
+      field=path.name,
+      fix="save the dictionary again",
+    ) from error
+
+
+def _config_field(cfg, name, kind, path, default=...):
+  if name not in cfg:
+    if default is not ...:
+      return default
+    raise SAEError(
+      f"{path} has no {name!r}",
+      code="sae_config_invalid",
+      field=name,
+      fix=f"add {name!r} to {CFG}",
+    )
+  value = cfg[name]
+  if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+    raise SAEError(
+      f"{path}: {name}={value!r} must be a positive integer",
+      code="sae_config_invalid",
+      field=name,
+      fix=f'"{name}": 128',
+    )
+  if kind is bool and not isinstance(value, bool):
+    raise SAEError(
+      f"{path}: {name}={value!r} must be true or false",
+      code="sae_config_invalid",
+      field=name,
+      fix=f'"{name}": false',
+    )
+  return value
+
+
+def _pre_6_0(cfg: dict) -> dict:
+  """SAELens's renames of configs older than 6.0 (``handle_pre_6_0_config``)."""
+  renames = {"hook_point": "hook_name", "activation_fn_str": "activation_fn"}
+  cfg = {renames.get(k, k): v for k, v in cfg.items()}
+  cfg.setdefault("architecture", "standard")
+  kwargs = cfg.get("activation_fn_kwargs") or {}
+  if cfg.get("activation_fn") == "topk" and kwargs.get("k") is not None:
+    cfg["architecture"] = "topk"
+    cfg["k"] = kwargs["k"]
+  return cfg
+
+
+def load_saelens(path, *, dtype=None):
+  """Reads a dictionary saved by SAELens (``sae.save_model(path)``) or :func:`save_saelens`.
+
+  Args:
+    path: the directory holding ``cfg.json`` and ``sae_weights.safetensors``.
+    dtype: the dtype to load in (default: the config's ``"dtype"``).
+
+  Returns:
+    An :class:`SAE` (architectures ``standard``, ``jumprelu``, ``topk``, ``batchtopk``)
+    or a :class:`Transcoder` (``transcoder``, ``skip_transcoder``, ``jumprelu_transcoder``,
+    ``jumprelu_skip_transcoder``).
+
+  Raises:
+    SAEError: ``sae_file_missing`` (no such directory or file), ``sae_config_invalid``
+      (a missing or malformed config field, named in ``fields["field"]``),
+      ``sae_architecture_unsupported``, ``sae_weights_invalid`` (a missing tensor or one
+      of the wrong shape, named in ``fields["field"]``).
+  """
+  root = Path(path)
+  for name in (CFG, WEIGHTS):
+    if not (root / name).is_file():
+      raise SAEError(
+        f"{root} has no {name}: not a SAELens dictionary directory",
+        code="sae_file_missing",
+        field=name,
+        fix="the directory SAELens's sae.save_model(path) wrote",
+      )
+  try:
+    cfg = json.loads((root / CFG).read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    raise SAEError(
+      f"{root / CFG} is not JSON: {error}",
+      code="sae_config_invalid",
+      field=CFG,
+      fix="save the dictionary again",
+    ) from error
+  if not isinstance(cfg, dict):
+    raise SAEError(
+      f"{root / CFG} holds a {type(cfg).__name__}, not an object",
+      code="sae_config_invalid",
+      field=CFG,
+      fix="save the dictionary again",
+    )
+  metadata = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
+  version = str(cfg.get("sae_lens_version") or metadata.get("sae_lens_version") or "")
+  major = version.split(".")[0]
+  if not major.isdigit() or int(major) < 6:
+    cfg = _pre_6_0(cfg)
+  arch = cfg.get("architecture", "standard")
+  if arch not in _ARCHITECTURES:
+    raise SAEError(
+      f"{root / CFG}: architecture {arch!r} is not one jaxlens reads ({sorted(_ARCHITECTURES)})",
+      code="sae_architecture_unsupported",
+      field="architecture",
+      fix="convert it to one of those architectures in SAELens first",
+    )
+  cls, activation, skip = _ARCHITECTURES[arch]
+  d_in = _config_field(cfg, "d_in", int, root / CFG)
+  d_sae = _config_field(cfg, "d_sae", int, root / CFG)
+  d_out = _config_field(cfg, "d_out", int, root / CFG) if cls is Transcoder else d_in
+  apply_b_dec = _config_field(cfg, "apply_b_dec_to_input", bool, root / CFG, default=cls is SAE)
+  norm = cfg.get("normalize_activations", "none") or "none"
+  target = _dtype(dtype if dtype is not None else cfg.get("dtype", "float32"))
+  tensors = _read_tensors(root / WEIGHTS)
+  if "log_threshold" in tensors and "threshold" not in tensors:
+    tensors["threshold"] = jnp.exp(tensors.pop("log_threshold"))
+  meta = dict(metadata)
+  if arch == "batchtopk" and "topk_threshold" in tensors:
+    meta["topk_threshold"] = float(np.asarray(tensors["topk_threshold"], np.float64))
+  names = ["W_enc", "b_enc", "W_dec", "b_dec"]
+  if activation == "jumprelu":
+    names.append("threshold")
+  if skip:
+    names.append("W_skip")
+  shapes = {
+    "W_enc": (d_in, d_sae),
+    "b_enc": (d_sae,),
+    "W_dec": (d_sae, d_out),
+    "b_dec": (d_out,),
+    "threshold": (d_sae,),
+    "W_skip": (d_out, d_in),
+  }
+  arrays = {}
+  for name in names:
+    if name not in tensors:
+      raise SAEError(
+        f"{root / WEIGHTS} has no tensor {name!r} (architecture {arch!r} needs {names})",
+        code="sae_weights_invalid",
+        field=name,
+        fix="save the dictionary again",
+      )
+    value = tensors[name]
+    if tuple(value.shape) != shapes[name]:
+      raise SAEError(
+        f"{root / WEIGHTS}: {name} has shape {tuple(value.shape)}, but {CFG} gives {shapes[name]}",
+        code="sae_weights_invalid",
+        field=name,
+        expected=str(shapes[name]),
+        received=str(tuple(value.shape)),
+        fix="the config and the weights of one save",
+      )
+    arrays[name] = value.astype(target)
+  config = dict(
+    activation=activation,
+    apply_b_dec_to_input=apply_b_dec,
+    normalize_activations=norm,
+    reshape_activations=cfg.get("reshape_activations", "none") or "none",
+    metadata_json=json.dumps(meta, sort_keys=True, default=str),
+  )
+  if activation in ("topk", "batchtopk"):
+    k = cfg.get("k")
+    if isinstance(k, bool) or not isinstance(k, (int, float)) or k <= 0:
+      raise SAEError(
+        f"{root / CFG}: k={k!r} must be a positive number for architecture {arch!r}",
+        code="sae_config_invalid",
+        field="k",
+        fix='"k": 32',
+      )
+    config["k"] = int(k) if activation == "topk" else float(k)
+    config["rescale_acts_by_decoder_norm"] = bool(cfg.get("rescale_acts_by_decoder_norm", False))
+  return cls(**arrays, **config)
+
+
+def _config_dict(sae) -> tuple[str, dict]:
+  if isinstance(sae, Transcoder):
+    arch = {"relu": "transcoder", "jumprelu": "jumprelu_transcoder"}.get(sae.activation)
+    if arch is not None and sae.W_skip is not None:
+      arch = arch.replace("transcoder", "skip_transcoder")
+  elif isinstance(sae, SAE):
+    arch = {"relu": "standard", "jumprelu": "jumprelu", "topk": "topk"}.get(sae.activation)
+  else:
+    arch = None
+  if arch is None:
+    fix = (
+      "sae.to_jumprelu(threshold) (SAELens saves BatchTopK SAEs as JumpReLU ones)"
+      if getattr(sae, "activation", None) == "batchtopk"
+      else "an SAE or Transcoder with an activation SAELens has"
+    )
+    raise SAEError(
+      f"SAELens has no inference architecture for {type(sae).__name__} with activation "
+      f"{getattr(sae, 'activation', None)!r}",
+      code="sae_architecture_unsupported",
+      field="architecture",
+      fix=fix,
+    )
+  metadata = {**sae.metadata}
+  metadata.setdefault("sae_lens_version", SAELENS_VERSION)
+  metadata.setdefault("sae_lens_training_version", SAELENS_VERSION)
+  dtype = jnp.dtype(sae.dtype).name
+  cfg = {
+    "d_in": sae.d_in,
+    "d_sae": sae.d_sae,
+    "dtype": dtype,
+    "device": "cpu",
+    "apply_b_dec_to_input": bool(sae.apply_b_dec_to_input),
+    "normalize_activations": sae.normalize_activations,
+    "reshape_activations": sae.reshape_activations,
+    "metadata": metadata,
+    "architecture": arch,
+  }
+  if arch == "topk":
+    cfg["k"] = int(sae.k)
+    cfg["rescale_acts_by_decoder_norm"] = bool(sae.rescale_acts_by_decoder_norm)
+  if isinstance(sae, Transcoder):
+    cfg["d_out"] = sae.d_out
+  return arch, cfg
+
+
+def save_saelens(sae, path) -> Path:
+  """Writes ``sae`` as SAELens's directory format (``SAE.load_from_disk(path)`` reads it).
+
+  The directory is written atomically: the files go to a temporary sibling that
+  replaces ``path`` once complete (an existing directory is replaced only if it holds
+  a dictionary).
+
+  Raises:
+    SAEError: ``sae_architecture_unsupported`` (a dictionary SAELens has no class for:
+      a BatchTopK SAE, which SAELens saves as JumpReLU: ``sae.to_jumprelu(t)``),
+      ``sae_file_exists`` (``path`` is a file, or a non-empty directory without
+      ``cfg.json``).
+  """
+  arch, cfg = _config_dict(sae)
+  root = Path(path)
+  if root.exists() and (not root.is_dir() or (any(root.iterdir()) and not (root / CFG).is_file())):
+    raise SAEError(
+      f"{root} exists and is not a dictionary directory: refusing to replace it",
+      code="sae_file_exists",
+      field=str(root),
+      fix="a new or empty directory",
+    )
+  names = ["W_enc", "b_enc", "W_dec", "b_dec"]
+  if "jumprelu" in arch:
+    names.append("threshold")
+  if "skip" in arch:
+    names.append("W_skip")
+  _safetensors()
+  from safetensors.flax import save_file
+
+  root.parent.mkdir(parents=True, exist_ok=True)
+  tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+  try:
+    save_file({n: jnp.asarray(getattr(sae, n)) for n in names}, str(tmp / WEIGHTS))
+    (tmp / CFG).write_text(json.dumps(cfg, indent=2))
+    if root.exists():
+      old = root.with_name(f".{root.name}.old")
+      os.replace(root, old)
+      os.replace(tmp, root)
+      for f in old.iterdir():
+        f.unlink()
+      old.rmdir()
+    else:
+      os.replace(tmp, root)
+  finally:
+    if tmp.exists():
+      for f in tmp.iterdir():
+        f.unlink()
+      tmp.rmdir()
+  return root
+
+
+def load_gemma_scope(path, *, dtype=jnp.float32, apply_b_dec_to_input: bool = False):
+  """Reads a Gemma Scope dictionary: ``params.npz`` or a ``.safetensors`` file.
+
+  Tensors ``W_enc (d_in, d_sae)``, ``W_dec (d_sae, d_out)``, ``b_enc``, ``b_dec`` and
+  ``threshold`` (any case: ``w_enc`` in the later releases); with ``threshold`` the
+  dictionary is a JumpReLU one. ``d_out != d_in`` (or a ``W_skip`` of shape
+  ``(d_out, d_in)``) makes a :class:`Transcoder`. Gemma Scope encodes ``x`` itself, not
+  ``x - b_dec`` (``apply_b_dec_to_input=False``, as SAELens's loader sets).
+
+  Raises:
+    SAEError: ``sae_file_missing``, ``sae_weights_invalid`` (a missing or misshapen
+      tensor, named in ``fields["field"]``).
+  """
+  path = Path(path)
+  if path.is_dir():
+    found = [path / "params.npz", *sorted(path.glob("*.safetensors"))]
+    found = [p for p in found if p.is_file()]
+    if not found:
+      raise SAEError(
+        f"{path} holds neither params.npz nor a .safetensors file",
+        code="sae_file_missing",
+        field="params.npz",
+        fix="the directory of one Gemma Scope dictionary",
+      )
+    path = found[0]
+  if not path.is_file():
+    raise SAEError(
+      f"no file {path}",
+      code="sae_file_missing",
+      field=path.name,
+      fix="the path of params.npz or of the .safetensors file",
+    )
+  if path.suffix == ".npz":
+    try:
+      with np.load(path) as npz:
+        raw = {k: jnp.asarray(npz[k]) for k in npz.files}
+    except (OSError, ValueError) as error:
+      raise SAEError(
+        f"{path} is not a readable npz file: {error}",
+        code="sae_weights_invalid",
+        field=path.name,
+        fix="download the file again",
+      ) from error
+  else:
+    raw = _read_tensors(path)
+  tensors = {}
+  for key, value in raw.items():
+    canonical = {"w_enc": "W_enc", "w_dec": "W_dec", "w_skip": "W_skip"}.get(key.lower(), key)
+    tensors[canonical] = value
+  for name in ("W_enc", "W_dec", "b_enc", "b_dec"):
+    if name not in tensors:
+      raise SAEError(
+        f"{path} has no tensor {name!r} (found {sorted(raw)})",
+        code="sae_weights_invalid",
+        field=name,
+        fix="a Gemma Scope params file (W_enc, W_dec, b_enc, b_dec, threshold)",
+      )
+  if tensors["W_enc"].ndim != 2:
+    raise SAEError(
+      f"{path}: W_enc has shape {tuple(tensors['W_enc'].shape)}, expected (d_in, d_sae)",
+      code="sae_weights_invalid",
+      field="W_enc",
+      fix="a Gemma Scope params file",
+    )
+  arrays = {n: tensors[n].astype(dtype) for n in ("W_enc", "W_dec", "b_enc", "b_dec")}
+  jump = "threshold" in tensors
+  if jump:
+    arrays["threshold"] = tensors["threshold"].astype(dtype)
+  transcoder = "W_skip" in tensors or arrays["W_dec"].shape[-1] != arrays["W_enc"].shape[0]
+  config = {"activation": "jumprelu" if jump else "relu"}
+  if transcoder:
+    if "W_skip" in tensors:
+      arrays["W_skip"] = tensors["W_skip"].astype(dtype)
+    return Transcoder(**arrays, **config)
+  return SAE(**arrays, apply_b_dec_to_input=apply_b_dec_to_input, **config)

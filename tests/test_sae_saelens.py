@@ -1,0 +1,179 @@
+"""jaxlens.sae against SAELens itself (torch): files both ways, the same forward for every
+architecture, and one training step's loss terms and gradients.
+
+Every test that imports sae_lens is in this file (its import costs seconds), in one xdist group.
+"""
+
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+from jaxlens import sae as jsae
+
+torch = pytest.importorskip("torch")
+sae_lens = pytest.importorskip("sae_lens")
+
+pytestmark = pytest.mark.xdist_group("saelens")
+
+D_IN, D_SAE, D_OUT = 6, 16, 5
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _randomise(model, seed):
+  """Random weights (and positive thresholds) in every parameter of a SAELens module."""
+  g = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      value = torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.5
+      if name == "threshold":
+        value = value.abs() * 0.5
+      p.copy_(value)
+  return model
+
+
+def _make(arch, seed=0, **cfg):
+  from sae_lens import (
+    JumpReLUSAE,
+    JumpReLUSAEConfig,
+    JumpReLUSkipTranscoder,
+    JumpReLUSkipTranscoderConfig,
+    JumpReLUTranscoder,
+    JumpReLUTranscoderConfig,
+    SkipTranscoder,
+    SkipTranscoderConfig,
+    StandardSAE,
+    StandardSAEConfig,
+    TopKSAE,
+    TopKSAEConfig,
+    Transcoder,
+    TranscoderConfig,
+  )
+
+  classes = {
+    "standard": (StandardSAE, StandardSAEConfig),
+    "jumprelu": (JumpReLUSAE, JumpReLUSAEConfig),
+    "topk": (TopKSAE, TopKSAEConfig),
+    "transcoder": (Transcoder, TranscoderConfig),
+    "skip_transcoder": (SkipTranscoder, SkipTranscoderConfig),
+    "jumprelu_transcoder": (JumpReLUTranscoder, JumpReLUTranscoderConfig),
+    "jumprelu_skip_transcoder": (JumpReLUSkipTranscoder, JumpReLUSkipTranscoderConfig),
+  }
+  cls, cfg_cls = classes[arch]
+  if "transcoder" in arch:
+    cfg = {"d_out": D_OUT, "apply_b_dec_to_input": False, **cfg}
+  return _randomise(cls(cfg_cls(d_in=D_IN, d_sae=D_SAE, **cfg)), seed).eval()
+
+
+CASES = [
+  ("standard", {}),
+  ("standard", {"apply_b_dec_to_input": False}),
+  ("standard", {"normalize_activations": "constant_norm_rescale"}),
+  ("standard", {"normalize_activations": "layer_norm"}),
+  ("jumprelu", {}),
+  ("topk", {"k": 4}),
+  ("topk", {"k": 3, "rescale_acts_by_decoder_norm": True}),
+  ("transcoder", {}),
+  ("skip_transcoder", {}),
+  ("jumprelu_transcoder", {}),
+  ("jumprelu_skip_transcoder", {}),
+]
+
+
+@pytest.fixture(scope="module")
+def x():
+  return np.random.default_rng(0).normal(size=(3, 4, D_IN)).astype(np.float32) * 2.0
+
+
+def _agree(ref, ours, x):
+  """encode, decode and forward of SAELens's ``ref`` and jaxlens's ``ours`` on ``x``."""
+  xt = torch.from_numpy(x)
+  with torch.no_grad():
+    acts = ref.encode(xt)
+    recon = ref.decode(acts) if not hasattr(ref, "W_skip") else None
+    out = ref(xt)
+  ours_acts = ours.encode(x)
+  assert rel(ours_acts, acts.numpy()) <= 1e-6
+  assert int((np.asarray(ours_acts) != 0).sum()) == int((acts != 0).sum())
+  if recon is not None:
+    assert rel(ours.decode(jnp.asarray(acts.numpy()), x), recon.numpy()) <= 1e-6
+  assert rel(ours(x), out.numpy()) <= 1e-6
+
+
+@pytest.mark.parametrize("arch, cfg", CASES, ids=[f"{a}-{'-'.join(c)}" for a, c in CASES])
+def test_saved_by_saelens_loads_and_agrees(arch, cfg, x, tmp_path):
+  ref = _make(arch, **cfg)
+  ref.save_model(tmp_path / "d")
+  ours = jsae.load_saelens(tmp_path / "d")
+  expected_cls = jsae.Transcoder if "transcoder" in arch else jsae.SAE
+  assert type(ours) is expected_cls
+  assert ours.W_enc.dtype == jnp.float32 and ours.d_sae == D_SAE
+  _agree(ref, ours, x)
+
+
+@pytest.mark.parametrize("arch, cfg", CASES, ids=[f"{a}-{'-'.join(c)}" for a, c in CASES])
+def test_saved_by_jaxlens_loads_in_saelens(arch, cfg, x, tmp_path):
+  ours = jsae.load_saelens(_saved(arch, cfg, tmp_path / "ref"))
+  jsae.save_saelens(ours, tmp_path / "ours")
+  back = sae_lens.SAE.load_from_disk(str(tmp_path / "ours")).eval()
+  assert back.cfg.architecture() == arch
+  assert back.cfg.d_sae == D_SAE
+  _agree(back, ours, x)
+
+
+def _saved(arch, cfg, path):
+  _make(arch, seed=1, **cfg).save_model(path)
+  return path
+
+
+def test_batchtopk_training_sae_agrees_and_saves_as_jumprelu(x, tmp_path):
+  from sae_lens import BatchTopKTrainingSAE, BatchTopKTrainingSAEConfig
+
+  ref = _randomise(
+    BatchTopKTrainingSAE(
+      BatchTopKTrainingSAEConfig(d_in=D_IN, d_sae=D_SAE, k=3.0, rescale_acts_by_decoder_norm=False)
+    ),
+    2,
+  )
+  flat = x.reshape(-1, D_IN)
+  with torch.no_grad():
+    acts = ref.encode(torch.from_numpy(flat))
+  ours = jsae.SAE(
+    *(jnp.asarray(getattr(ref, n).detach().numpy()) for n in ("W_enc", "b_enc", "W_dec", "b_dec")),
+    activation="batchtopk",
+    k=3.0,
+  )
+  assert rel(ours.encode(flat), acts.numpy()) <= 1e-6
+  assert int((np.asarray(ours.encode(flat)) != 0).sum()) == 3 * flat.shape[0]
+  # SAELens's inference save of a BatchTopK SAE is a JumpReLU one with the running threshold.
+  with torch.no_grad():
+    ref.topk_threshold.fill_(0.25)
+  ref.save_inference_model(tmp_path / "inf")
+  loaded = jsae.load_saelens(tmp_path / "inf")
+  assert loaded.activation == "jumprelu"
+  np.testing.assert_allclose(loaded.threshold, 0.25, rtol=1e-7)
+  assert rel(loaded.encode(flat), ours.to_jumprelu(0.25).encode(flat)) <= 1e-6
+  # Its training save (architecture "batchtopk") loads as a BatchTopK SAE.
+  ref.save_model(tmp_path / "train")
+  again = jsae.load_saelens(tmp_path / "train")
+  assert again.activation == "batchtopk" and again.k == 3.0
+  assert again.metadata["topk_threshold"] == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_other_dtypes_round_trip(dtype, x, tmp_path):
+  ref = _make("standard", seed=3, dtype=dtype)
+  ref.save_model(tmp_path / "d")
+  ours = jsae.load_saelens(tmp_path / "d")
+  assert ours.dtype == jnp.dtype(dtype)
+  jsae.save_saelens(ours, tmp_path / "back")
+  back = sae_lens.SAE.load_from_disk(str(tmp_path / "back"))
+  assert str(back.W_enc.dtype) == f"torch.{dtype}"
+  with torch.no_grad():
+    want = back(torch.from_numpy(x).to(getattr(torch, dtype))).float().numpy()
+  tol = {"float16": 2e-2, "bfloat16": 1e-1, "float64": 1e-12}[dtype]
+  assert rel(np.asarray(ours(x).astype(jnp.float32)), want) <= tol
