@@ -194,11 +194,16 @@ def _forward(module, variables, cache, tokens, key_mask, positions, spec: Spec, 
   try:
     if spec.rules:
       logits, updated = spec.bind(module, mutable=["cache"])(
-        {**variables, "cache": cache}, tokens, key_mask, positions, decode=True
+        {**variables, "cache": cache}, tokens, key_mask, positions=positions, decode=True
       )
     else:
       logits, updated = module.apply(
-        {**variables, "cache": cache}, tokens, key_mask, positions, decode=True, mutable=["cache"]
+        {**variables, "cache": cache},
+        tokens,
+        key_mask,
+        positions=positions,
+        decode=True,
+        mutable=["cache"],
       )
   finally:
     _CALL.index = None
@@ -248,8 +253,11 @@ def _generate(
     stopped = done | jnp.isin(tok, stops) if has_stops else done
     return tok, stopped
 
+  # Padding is never attended to, but an id outside the vocabulary there would embed as NaN
+  # (see jaxlens.models), and NaN times a zero attention weight is NaN: feed id 0 instead.
+  ids = jnp.where(mask != 0, prompt, jnp.zeros((), prompt.dtype))
   logits, cache, prefill_saved = _forward(
-    module, variables, cache, prompt, key_mask, positions, prefill_spec, save, 0
+    module, variables, cache, ids, key_mask, positions, prefill_spec, save, 0
   )
   last = logits[:, -1]
   done0 = jnp.zeros((batch,), bool)
@@ -303,6 +311,13 @@ def _check_prompt(prompt, mask, module, max_new_tokens):
       code="shape_mismatch",
       fix="prompt = jnp.asarray([[1, 2, 3]], jnp.int32)",
     )
+  if jnp.shape(prompt)[1] == 0:
+    raise ShapeError(
+      f"generate: the prompt has no tokens (shape {jnp.shape(prompt)}); the first new token "
+      "is chosen by the prompt's last one",
+      code="shape_mismatch",
+      fix="a prompt of at least one token, e.g. a BOS token: jnp.asarray([[bos_id]])",
+    )
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise InvalidArgumentError(
       f"max_new_tokens must be a positive int, got {max_new_tokens!r}",
@@ -325,17 +340,30 @@ def _check_prompt(prompt, mask, module, max_new_tokens):
         code="not_left_padded",
         fix="tokens, mask = jl.generation.left_pad(list_of_token_lists)",
       )
-  max_len = getattr(getattr(module, "config", None), "max_len", None)
-  if (
-    type(module).__name__ == "GPT2"
-    and max_len is not None
-    and jnp.shape(prompt)[1] + max_new_tokens > max_len
-  ):
+  config = getattr(module, "config", None)
+  vocab = getattr(config, "vocab_size", None)
+  if isinstance(vocab, int) and not isinstance(prompt, jax.core.Tracer):
+    # (A traced prompt is checked by the zoo's models themselves: a bad id gives NaN logits.)
+    ids = np.asarray(prompt)
+    bad = ((ids < 0) | (ids >= vocab)) & (np.asarray(mask) != 0)
+    if bad.any():
+      where = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise InvalidArgumentError(
+        f"generate: prompt token id {int(ids[where])} at {where} is outside the model's "
+        f"vocabulary [0, {vocab})",
+        code="index_out_of_range",
+        site="embed",
+        fix=f"ids in [0, {vocab}) (a tokenizer that matches the model)",
+      )
+  max_len = getattr(config, "max_len", None)
+  if isinstance(max_len, int) and jnp.shape(prompt)[1] + max_new_tokens > max_len:
     raise InvalidArgumentError(
       f"generate: prompt length {jnp.shape(prompt)[1]} + {max_new_tokens} new tokens exceeds "
-      f"the model's {max_len} learned positions",
+      f"the model's context of {max_len} (config.max_len)",
       code="index_out_of_range",
-      fix=f"max_new_tokens <= {max_len - jnp.shape(prompt)[1]}",
+      fix=f"max_new_tokens <= {max_len - jnp.shape(prompt)[1]}"
+      if jnp.shape(prompt)[1] < max_len
+      else f"a prompt of fewer than {max_len} tokens",
     )
 
 
@@ -395,8 +423,9 @@ def generate(
       :class:`jaxlens.models.GPT2`) or any linen module with their call signature
       ``(tokens, attention_mask, positions, decode=)`` and a ``cache`` collection.
     variables: its variables (``{"params": ...}``).
-    prompt: int ``(batch, prompt_len)`` token ids; rows of different lengths are left-padded
-      (:func:`left_pad`) with ``attention_mask`` marking the real tokens.
+    prompt: int ``(batch, prompt_len)`` token ids, ``prompt_len >= 1``; rows of different
+      lengths are left-padded (:func:`left_pad`) with ``attention_mask`` marking the real
+      tokens (the padding's ids are not read).
     max_new_tokens: how many tokens to generate (static: a new value recompiles).
     attention_mask: ``(batch, prompt_len)``, nonzero for real tokens (default: all real).
     intervene: a spec (``jl.when(site, verb)``, or a list) live in every call.
@@ -419,7 +448,8 @@ def generate(
 
   Raises:
     InvalidArgumentError: ``invalid_argument``, ``not_left_padded``, ``index_out_of_range``
-      (more tokens than a GPT-2's positions), ``no_kv_cache``; ``unknown_site`` for a spec
+      (a prompt id outside the vocabulary, or more tokens than the model's ``max_len``),
+      ``no_kv_cache``; ``unknown_site`` for a spec
       or ``save`` selector matching nothing. :class:`ShapeError` ``shape_mismatch``.
   """
   prompt = jnp.asarray(prompt)

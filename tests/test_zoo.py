@@ -198,7 +198,7 @@ def test_padding_masks(family):
   if name == "bert":  # right padding: the real positions keep their hidden states
     padded = jnp.concatenate([row, jnp.zeros((1, pad), jnp.int32)], 1)
     mask = jnp.asarray([[1] * 5 + [0] * pad])
-    out = model.apply(variables, padded, None, mask)
+    out = model.apply(variables, padded, attention_mask=mask)
     np.testing.assert_allclose(out[:, :5], model.apply(variables, row), atol=1e-10)
     emb = model.apply(variables, padded, mask, method="sentence_embedding")
     np.testing.assert_allclose(

@@ -400,6 +400,12 @@ def capture(
   save_inputs: bool = False,
 ) -> Captured:
   """Builds the program of a model call, checks the rules against it, and evaluates it."""
+  # The program is built from abstract inputs, so a model's own checks of concrete input
+  # values (the zoo's token ids) cannot run inside it: a model that has them offers
+  # check_inputs, called here with the concrete inputs.
+  check = getattr(getattr(call, "module", None), "check_inputs", None)
+  if callable(check):
+    check(*inputs, **kwargs)
   disabled = runtime.grad_disabled()
   if disabled:
     variables, inputs = runtime.stop(variables), runtime.stop(inputs)

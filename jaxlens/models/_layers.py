@@ -11,7 +11,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxlens._src.errors import InvalidArgumentError, ShapeError
 from jaxlens._src.named import named
 from jaxlens._src.sweep import layer_sites
 
@@ -31,6 +33,62 @@ def layer_norm_options(dtype) -> dict:
   if jnp.dtype(dtype).itemsize >= 4 and "force_float32_reductions" in fields:
     return {"force_float32_reductions": False}
   return {}
+
+
+def check_ids(ids, n: int, what: str, site: str) -> None:
+  """Refuses ids that index no row of a table of ``n`` (an embedding): a float or non-array
+  ``ids``, and, when they are concrete, an id outside ``[0, n)`` (``index_out_of_range``).
+
+  Traced ids cannot be checked; :func:`lookup_ids` makes a bad one gather NaN instead.
+  """
+  dtype = getattr(ids, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+    raise ShapeError(
+      f"{what} must be an integer array, got {type(ids).__name__}"
+      + (f" of dtype {dtype}" if dtype is not None else ""),
+      code="dtype_mismatch",
+      site=site,
+      fix=f"jnp.asarray({what}, jnp.int32)",
+    )
+  if isinstance(ids, jax.core.Tracer):
+    return
+  a = np.asarray(ids)
+  bad = (a < 0) | (a >= n)
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise InvalidArgumentError(
+      f"{what}: id {int(a[where])} at index {where} is outside [0, {n})",
+      code="index_out_of_range",
+      site=site,
+      expected=f"[0, {n})",
+      received=int(a[where]),
+      fix=f"ids in [0, {n}) (a tokenizer that matches the model)",
+    )
+
+
+def lookup_ids(ids):
+  """``ids`` as an unsigned int array, for an embedding lookup: jnp's gather wraps a negative
+  signed index to the end of the table, while an unsigned one outside the table gathers NaN
+  (the error value of a traced id that names no row; see docs/guide.md)."""
+  ids = jnp.asarray(ids)
+  if jnp.issubdtype(ids.dtype, jnp.unsignedinteger):
+    return ids
+  wide = ids.dtype.itemsize > 4
+  # Widen first, so that -1 of int8 becomes 2**32 - 1 (past any table), not 255.
+  return ids.astype(jnp.int64 if wide else jnp.int32).astype(jnp.uint64 if wide else jnp.uint32)
+
+
+def check_length(seq: int, max_len: int, site: str) -> None:
+  """Refuses a sequence (a static length) longer than the model's context."""
+  if seq > max_len:
+    raise InvalidArgumentError(
+      f"a sequence of {seq} tokens is longer than the model's context of {max_len}",
+      code="index_out_of_range",
+      site=site,
+      expected=f"<= {max_len}",
+      received=seq,
+      fix=f"at most {max_len} tokens (config.max_len)",
+    )
 
 
 def attention_mask(q_positions, k_positions, *, causal: bool, key_mask=None):
@@ -122,3 +180,17 @@ class LayerSites:
     """``blocks_{i}/resid_pre`` for every block: the residual stream entering each block, which
     :func:`jaxlens.sweep.patching_sweep` patches by default."""
     return layer_sites(self.config.n_layers, "blocks_{}/resid_pre")
+
+  @nn.nowrap
+  def check_inputs(self, tokens=None, *args, **kwargs) -> None:
+    """Refuses concrete token ids outside the vocabulary (``index_out_of_range``).
+
+    The model's call checks its concrete ids itself; jaxlens doors that trace the model
+    abstractly (``jl.trace``) call this first with the concrete inputs.
+    """
+    if tokens is not None and hasattr(tokens, "dtype"):
+      check_ids(tokens, self.config.vocab_size, "tokens", "embed")
+    types = kwargs.get("token_types")
+    n_types = getattr(self.config, "type_vocab_size", None)
+    if types is not None and n_types is not None and hasattr(types, "dtype"):
+      check_ids(types, n_types, "token_types", "type_embed")

@@ -17,8 +17,17 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxlens._src.errors import InvalidArgumentError
 from jaxlens._src.named import named
-from jaxlens.models._layers import LayerSites, attend, attention_mask, layer_norm_options
+from jaxlens.models._layers import (
+  LayerSites,
+  attend,
+  attention_mask,
+  check_ids,
+  check_length,
+  layer_norm_options,
+  lookup_ids,
+)
 
 __all__ = ["Bert", "BertAttention", "BertBlock", "BertConfig", "BertMLP", "mean_pool"]
 
@@ -117,9 +126,13 @@ class Bert(LayerSites, nn.Module):
   """A BERT encoder.
 
   Methods (pass ``method=`` to ``apply`` or to a jaxlens door):
-    ``__call__(tokens, token_types=None, attention_mask=None)``: the last hidden states
-      ``(batch, seq, d_model)``.
-    ``pool(...)``: the pooler output ``tanh(dense(h[:, 0]))``, ``(batch, d_model)``.
+    ``__call__(tokens, *, attention_mask=None, token_types=None)``: the last hidden states
+      ``(batch, seq, d_model)``. The mask and the token types are keyword-only: both are
+      int ``(batch, seq)`` arrays, and Hugging Face's ``BertModel`` takes them in the other
+      order (``input_ids, attention_mask, token_type_ids``), so a positional one is refused
+      (``invalid_argument``) rather than read as the other.
+    ``pool(tokens, *, attention_mask=None, token_types=None)``: the pooler output
+      ``tanh(dense(h[:, 0]))``, ``(batch, d_model)``.
     ``sentence_embedding(tokens, attention_mask=None)``: the L2-normalised mean of the
       hidden states over real tokens (sentence-transformers' mean pooling + Normalize).
   """
@@ -136,22 +149,46 @@ class Bert(LayerSites, nn.Module):
     self.blocks = [BertBlock(cfg) for _ in range(cfg.n_layers)]
     self.pooler = _dense(cfg, cfg.d_model, None)
 
-  def __call__(self, tokens, token_types=None, attention_mask=None):
+  def __call__(self, tokens, *positional, attention_mask=None, token_types=None):
+    cfg = self.config
+    _refuse_positional(positional, "__call__")
+    check_ids(tokens, cfg.vocab_size, "tokens", "embed")
     seq = tokens.shape[1]
+    check_length(seq, cfg.max_len, "pos_embed")
     if token_types is None:
       token_types = jnp.zeros_like(tokens)
-    x = self.embed(tokens) + self.pos_embed(jnp.arange(seq))[None] + self.type_embed(token_types)
+    check_ids(token_types, cfg.type_vocab_size, "token_types", "type_embed")
+    x = (
+      self.embed(lookup_ids(tokens))
+      + self.pos_embed(jnp.arange(seq))[None]
+      + self.type_embed(lookup_ids(token_types))
+    )
     x = self.ln_embed(x)
     for block in self.blocks:
       x = block(x, attention_mask)
     return x
 
-  def pool(self, tokens, token_types=None, attention_mask=None):
-    return jnp.tanh(self.pooler(self(tokens, token_types, attention_mask)[:, 0]))
+  def pool(self, tokens, *positional, attention_mask=None, token_types=None):
+    _refuse_positional(positional, "pool")
+    hidden = self(tokens, attention_mask=attention_mask, token_types=token_types)
+    return jnp.tanh(self.pooler(hidden[:, 0]))
 
   def sentence_embedding(self, tokens, attention_mask=None):
-    pooled = mean_pool(self(tokens, None, attention_mask), attention_mask)
+    pooled = mean_pool(self(tokens, attention_mask=attention_mask), attention_mask)
     return pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+
+
+def _refuse_positional(positional, method):
+  if positional:
+    raise InvalidArgumentError(
+      f"Bert.{method} takes attention_mask= and token_types= by keyword only (got "
+      f"{len(positional)} more positional argument(s)): both are int (batch, seq) arrays, so a "
+      "positional one could be read as the other (Hugging Face's BertModel takes the mask "
+      "second, earlier versions of this model the token types)",
+      code="invalid_argument",
+      site="embed",
+      fix="model.apply(variables, tokens, attention_mask=mask, token_types=types)",
+    )
 
 
 def mean_pool(hidden, attention_mask=None):

@@ -22,6 +22,9 @@ from jaxlens.models._layers import (
   attend,
   attention_mask,
   cached_keys_values,
+  check_ids,
+  check_length,
+  lookup_ids,
   layer_norm_options,
 )
 
@@ -144,14 +147,19 @@ class GPT2Block(nn.Module):
 
 class GPT2(LayerSites, nn.Module):
   """GPT-2. Call: ``(tokens, attention_mask=None, positions=None, decode=False) -> logits``;
-  the arguments are those of :class:`jaxlens.models.llama.Llama`."""
+  the arguments are those of :class:`jaxlens.models.llama.Llama` (concrete positions must be
+  in ``[0, max_len)``, traced ones outside give NaN)."""
 
   config: GPT2Config
 
   @nn.compact
   def __call__(self, tokens, attention_mask=None, positions=None, decode: bool = False):
     cfg = self.config
+    check_ids(tokens, cfg.vocab_size, "tokens", "embed")
     seq = tokens.shape[1]
+    check_length(seq, cfg.max_len, "embed")
+    if positions is not None:
+      check_ids(positions, cfg.max_len, "positions", "pos_embed")
     cache_index = None
     if decode:
       index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
@@ -170,14 +178,14 @@ class GPT2(LayerSites, nn.Module):
       embedding_init=_INIT,
       name="embed",
     )
-    x = embed(tokens) + nn.Embed(
+    x = embed(lookup_ids(tokens)) + nn.Embed(
       cfg.max_len,
       cfg.d_model,
       dtype=cfg.dtype,
       param_dtype=cfg.dtype,
       embedding_init=_INIT,
       name="pos_embed",
-    )(jnp.atleast_2d(positions))
+    )(jnp.atleast_2d(lookup_ids(positions)))
     for i in range(cfg.n_layers):
       x = GPT2Block(cfg, name=f"blocks_{i}")(x, positions, attention_mask, decode, cache_index)
     x = _norm(cfg, "ln_final")(x)

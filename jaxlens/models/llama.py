@@ -39,6 +39,9 @@ from jaxlens.models._layers import (
   attend,
   attention_mask,
   cached_keys_values,
+  check_ids,
+  check_length,
+  lookup_ids,
   softmax_dtype,
 )
 
@@ -58,7 +61,8 @@ class LlamaConfig:
     rope_base: the rotary base (Llama 2: 1e4, SmolLM2-135M: 1e5, Llama 3: 5e5).
     norm_eps: the RMSNorm epsilon.
     tie_embeddings: whether the unembedding is the token embedding's transpose.
-    max_len: the context length (documentation only: rotary has no table).
+    max_len: the context length: a longer input (or a KV cache longer than it) is refused
+      with ``index_out_of_range``.
     dtype: computation and parameter dtype (float32, bfloat16 or float64).
   """
 
@@ -191,10 +195,13 @@ class Llama(LayerSites, nn.Module):
   """A Llama-family causal language model.
 
   Call: ``model.apply(variables, tokens, attention_mask=None, positions=None, decode=False)``
-  gives logits ``(batch, seq, vocab_size)``.
+  gives logits ``(batch, seq, vocab_size)`` (Hugging Face's order: ``input_ids,
+  attention_mask, position_ids``).
 
   Args of the call:
-    tokens: int ``(batch, seq)``.
+    tokens: int ``(batch, seq)``, ids in ``[0, vocab_size)`` and at most ``max_len`` of them;
+      concrete ids outside raise ``index_out_of_range``, traced ones make their positions'
+      embeddings (and so logits) NaN instead of reading another row.
     attention_mask: optional ``(batch, seq)`` padding mask (nonzero for real tokens; with
       ``decode=True``, ``(batch, cache_len)`` over the cache).
     positions: optional int ``(seq,)`` or ``(batch, seq)`` positions (default ``0 .. seq-1``,
@@ -208,7 +215,9 @@ class Llama(LayerSites, nn.Module):
   @nn.compact
   def __call__(self, tokens, attention_mask=None, positions=None, decode: bool = False):
     cfg = self.config
+    check_ids(tokens, cfg.vocab_size, "tokens", "embed")
     seq = tokens.shape[1]
+    check_length(seq, cfg.max_len, "embed")
     cache_index = None
     if decode:
       index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
@@ -231,7 +240,7 @@ class Llama(LayerSites, nn.Module):
       embedding_init=_INIT,
       name="embed",
     )
-    x = embed(tokens)
+    x = embed(lookup_ids(tokens))
     for i in range(cfg.n_layers):
       x = LlamaBlock(cfg, name=f"blocks_{i}")(x, positions, attention_mask, decode, cache_index)
     x = RMSNorm(cfg.norm_eps, cfg.dtype, name="ln_final")(x)

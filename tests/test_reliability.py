@@ -1,0 +1,121 @@
+"""Issue 31, item 1: no silent wrong result on the real-model layer (one regression test per
+defect; each failed before its fix)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxlens as jl
+from jaxlens.models import bert, gpt2, llama
+
+VOCAB = 32
+
+
+@pytest.fixture(scope="module")
+def decoders():
+  """Tiny Llama (tied embeddings, max_len 12) and GPT-2 of float32, with their variables."""
+  tokens = jnp.arange(4)[None]
+  out = {}
+  lc = llama.LlamaConfig(
+    vocab_size=VOCAB,
+    d_model=16,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    d_mlp=24,
+    tie_embeddings=True,
+    max_len=12,
+  )
+  gc = gpt2.GPT2Config(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, max_len=12)
+  for name, model in (("llama", llama.Llama(lc)), ("gpt2", gpt2.GPT2(gc))):
+    out[name] = (model, model.init(jax.random.key(0), tokens))
+  return out
+
+
+@pytest.fixture(scope="module")
+def encoder():
+  cfg = bert.BertConfig(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, d_mlp=24, max_len=12)
+  model = bert.Bert(cfg)
+  return model, model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+
+
+TOKENS = jnp.asarray([[1, 5, 7, 2]])
+
+
+@pytest.mark.parametrize("bad", [-1, VOCAB])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_token_id_outside_the_vocabulary_is_refused_or_nan(decoders, family, bad):
+  model, variables = decoders[family]
+  ids = TOKENS.at[0, 1].set(bad)
+  # Concrete ids: the model's call, the trace door and generation refuse them, naming the id.
+  for call in (
+    lambda: model.apply(variables, ids),
+    lambda: jl.trace(model, variables, ids),
+    lambda: jl.generate(model, variables, ids, 2),
+  ):
+    with pytest.raises(jl.InvalidArgumentError, match=rf"\[index_out_of_range\].*{bad}") as info:
+      call()
+    assert info.value.fields["site"] == "embed"
+  # Traced ids cannot raise: the bad position's embedding is NaN (and so is what attention
+  # mixes it into), never the embedding of another row (-1 used to read the last one).
+  f = jax.jit(lambda t: model.apply(variables, t))
+  assert np.isnan(f(ids)[0, 1]).all()
+  np.testing.assert_allclose(f(TOKENS), model.apply(variables, TOKENS), rtol=1e-5, atol=1e-6)
+
+
+def test_token_ids_of_any_int_dtype_are_read_as_their_value(decoders):
+  model, variables = decoders["llama"]
+  want = model.apply(variables, TOKENS)
+  for dtype in (jnp.int8, jnp.uint8, jnp.int16, jnp.uint32, jnp.int64):
+    np.testing.assert_array_equal(model.apply(variables, TOKENS.astype(dtype)), want)
+  with pytest.raises(jl.ShapeError, match=r"\[dtype_mismatch\]"):
+    model.apply(variables, TOKENS.astype(jnp.float32))
+  # -1 of int8 must not become 255 (a valid row of a bigger vocabulary) under jit.
+  out = jax.jit(lambda t: model.apply(variables, t))(TOKENS.astype(jnp.int8).at[0, 3].set(-1))
+  assert np.isnan(out[0, 3]).all()
+
+
+def test_padding_ids_of_a_generation_prompt_are_not_read(decoders):
+  model, variables = decoders["llama"]
+  mask = jnp.asarray([[0, 1, 1]])
+  want = jl.generate(model, variables, jnp.asarray([[0, 5, 7]]), 3, attention_mask=mask)
+  got = jl.generate(model, variables, jnp.asarray([[-9, 5, 7]]), 3, attention_mask=mask)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  assert not np.isnan(got.logits).any()
+
+
+def test_bert_takes_the_mask_and_token_types_by_keyword_only(encoder):
+  model, variables = encoder
+  ids, mask = jnp.asarray([[3, 4, 5, 0]]), jnp.asarray([[1, 1, 1, 0]])
+  # HF's BertModel order is (input_ids, attention_mask, token_type_ids): a positional mask used
+  # to be read as token types. Now a positional second argument is refused.
+  for method in (None, "pool"):
+    with pytest.raises(jl.InvalidArgumentError, match=r"\[invalid_argument\].*by keyword"):
+      model.apply(variables, ids, mask, method=method)
+  by_keyword = model.apply(variables, ids, attention_mask=mask)
+  np.testing.assert_allclose(by_keyword[:, :3], model.apply(variables, ids[:, :3]), atol=1e-6)
+  # sentence_embedding keeps its one positional mask, in HF's place.
+  np.testing.assert_allclose(
+    model.apply(variables, ids, mask, method="sentence_embedding"),
+    model.apply(variables, ids[:, :3], method="sentence_embedding"),
+    atol=1e-6,
+  )
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[index_out_of_range\].*token_types"):
+    jl.trace(model, variables, ids, token_types=jnp.full((1, 4), 2))
+
+
+def test_an_empty_prompt_is_a_typed_error(decoders):
+  model, variables = decoders["llama"]
+  with pytest.raises(jl.ShapeError, match=r"\[shape_mismatch\].*no tokens"):
+    jl.generate(model, variables, jnp.zeros((1, 0), jnp.int32), 2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_prompt_longer_than_the_context_is_refused(decoders, family):
+  model, variables = decoders[family]
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[index_out_of_range\].*context of 12"):
+    jl.generate(model, variables, jnp.ones((1, 10), jnp.int32), 3)
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[index_out_of_range\].*context of 12"):
+    model.apply(variables, jnp.ones((1, 13), jnp.int32))
+  assert jl.generate(model, variables, jnp.ones((1, 10), jnp.int32), 2).tokens.shape == (1, 2)
