@@ -1,7 +1,9 @@
 """Every name that builds or wraps an edit (``jaxlens.intervention``).
 
-The verbs, the backward verbs, ``keep_grad``, ``compose``, ``hook``, ``gate``,
-``at_positions``, the selections (``units``, ``subspace`` and the ``subspace_*``
+The verbs, the backward verbs, the trained interventions (``das``,
+``boundless_das``, ``low_rank_das``, ``loreft``, ``direft``; ``jaxlens.train``
+initialises and trains their parameters), ``keep_grad``, ``compose``, ``hook``,
+``gate``, ``at_positions``, the selections (``units``, ``subspace`` and the ``subspace_*``
 edits), populations, and the edit types. ``jaxlens`` re-exports all of them, so
 ``jl.scale`` and ``jl.intervention.scale`` are the same function.
 """
@@ -24,6 +26,11 @@ from jaxlens._src.selections import subspace_set as subspace_set
 from jaxlens._src.selections import subspace_zero as subspace_zero
 from jaxlens._src.selections import units as units
 from jaxlens._src.tracing import InterventionOptions as InterventionOptions
+from jaxlens._src.trained import boundless_das as boundless_das
+from jaxlens._src.trained import das as das
+from jaxlens._src.trained import direft as direft
+from jaxlens._src.trained import loreft as loreft
+from jaxlens._src.trained import low_rank_das as low_rank_das
 from jaxlens._src.verbs import add as add
 from jaxlens._src.verbs import add_noise as add_noise
 from jaxlens._src.verbs import at_positions as at_positions
@@ -63,14 +70,19 @@ __all__ = [
   "at_positions",
   "at_steps",
   "backward_hook",
+  "boundless_das",
   "clamp",
   "compose",
+  "das",
+  "direft",
   "gate",
   "grad_clip",
   "grad_scale",
   "grad_zero",
   "hook",
   "keep_grad",
+  "loreft",
+  "low_rank_das",
   "mean_ablate",
   "orthonormal",
   "patch_from",

@@ -1,0 +1,53 @@
+"""Trained interventions: DAS, Boundless DAS, low-rank DAS, LoReFT and DiReFT, and their loops.
+
+A *method* (``DAS(dim)``, ``BoundlessDAS()``, ``LowRankDAS(rank)``, ``LoReFT(rank)``,
+``DiReFT(rank)``) initialises its parameters (a dict of arrays) and builds the edit
+that applies them (``jl.das``, ``jl.boundless_das``, ``jl.low_rank_das``, ``jl.loreft``,
+``jl.direft``), an ordinary edit: it composes with every door, ``jl.at_positions``,
+``jl.units``, ``layer=``, saved specs and :func:`jaxlens.generate`.
+:func:`train_iit` (interchange intervention training) and :func:`train_reft`
+(representation fine-tuning on (prompt, answer) pairs) train the parameters with optax;
+:func:`iia` measures interchange intervention accuracy. See docs/trained_interventions.md.
+
+>>> import jax, jaxlens as jl
+>>> from jaxlens import train as jt
+>>> params = jt.DAS(dim=2).init(jax.random.key(0), 8)
+>>> sorted(params["rotation"])
+['base', 'raw']
+"""
+
+from jaxlens._src.trained import boundary_mask as boundary_mask
+from jaxlens._src.trained import orthogonal as orthogonal
+from jaxlens.train._loops import TrainResult as TrainResult
+from jaxlens.train._loops import answer_batch as answer_batch
+from jaxlens.train._loops import iia as iia
+from jaxlens.train._loops import intervened_output as intervened_output
+from jaxlens.train._loops import last_position as last_position
+from jaxlens.train._loops import train_iit as train_iit
+from jaxlens.train._loops import train_reft as train_reft
+from jaxlens.train._methods import DAS as DAS
+from jaxlens.train._methods import BoundlessDAS as BoundlessDAS
+from jaxlens.train._methods import DiReFT as DiReFT
+from jaxlens.train._methods import LoReFT as LoReFT
+from jaxlens.train._methods import LowRankDAS as LowRankDAS
+from jaxlens.train._methods import frozen_leaves as frozen_leaves
+from jaxlens.train._methods import init_rotation as init_rotation
+
+__all__ = [
+  "DAS",
+  "BoundlessDAS",
+  "DiReFT",
+  "LoReFT",
+  "LowRankDAS",
+  "TrainResult",
+  "answer_batch",
+  "boundary_mask",
+  "frozen_leaves",
+  "iia",
+  "init_rotation",
+  "intervened_output",
+  "last_position",
+  "orthogonal",
+  "train_iit",
+  "train_reft",
+]

@@ -1,0 +1,547 @@
+"""Training loops for trained interventions: interchange intervention training and ReFT.
+
+Both loops are an optax loop around one jitted step whose loss runs the model through
+a live door (``jl.when(site, edit).bind(model)``). With ``frozen=True`` (the default)
+the model's variables enter the loss through ``jax.lax.stop_gradient``: the gradient is
+cut there, so only the intervention's parameters train, and before the first step
+:func:`jaxlens.depends_on` (the structural analysis behind ``keep_grad``) checks it:
+the loss must depend on every trained leaf of the intervention and on no leaf of the
+model. With ``frozen=False`` the model's variables train with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlens import _optional
+from jaxlens._src import tracing
+from jaxlens._src.dependence import depends_on
+from jaxlens._src.doors import when
+from jaxlens._src.errors import GradientContractError, InvalidArgumentError
+from jaxlens._src.sites import as_selector
+from jaxlens._src.verbs import at_positions
+from jaxlens.train._methods import frozen_leaves
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """What a training loop returns.
+
+  Attributes:
+    params: the trained intervention parameters.
+    variables: the model's variables (trained too when ``frozen=False``).
+    losses: the loss of every step run by this call (a float each).
+    opt_state: the optimiser's state after the last step.
+    step: the number of steps done in all (resumed ones included).
+    depends: the structural check before the first step: ``{"params": pytree of bool,
+      "variables": pytree of bool}``, whether the loss depends on each leaf.
+  """
+
+  params: Any
+  variables: Any
+  losses: list
+  opt_state: Any
+  step: int
+  depends: Any = None
+
+
+def last_position(out):
+  """The default readout: the logits at the last position (``(B, S, V) -> (B, V)``)."""
+  return out[:, -1] if out.ndim == 3 else out
+
+
+def _optax():
+  return _optional.require("optax", feature="jaxlens.train", extra="train")
+
+
+def _optimizer(optimizer, params):
+  """``optimizer`` on the trained leaves; rotation bases stay as they are."""
+  optax = _optax()
+  labels = jax.tree.map(lambda frozen: "frozen" if frozen else "train", frozen_leaves(params))
+  return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
+
+
+def _batch_at(batches, step):
+  if callable(batches):
+    return batches(step)
+  return batches[step % len(batches)]
+
+
+def _shard(tree, mesh, axis):
+  if mesh is None:
+    return tree
+  data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis))
+  return jax.tree.map(lambda a: jax.device_put(jnp.asarray(a), data), tree)
+
+
+def _replicate(tree, mesh):
+  if mesh is None:
+    return tree
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(lambda a: jax.device_put(a, rep), tree)
+
+
+class _Checkpoints:
+  """An orbax ``CheckpointManager`` of ``{"params", "variables", "opt_state", "step"}``."""
+
+  def __init__(self, directory, every):
+    self.ocp = _optional.require(
+      "orbax.checkpoint", feature="checkpoints", extra="train", package="orbax-checkpoint"
+    )
+    options = self.ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    self.every = every
+    self.manager = self.ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+  def restore(self, state):
+    step = self.manager.latest_step()
+    if step is None:
+      return None
+    abstract = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype), state
+    )
+    return self.manager.restore(step, args=self.ocp.args.StandardRestore(abstract))
+
+  def save(self, step, state, force=False):
+    if force or step % self.every == 0:
+      self.manager.save(step, args=self.ocp.args.StandardSave(state), force=True)
+
+  def close(self):
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def _progress(total, initial, enabled, desc):
+  if not enabled:
+    return None
+  tqdm = _optional.require("tqdm", feature="progress bars", extra="train").tqdm
+  return tqdm(total=total, initial=initial, desc=desc, leave=False)
+
+
+def _check_depends(loss_of, params, variables, frozen, *args):
+  """The structural check: the loss depends on every trained leaf, and (frozen) on no
+  model leaf."""
+  dep_p = depends_on(loss_of, params, variables, *args, argnums=0)
+  dep_v = depends_on(loss_of, params, variables, *args, argnums=1)
+  flat_dep, _ = jax.tree_util.tree_flatten_with_path(dep_p)
+  flat_frozen = jax.tree.leaves(frozen_leaves(params))
+  detached = [
+    jax.tree_util.keystr(path)
+    for (path, dep), frozen_leaf in zip(flat_dep, flat_frozen)
+    if not dep and not frozen_leaf
+  ]
+  if detached:
+    raise GradientContractError(
+      f"the loss does not depend on the intervention parameters {detached}: they would "
+      "never train (is the site downstream of the readout, or the edit cut?)",
+      code="intervention_detached",
+      fix="intervene at a site the readout depends on",
+      leaves=detached,
+    )
+  if frozen and any(jax.tree.leaves(dep_v)):
+    leaked = [
+      jax.tree_util.keystr(path)
+      for path, dep in jax.tree_util.tree_flatten_with_path(dep_v)[0]
+      if dep
+    ]
+    raise GradientContractError(  # pragma: no cover (stop_gradient makes this unreachable)
+      f"frozen model, yet the loss depends on {leaked}",
+      code="intervention_detached",
+      fix="frozen=False to co-train the model",
+    )
+  return {"params": dep_p, "variables": dep_v}
+
+
+def _loop(
+  loss_of,
+  params,
+  variables,
+  batches,
+  *,
+  steps,
+  optimizer,
+  frozen,
+  mesh,
+  data_axis,
+  checkpoint,
+  checkpoint_every,
+  progress,
+  desc,
+):
+  optax = _optax()
+  if steps is None:
+    if callable(batches):
+      raise InvalidArgumentError(
+        "steps= is needed when batches is a function of the step",
+        code="invalid_argument",
+        fix="train_iit(..., steps=200)",
+      )
+    steps = len(batches)
+  trained = params if frozen else (params, variables)
+  tx = _optimizer(optimizer, params) if frozen else _co_optimizer(optimizer, params, variables)
+  opt_state = tx.init(trained)
+
+  def loss_trained(t, v, batch, step):
+    if frozen:
+      return loss_of(t, jax.lax.stop_gradient(v), batch, step)
+    return loss_of(t[0], t[1], batch, step)
+
+  @jax.jit
+  def train_step(t, v, state, batch, step):
+    value, grads = jax.value_and_grad(loss_trained)(t, v, batch, step)
+    # optax's bias corrections raise a float to an int32 step count, which strict dtype
+    # promotion refuses; the update runs under standard promotion (the loss does not).
+    with jax.numpy_dtype_promotion("standard"):
+      updates, state = tx.update(grads, state, t)
+      return optax.apply_updates(t, updates), state, value
+
+  first = _shard(_batch_at(batches, 0), mesh, data_axis)
+  depends = _check_depends(
+    lambda p, v, b, s: loss_of(p, jax.lax.stop_gradient(v) if frozen else v, b, s),
+    params,
+    variables,
+    frozen,
+    first,
+    jnp.asarray(0),
+  )
+
+  start = 0
+  ckpt = _Checkpoints(checkpoint, checkpoint_every) if checkpoint is not None else None
+  if ckpt is not None:
+    state = {"trained": trained, "opt_state": opt_state, "step": jnp.asarray(0)}
+    restored = ckpt.restore(state)
+    if restored is not None:
+      trained, opt_state, start = restored["trained"], restored["opt_state"], int(restored["step"])
+  trained, opt_state = _replicate(trained, mesh), _replicate(opt_state, mesh)
+  variables = _replicate(variables, mesh)
+  losses = []
+  bar = _progress(steps, start, progress, desc)
+  try:
+    for step in range(start, steps):
+      batch = _shard(_batch_at(batches, step), mesh, data_axis)
+      trained, opt_state, value = train_step(
+        trained, variables, opt_state, batch, jnp.asarray(step)
+      )
+      losses.append(value)
+      if bar is not None:
+        bar.update(1)
+        if step % 10 == 0:
+          bar.set_postfix(loss=f"{float(value):.4f}")
+      if ckpt is not None:
+        ckpt.save(
+          step + 1, {"trained": trained, "opt_state": opt_state, "step": jnp.asarray(step + 1)}
+        )
+    if ckpt is not None:
+      ckpt.save(
+        steps, {"trained": trained, "opt_state": opt_state, "step": jnp.asarray(steps)}, force=True
+      )
+  finally:
+    if bar is not None:
+      bar.close()
+    if ckpt is not None:
+      ckpt.close()
+  params, variables = (trained, variables) if frozen else trained
+  return TrainResult(
+    params, variables, [float(v) for v in losses], opt_state, max(steps, start), depends
+  )
+
+
+def _co_optimizer(optimizer, params, variables):
+  optax = _optax()
+  labels = (
+    jax.tree.map(lambda f: "frozen" if f else "train", frozen_leaves(params)),
+    jax.tree.map(lambda _: "train", variables),
+  )
+  return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
+
+
+def _run_edited(model, site, edit, positions):
+  if positions is not None:
+    edit = at_positions(positions, edit)
+  return when(site, edit).bind(model)
+
+
+def intervened_output(
+  model, variables, site, method, params, base, source=None, *, positions=None, temperature=None
+):
+  """The model's output on ``base`` with ``method``'s edit at ``site`` (source: ``source``'s run).
+
+  Args:
+    model: an unbound Flax linen module.
+    variables: its variables.
+    site: a selector or label of the intervened site.
+    method: a method of :mod:`jaxlens.train` (``DAS(dim)``, ``LoReFT(rank)``, ...).
+    params: its parameters.
+    base: the base inputs.
+    source: the source inputs (for the interchange methods).
+    positions: sequence positions to intervene at (``jl.at_positions``), or None for all.
+    temperature: Boundless DAS's temperature (default: the schedule's last).
+  """
+  selector = as_selector(site)
+  donor = None
+  if method.needs_source:
+    if source is None:
+      raise InvalidArgumentError(
+        f"{type(method).__name__} interchanges with a source run: pass source=",
+        code="invalid_argument",
+        fix="intervened_output(..., base, source)",
+      )
+    donor = tracing.trace(model, variables, source, save=selector, keep_inputs=False)
+  edit = method.edit(params, donor, temperature)
+  return _run_edited(model, selector, edit, positions)(variables, base)
+
+
+def _cross_entropy(logits, labels):
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32) if logits.dtype == jnp.bfloat16 else logits)
+  return -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def train_iit(
+  model,
+  variables,
+  site,
+  method,
+  params,
+  batches: Sequence[dict] | Callable[[int], dict],
+  *,
+  steps: int | None = None,
+  optimizer=None,
+  frozen: bool = True,
+  positions=None,
+  readout: Callable = last_position,
+  boundary_weight: float = 0.0,
+  mesh=None,
+  data_axis: str = "data",
+  checkpoint=None,
+  checkpoint_every: int = 50,
+  progress: bool = True,
+) -> TrainResult:
+  """Interchange intervention training: align ``method``'s subspace with a causal variable.
+
+  Each batch is a dict ``{"base", "source", "label"}``: the model runs on ``base`` with
+  the site's value interchanged (in the learned subspace) with its value on ``source``,
+  and the loss is the cross-entropy of ``readout(output)`` against ``label``, the output
+  the causal model predicts under the same interchange (the counterfactual label).
+
+  Args:
+    model: an unbound Flax linen module; ``variables`` its variables.
+    variables: the model's variables.
+    site: the intervened site (a selector or label).
+    method: ``DAS(dim)``, ``BoundlessDAS()`` or ``LowRankDAS(rank)``.
+    params: the method's initial parameters (``method.init(key, d)``).
+    batches: a sequence of batches (cycled) or a function of the step returning one.
+    steps: the number of steps (default: ``len(batches)``).
+    optimizer: an optax optimiser (default ``optax.adam(1e-3)``).
+    frozen: cut the model's gradients (True) or co-train it (False).
+    positions: sequence positions to intervene at, or None.
+    readout: maps the output to ``(batch, classes)`` logits (default: last position).
+    boundary_weight: Boundless DAS: adds ``boundary_weight * boundary`` to the loss, which
+      pushes the learned subspace to be small (pyvene's tutorial uses 1.0).
+    mesh: a ``jax.sharding.Mesh``: batches are split along ``data_axis`` (data parallel),
+      parameters replicated.
+    data_axis: the mesh axis the batch is split over.
+    checkpoint: a directory: the state is saved every ``checkpoint_every`` steps and at the
+      end (orbax), and a later call with the same directory resumes from the last save.
+    checkpoint_every: steps between checkpoints.
+    progress: show a tqdm progress bar.
+
+  Returns:
+    a :class:`TrainResult`.
+  """
+  optimizer = _optax().adam(1e-3) if optimizer is None else optimizer
+  steps_total = steps if steps is not None else (None if callable(batches) else len(batches))
+  temperature_of = getattr(method, "temperature", None)
+
+  def loss_of(p, v, batch, step):
+    t = None
+    if temperature_of is not None:
+      t = temperature_of(step.astype(jnp.float32), steps_total or 1)
+    out = intervened_output(
+      model,
+      v,
+      site,
+      method,
+      p,
+      batch["base"],
+      batch["source"],
+      positions=positions,
+      temperature=t,
+    )
+    loss = jnp.mean(_cross_entropy(readout(out), batch["label"]))
+    if boundary_weight and "boundary" in p:
+      loss = loss + boundary_weight * jnp.sum(jnp.clip(p["boundary"], 1e-3, 1.0))
+    return loss
+
+  return _loop(
+    loss_of,
+    params,
+    variables,
+    batches,
+    steps=steps,
+    optimizer=optimizer,
+    frozen=frozen,
+    mesh=mesh,
+    data_axis=data_axis,
+    checkpoint=checkpoint,
+    checkpoint_every=checkpoint_every,
+    progress=progress,
+    desc=f"IIT {type(method).__name__}",
+  )
+
+
+def iia(
+  model,
+  variables,
+  site,
+  method,
+  params,
+  batches,
+  *,
+  positions=None,
+  readout: Callable = last_position,
+  temperature=None,
+) -> float:
+  """Interchange intervention accuracy: the fraction of examples whose intervened output
+  predicts the counterfactual label (``argmax(readout(output)) == label``)."""
+
+  @jax.jit
+  def hits(p, batch):
+    out = intervened_output(
+      model,
+      variables,
+      site,
+      method,
+      p,
+      batch["base"],
+      batch["source"],
+      positions=positions,
+      temperature=temperature,
+    )
+    return jnp.sum(jnp.argmax(readout(out), axis=-1) == batch["label"]), batch["label"].size
+
+  if isinstance(batches, dict):
+    batches = [batches]
+  right = total = 0
+  for batch in batches:
+    h, n = hits(params, batch)
+    right += int(h)
+    total += int(n)
+  return right / max(total, 1)
+
+
+# --------------------------------------------------------------------------
+# ReFT: fine-tuning a frozen language model through a trained intervention.
+
+
+def answer_batch(pairs, pad_token: int = 0):
+  """Right-padded ``(tokens, targets, weights)`` arrays from ``(prompt, answer)`` pairs.
+
+  ``tokens`` is prompt + answer; ``targets[:, t]`` is the token at ``t + 1``; ``weights``
+  is 1 where that token belongs to the answer (the loss is on the answer tokens only)
+  and 0 on the prompt and the padding.
+  """
+  rows = [list(map(int, p)) + list(map(int, a)) for p, a in pairs]
+  width = max(len(r) for r in rows)
+  tokens = np.full((len(rows), width), pad_token, np.int32)
+  targets = np.full((len(rows), width), pad_token, np.int32)
+  weights = np.zeros((len(rows), width), np.float32)
+  for i, ((p, _), row) in enumerate(zip(pairs, rows)):
+    tokens[i, : len(row)] = row
+    targets[i, : len(row) - 1] = row[1:]
+    weights[i, len(p) - 1 : len(row) - 1] = 1.0
+  return {"tokens": tokens, "targets": targets, "weights": weights}
+
+
+def train_reft(
+  model,
+  variables,
+  site,
+  method,
+  params,
+  pairs,
+  *,
+  steps: int,
+  batch_size: int = 8,
+  optimizer=None,
+  pad_token: int = 0,
+  seed: int = 0,
+  mesh=None,
+  data_axis: str = "data",
+  checkpoint=None,
+  checkpoint_every: int = 50,
+  progress: bool = True,
+) -> TrainResult:
+  """Representation fine-tuning on ``(prompt, answer)`` token pairs, the model frozen.
+
+  The intervention (``LoReFT(rank)`` or ``DiReFT(rank)``) is applied at every position of
+  ``site``, as it will be during :func:`jaxlens.generate`; the loss is the next-token
+  cross-entropy on the answer tokens only (:func:`answer_batch`).
+
+  Args:
+    model: an unbound Flax linen language model returning ``(batch, seq, vocab)`` logits.
+    variables: its variables (never changed).
+    site: the intervened site (e.g. ``"blocks_3/resid_post"``).
+    method: ``LoReFT(rank)`` or ``DiReFT(rank)``.
+    params: the method's initial parameters.
+    pairs: a sequence of ``(prompt_tokens, answer_tokens)``.
+    steps: optimiser steps.
+    batch_size: examples per step (batches are drawn by a seeded permutation per epoch).
+    optimizer: an optax optimiser (default ``optax.adamw(4e-3, weight_decay=0.0)``).
+    pad_token: the padding token.
+    seed: the shuffling seed.
+    mesh, data_axis, checkpoint, checkpoint_every, progress: as :func:`train_iit`.
+  """
+  optimizer = _optax().adam(4e-3) if optimizer is None else optimizer
+  data = answer_batch(pairs, pad_token)
+  n = len(pairs)
+  batch_size = min(batch_size, n)
+  per_epoch = n // batch_size
+  orders = {}
+
+  def batch_at(step):
+    epoch, i = divmod(step, per_epoch)
+    if epoch not in orders:
+      orders.clear()
+      orders[epoch] = np.random.default_rng([seed, epoch]).permutation(n)
+    idx = orders[epoch][i * batch_size : (i + 1) * batch_size]
+    return {k: v[idx] for k, v in data.items()}
+
+  selector = as_selector(site)
+
+  def loss_of(p, v, batch, step):
+    out = _run_edited(model, selector, method.edit(p), None)(v, batch["tokens"])
+    ce = _cross_entropy(out, batch["targets"])
+    w = batch["weights"].astype(ce.dtype)
+    return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+  return _loop(
+    loss_of,
+    params,
+    variables,
+    batch_at,
+    steps=steps,
+    optimizer=optimizer,
+    frozen=True,
+    mesh=mesh,
+    data_axis=data_axis,
+    checkpoint=checkpoint,
+    checkpoint_every=checkpoint_every,
+    progress=progress,
+    desc=f"ReFT {type(method).__name__}",
+  )
+
+
+__all__ = [
+  "TrainResult",
+  "answer_batch",
+  "iia",
+  "intervened_output",
+  "last_position",
+  "train_iit",
+  "train_reft",
+]

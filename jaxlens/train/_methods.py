@@ -1,0 +1,183 @@
+"""The trained interventions' configurations: each initialises its parameters and builds its edit.
+
+A method is a small frozen dataclass holding what does not train (the interchanged
+dimension, the rank, the temperature schedule). ``method.init(key, d)`` returns the
+parameters, a dict of arrays (what optax trains and a checkpoint holds), and
+``method.edit(params, source)`` the :class:`jaxlens.Edit` that applies them: the verbs
+``jl.das``, ``jl.boundless_das``, ``jl.low_rank_das``, ``jl.loreft`` and ``jl.direft``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxlens._src import trained
+from jaxlens._src.errors import InvalidArgumentError
+
+
+def init_rotation(key, d: int, k: int | None = None, dtype=jnp.float32) -> dict:
+  """A rotation parameter ``{"raw", "base"}`` whose matrix starts as a random orthogonal one.
+
+  As torch's ``parametrizations.orthogonal`` registered on a layer initialised with
+  ``torch.nn.init.orthogonal_`` (pyvene's ``RotateLayer`` / ``LowRankRotateLayer``):
+  ``base`` is a random orthogonal ``(d, d)`` matrix (for ``k < d``, ``k`` random
+  orthonormal columns completed to a square one by QR) and ``raw`` is ``-I[:, :k]``, the
+  point the map sends to ``base[:, :k]``.
+
+  Args:
+    key: a ``jax.random`` key.
+    d: the feature size of the site.
+    k: the number of columns (default ``d``: a full rotation).
+    dtype: the parameters' dtype.
+  """
+  k = d if k is None else k
+  if not 0 < k <= d:
+    raise InvalidArgumentError(
+      f"a rotation of {k} columns in {d} features",
+      code="invalid_argument",
+      fix=f"0 < k <= d ({d})",
+    )
+  k1, k2 = jax.random.split(key)
+  w = jax.nn.initializers.orthogonal()(k1, (d, k), dtype)
+  if k < d:
+    full = jnp.concatenate([w, jax.random.normal(k2, (d, d - k), dtype)], axis=1)
+    q, r = jnp.linalg.qr(full)
+    w = q * jnp.sign(jnp.diagonal(r))[None, :]
+  return {"raw": -jnp.eye(d, k, dtype=dtype), "base": w}
+
+
+def _linear(key, d, k, dtype):
+  """torch ``nn.Linear(d, k)``'s default init: U(-1/√d, 1/√d) for the weight and the bias."""
+  kw, kb = jax.random.split(key)
+  bound = 1.0 / jnp.sqrt(jnp.asarray(d, dtype))
+  w = jax.random.uniform(kw, (k, d), dtype, -bound, bound)
+  b = jax.random.uniform(kb, (k,), dtype, -bound, bound)
+  return w, b
+
+
+@dataclasses.dataclass(frozen=True)
+class DAS:
+  """Distributed alignment search with a full learned rotation (:func:`jaxlens.das`).
+
+  Attributes:
+    dim: the number of rotated coordinates interchanged with the source.
+  """
+
+  dim: int
+  needs_source = True
+
+  def init(self, key, d: int, dtype=jnp.float32) -> dict:
+    """``{"rotation": init_rotation(key, d)}``."""
+    return {"rotation": init_rotation(key, d, None, dtype)}
+
+  def edit(self, params, source, temperature=None):
+    del temperature
+    return trained.das(params, source, dim=self.dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundlessDAS:
+  """Boundless DAS (:func:`jaxlens.boundless_das`): a learned soft boundary.
+
+  The temperature falls linearly from ``temperature_start`` to ``temperature_end``
+  over training (pyvene's tutorial schedule, ``torch.linspace(50, 0.1, steps)``); the
+  boundary starts at ``boundary`` (a fraction of the features).
+
+  Attributes:
+    temperature_start: the first step's temperature.
+    temperature_end: the last step's.
+    boundary: the initial boundary, in (0, 1].
+  """
+
+  temperature_start: float = 50.0
+  temperature_end: float = 0.1
+  boundary: float = 0.5
+  needs_source = True
+
+  def init(self, key, d: int, dtype=jnp.float32) -> dict:
+    """``{"rotation": init_rotation(key, d), "boundary": [self.boundary]}``."""
+    return {
+      "rotation": init_rotation(key, d, None, dtype),
+      "boundary": jnp.asarray([self.boundary], dtype),
+    }
+
+  def temperature(self, step, steps):
+    """The schedule's temperature at ``step`` of ``steps``."""
+    frac = step / max(steps - 1, 1)
+    return self.temperature_start + (self.temperature_end - self.temperature_start) * frac
+
+  def edit(self, params, source, temperature=None):
+    t = self.temperature_end if temperature is None else temperature
+    return trained.boundless_das(params, source, t)
+
+  @staticmethod
+  def size(params) -> float:
+    """The learned subspace's size: ``clip(boundary, 1e-3, 1) * d`` coordinates."""
+    d = params["rotation"]["raw"].shape[0]
+    return float(jnp.clip(params["boundary"][0], 1e-3, 1.0) * d)
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRankDAS:
+  """DAS in the span of ``rank`` learned orthonormal columns (:func:`jaxlens.low_rank_das`)."""
+
+  rank: int
+  needs_source = True
+
+  def init(self, key, d: int, dtype=jnp.float32) -> dict:
+    """``{"rotation": init_rotation(key, d, rank)}``."""
+    return {"rotation": init_rotation(key, d, self.rank, dtype)}
+
+  def edit(self, params, source, temperature=None):
+    del temperature
+    return trained.low_rank_das(params, source)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoReFT:
+  """Low-rank linear subspace representation fine-tuning (:func:`jaxlens.loreft`)."""
+
+  rank: int
+  needs_source = False
+
+  def init(self, key, d: int, dtype=jnp.float32) -> dict:
+    """The rotation as in pyreft (orthogonal init) and ``W, b`` as torch's ``nn.Linear(d, rank)``."""
+    k1, k2 = jax.random.split(key)
+    w, b = _linear(k2, d, self.rank, dtype)
+    return {"rotation": init_rotation(k1, d, self.rank, dtype), "W": w, "b": b}
+
+  def edit(self, params, source=None, temperature=None):
+    del source, temperature
+    return trained.loreft(params)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiReFT:
+  """DiReFT (:func:`jaxlens.direft`): ``h + W2ᵀ(W1 h + b)``, no orthogonality."""
+
+  rank: int
+  needs_source = False
+
+  def init(self, key, d: int, dtype=jnp.float32) -> dict:
+    """``W1, b`` as torch's ``nn.Linear(d, rank)``; ``W2`` starts with orthonormal rows."""
+    k1, k2 = jax.random.split(key)
+    w1, b = _linear(k2, d, self.rank, dtype)
+    w2 = jax.nn.initializers.orthogonal()(k1, (d, self.rank), dtype).T
+    return {"W1": w1, "b": b, "W2": w2}
+
+  def edit(self, params, source=None, temperature=None):
+    del source, temperature
+    return trained.direft(params)
+
+
+def frozen_leaves(params):
+  """A pytree of booleans, True at the leaves no optimiser should move (rotation bases)."""
+
+  def is_base(path, _):
+    last = path[-1] if path else None
+    return getattr(last, "key", None) == "base"
+
+  return jax.tree_util.tree_map_with_path(is_base, params)
