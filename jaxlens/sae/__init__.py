@@ -31,3 +31,6 @@ __all__ = [
   "load_saelens",
   "save_saelens",
 ]
+from jaxlens.sae._splice import splice as splice  # noqa: E402
+
+__all__ += ["splice"]

@@ -1,0 +1,271 @@
+"""Splicing a dictionary into a model: its features become sites.
+
+``sae.splice(model, site, dictionary)`` returns the model with the dictionary at
+``site``: a model of the same class and fields (a subclass made for the splice) whose
+``apply`` runs the original under a Flax method interceptor. When the module at
+``site`` returns ``y``, the interceptor computes, with the dictionary's pure functions,
+
+* ``acts = encode(x)`` (``x = y`` for an SAE; for a transcoder, the module call's first
+  input, or the value of its ``reads=`` site),
+* ``recon = decode(acts)`` (plus the skip term of a transcoder),
+* ``error = y - decode(encode(x))`` (from the unedited features),
+
+passes each through an identity module (:class:`jaxlens.Named`) whose path is
+``<site>/sae/acts``, ``<site>/sae/recon`` and ``<site>/sae/error``, and returns
+``recon + error`` (``recon`` alone with ``keep_error=False``). Identity modules are
+sites on every door, so the features are edited, saved, patched and differentiated like
+any other site; and since ``recon + error`` equals ``y`` up to rounding, the spliced
+model computes what the model computes until something edits a feature.
+
+The dictionary's arrays are constants of the spliced model (held by its class, not its
+variables): the model's variables are unchanged, and a captured program is reused for
+the same spliced model.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+
+import flax.linen as nn
+import jax
+from flax.core.scope import Scope
+
+from jaxlens._src.errors import SiteError
+from jaxlens._src.named import Named
+from jaxlens._src.sites import Site, SiteInfo, module as module_selector, unmatched_error
+from jaxlens._src.tracebacks import api_boundary
+from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder
+
+__all__ = ["splice", "SUFFIXES"]
+
+SUFFIXES = ("acts", "recon", "error")
+
+
+class _Entry:
+  def __init__(self, selector, dictionary, reads, keep_error, stop_error_grad):
+    self.selector = selector
+    self.dictionary = dictionary
+    self.reads = reads
+    self.keep_error = keep_error
+    self.stop_error_grad = stop_error_grad
+
+
+def _named(path: tuple, value):
+  """``value`` through an identity module at ``path``: a site on every door."""
+  return Named(parent=Scope({}, rngs=None, path=path))(value)
+
+
+class _Run:
+  """One ``apply`` of a spliced model: call counts, values read, splices done."""
+
+  def __init__(self, entries):
+    self.entries = entries
+    self.calls: dict = {}
+    self.read: dict = {}
+    self.fired = [0] * len(entries)
+    self.seen: list[SiteInfo] = []
+
+  def interceptor(self, next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    if context.method_name == "setup":
+      return out
+    mod = context.module
+    path = tuple(mod.path)
+    key = (path, context.method_name)
+    self.calls[key] = self.calls.get(key, 0) + 1
+    info = SiteInfo("/".join(path), context.method_name, self.calls[key], type(mod).__name__)
+    self.seen.append(info)
+    for i, entry in enumerate(self.entries):
+      if entry.reads is not None and entry.reads.matches(info):
+        self.read[i] = out
+      if entry.selector.matches(info):
+        x = args[0] if args else None
+        if entry.reads is not None:
+          if i not in self.read:
+            raise SiteError(
+              f"splice: the site {info.label!r} ran before its reads= site {entry.reads!r}",
+              code="sae_reads_missing",
+              site=info.label,
+              fix="reads= a site that runs before the spliced one (the MLP's input)",
+            )
+          x = self.read[i]
+        out = _apply(entry, path, info.label, out, x)
+        self.fired[i] += 1
+    return out
+
+  def check(self):
+    for entry, count in zip(self.entries, self.fired):
+      if count == 0:
+        raise unmatched_error(entry.selector, self.seen, "sae.splice")
+
+
+def _apply(entry: _Entry, path: tuple, label: str, y, x):
+  d = entry.dictionary
+  if not isinstance(y, jax.Array) and not hasattr(y, "aval"):
+    raise SiteError(
+      f"splice: the site {label!r} returns a {type(y).__name__}, not an array",
+      code="sae_site_not_array",
+      site=label,
+      fix="splice at a module that returns one array",
+    )
+  transcoder = isinstance(d, Transcoder)
+  source = x if transcoder else y
+  if transcoder and (source is None or not hasattr(source, "shape")):
+    raise SiteError(
+      f"splice: a transcoder at {label!r} reads the module's first input, which is not an array",
+      code="sae_site_not_array",
+      site=label,
+      fix="reads= the site holding the transcoder's input",
+    )
+  width = d.d_out if transcoder else d.d_in
+  if y.shape[-1] != width or source.shape[-1] != d.d_in:
+    raise SAEError(
+      f"splice at {label!r}: the site's last axis is {y.shape[-1]} (input {source.shape[-1]}), "
+      f"but the dictionary reads {d.d_in} and writes {width}",
+      code="sae_shape_mismatch",
+      field="d_in",
+      site=label,
+      fix="a dictionary trained on this site",
+    )
+  acts_clean, recon_clean = d.parts(source)
+  error = y.astype(recon_clean.dtype) - recon_clean
+  if entry.stop_error_grad:
+    error = jax.lax.stop_gradient(error)
+  acts = _named(path + ("sae", "acts"), acts_clean)
+  recon = d.decode(acts, source)
+  if transcoder and d.W_skip is not None:
+    recon = recon + d.skip(source)
+  recon = _named(path + ("sae", "recon"), recon)
+  error = _named(path + ("sae", "error"), error)
+  new = recon + error if entry.keep_error else recon
+  return new.astype(y.dtype)
+
+
+_SPLICED: dict = {}
+_lock = threading.Lock()
+
+
+def _spliced_class(base: type, entries: tuple) -> type:
+  def apply(self, variables, *args, **kwargs):
+    run = _Run(entries)
+    with nn.intercept_methods(run.interceptor):
+      out = base.apply(self, variables, *args, **kwargs)
+    run.check()
+    return out
+
+  namespace = {
+    "apply": nn.nowrap(apply),
+    "__module__": base.__module__,
+    "__qualname__": base.__qualname__,
+    "_jaxlens_splices": entries,
+    "_jaxlens_base": base,
+  }
+  return type(base.__name__, (base,), namespace)
+
+
+def _as_selector(site):
+  if isinstance(site, Site):
+    return site
+  if isinstance(site, str):
+    return module_selector(site)
+  raise SAEError(
+    f"splice: a site is a module path or a jl.module(...) selector, got {type(site).__name__}",
+    code="sae_invalid_argument",
+    field="site",
+    fix='sae.splice(model, "blocks_3/resid_post", d)',
+  )
+
+
+@api_boundary
+def splice(
+  model,
+  site,
+  dictionary=None,
+  *,
+  reads=None,
+  keep_error: bool = True,
+  stop_error_grad: bool = False,
+):
+  """The model with a dictionary spliced in at ``site``.
+
+  Args:
+    model: a linen module, unbound (the result is too) or bound (the result is bound to
+      the same variables). A model already spliced can be spliced again.
+    site: the module path (``"blocks_3/mlp"``; globs splice every match) or a
+      ``jl.module(...)`` selector; or a mapping ``{site: dictionary}`` for several.
+    dictionary: an :class:`~jaxlens.sae.SAE` (reads and writes the site's value) or a
+      :class:`~jaxlens.sae.Transcoder` (reads the module call's first input, or
+      ``reads=``, and replaces the module's output).
+    reads: the site whose value a transcoder reads (default: the spliced module's input).
+    keep_error: add the reconstruction error back (the default: the model's output is
+      unchanged to rounding); ``False`` replaces the site by the reconstruction.
+    stop_error_grad: no gradient through the error term (SAELens's convention, where the
+      error is computed under ``torch.no_grad``); by default the error carries its
+      gradient, so the gradient upstream of the splice is the model's own.
+
+  Returns:
+    A model of the same class and fields whose runs expose the sites
+    ``<site>/sae/acts``, ``<site>/sae/recon`` and ``<site>/sae/error``.
+
+  Raises:
+    SAEError: ``sae_model_unsupported`` (not a linen module), ``sae_invalid_argument``,
+      ``sae_shape_mismatch`` (when it runs: the site's width is not the dictionary's).
+    SiteError: when it runs, ``unknown_site`` (``site`` matched no module call),
+      ``sae_site_not_array``, ``sae_reads_missing``.
+  """
+  if isinstance(site, Mapping):
+    if dictionary is not None:
+      raise SAEError(
+        "splice: pass either a {site: dictionary} mapping or a site and a dictionary",
+        code="sae_invalid_argument",
+        field="dictionary",
+        fix="sae.splice(model, {site_a: d_a, site_b: d_b})",
+      )
+    pairs = list(site.items())
+  else:
+    pairs = [(site, dictionary)]
+  if not isinstance(model, nn.Module):
+    raise SAEError(
+      f"splice needs a flax.linen Module, got {type(model).__name__}",
+      code="sae_model_unsupported",
+      field="model",
+      fix="a linen model (the zoo's, your own, or one converted from torch)",
+    )
+  entries = []
+  for s, d in pairs:
+    if not isinstance(d, SAE):
+      raise SAEError(
+        f"splice: expected a jaxlens.sae.SAE or Transcoder at {s!r}, got {type(d).__name__}",
+        code="sae_invalid_argument",
+        field="dictionary",
+        fix="sae.load_saelens(path) or sae.SAE.init(...)",
+      )
+    if reads is not None and not isinstance(d, Transcoder):
+      raise SAEError(
+        "splice: reads= is for transcoders (an SAE reads the site it writes)",
+        code="sae_invalid_argument",
+        field="reads",
+        fix="drop reads=",
+      )
+    entries.append(
+      _Entry(
+        _as_selector(s),
+        d,
+        None if reads is None else _as_selector(reads),
+        bool(keep_error),
+        bool(stop_error_grad),
+      )
+    )
+  if model.scope is not None:
+    unbound, variables = model.unbind()
+    return splice(
+      unbound, dict(pairs), reads=reads, keep_error=keep_error, stop_error_grad=stop_error_grad
+    ).bind(variables)
+  cls = _spliced_class(type(model), tuple(entries))
+  fields = {
+    f: getattr(model, f)
+    for f in model.__dataclass_fields__
+    if f not in ("parent", "name") and model.__dataclass_fields__[f].init
+  }
+  return cls(**fields, name=model.name)

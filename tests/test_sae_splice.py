@@ -1,0 +1,290 @@
+"""sae.splice: a dictionary at a site of a model, its features as sites on every door, verb,
+selection, gradient, sweep and generation."""
+
+import flax.linen as nn
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jaxlens as jl
+from jaxlens import sae
+from jaxlens.intervention import keep_grad
+from jaxlens.models import Llama, LlamaConfig, init_gpt
+
+D, F = 16, 48
+ACTS = "block_0/sae/acts"
+
+
+@pytest.fixture(scope="module")
+def gpt():
+  model, variables, tokens = init_gpt(
+    0, n_layers=2, d_model=D, n_heads=2, max_len=6, vocab_size=11, batch=2
+  )
+  d = sae.SAE.init(jax.random.key(1), D, F, activation="topk", k=6)
+  d = d.replace(b_enc=jnp.full((F,), 0.05, jnp.float32), b_dec=jnp.full((D,), 0.1, jnp.float32))
+  return model, variables, tokens, d, sae.splice(model, "block_0", d)
+
+
+def by_hand(d, edit_acts=lambda a: a):
+  """The site function a splice computes, written out: decode(edited acts) + error."""
+
+  def fn(y):
+    acts = d.encode(y)
+    return d.decode(edit_acts(acts), y) + (y - d(y))
+
+  return jl.splice_module(fn)
+
+
+def test_the_spliced_model_computes_the_model_and_exposes_the_sites(gpt):
+  model, variables, tokens, d, spliced = gpt
+  base = model.apply(variables, tokens)
+  t = jl.trace(spliced, variables, tokens, save=jl.all_sites())
+  assert [l for l in t.labels if "/sae/" in l] == [ACTS, "block_0/sae/recon", "block_0/sae/error"]
+  np.testing.assert_allclose(t.output, base, atol=1e-5)
+  np.testing.assert_allclose(spliced.apply(variables, tokens), base, atol=1e-5)
+  y = t["block_0"].out
+  np.testing.assert_allclose(t[ACTS].out, d.encode(y), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(t["block_0/sae/recon"].out, d(y), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(t["block_0/sae/error"].out, y - d(y), rtol=1e-5, atol=1e-6)
+  # Bound in, bound out; and the variables are the model's own.
+  bound = sae.splice(model.bind(variables), "block_0", d)
+  np.testing.assert_allclose(jl.trace(bound, tokens).output, base, atol=1e-5)
+  # Without the error term the site is the reconstruction.
+  lossy = sae.splice(model, "block_0", d, keep_error=False)
+  t2 = jl.trace(lossy, variables, tokens, save=jl.module("block_0"))
+  np.testing.assert_allclose(t2["block_0"].out, d(y), rtol=1e-5, atol=1e-6)
+
+
+def test_feature_ablation_on_every_door(gpt, tmp_path):
+  model, variables, tokens, d, spliced = gpt
+  feats = jnp.asarray([1, 4, 7])
+  site = jl.units(jl.module(ACTS), feats)
+  spec = jl.when(site, jl.zero_ablate())
+  want = jl.when(jl.module("block_0"), by_hand(d, lambda a: a.at[..., feats].set(0.0))).bind(model)(
+    variables, tokens
+  )
+  live = spec.bind(spliced)(variables, tokens)
+  np.testing.assert_allclose(live, want, atol=1e-5)
+  assert float(jnp.abs(live - model.apply(variables, tokens)).max()) > 1e-4  # it did something
+  t = jl.trace(spliced, variables, tokens)
+  doors = {
+    "capture": jl.trace(spliced, variables, tokens, intervene=spec).output,
+    "replay": t.fork().do(site, jl.zero_ablate()).output,
+    "rerun": t.do(site, jl.zero_ablate(), model=spliced, inputs=(tokens,)).output,
+    "jit": jax.jit(spec.bind(spliced))(variables, tokens),
+  }
+  spec.save(tmp_path / "spec")
+  doors["saved spec"] = jl.load_spec(tmp_path / "spec").bind(spliced)(variables, tokens)
+  for name, out in doors.items():
+    np.testing.assert_allclose(out, live, atol=1e-5, err_msg=name)
+
+
+def test_steering_a_feature_adds_its_decoder_row(gpt):
+  model, variables, tokens, d, spliced = gpt
+  onehot = jnp.zeros((F,), jnp.float32).at[5].set(1.0)
+  steered = jl.when(jl.module(ACTS), jl.steer(onehot, 3.0)).bind(spliced)(variables, tokens)
+  want = jl.when(jl.module("block_0"), jl.steer(d.W_dec[5], 3.0)).bind(model)(variables, tokens)
+  np.testing.assert_allclose(steered, want, atol=1e-5)
+  # At some positions only, with at_positions.
+  one = jl.when(jl.module(ACTS), jl.at_positions([2], jl.steer(onehot, 3.0))).bind(spliced)
+  ref = jl.when(jl.module("block_0"), jl.at_positions([2], jl.steer(d.W_dec[5], 3.0))).bind(model)
+  np.testing.assert_allclose(one(variables, tokens), ref(variables, tokens), atol=1e-5)
+
+
+def test_patching_features_from_another_prompt(gpt):
+  model, variables, tokens, d, spliced = gpt
+  other = (tokens + 3) % 11
+  donor = jl.trace(spliced, variables, other, save=jl.module(ACTS))
+  feats = jnp.asarray([0, 2, 9])
+  out = jl.when(jl.units(jl.module(ACTS), feats), jl.patch_from(donor)).bind(spliced)(
+    variables, tokens
+  )
+  donor_acts = donor[ACTS].out
+  want = jl.when(
+    jl.module("block_0"), by_hand(d, lambda a: a.at[..., feats].set(donor_acts[..., feats]))
+  ).bind(model)(variables, tokens)
+  np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+def test_feature_gradients_and_keep_grad(gpt):
+  model, variables, tokens, d, spliced = gpt
+  metric = lambda out: out[:, -1, 3].sum()  # noqa: E731
+  t = jl.trace(spliced, variables, tokens)
+  g = t.grad(metric, sites=[ACTS])
+  assert g.grad[ACTS].shape == (2, 6, F)
+  # Finite difference along one feature.
+  bump = jnp.zeros((2, 6, F), jnp.float32).at[0, 5, 2].set(1e-2)
+  moved = jl.when(jl.module(ACTS), jl.add(bump)).bind(spliced)(variables, tokens)
+  fd = (metric(moved) - metric(t.output)) / 1e-2
+  assert float(g.grad[ACTS][0, 5, 2]) == pytest.approx(float(fd), rel=2e-2, abs=1e-3)
+  # keep_grad through the splice: the embedding upstream of block_0 gets its gradient.
+  f = jl.when(jl.module(ACTS), keep_grad(jl.scale(1.0))).bind(spliced)
+  grads = jax.grad(lambda v: metric(f(v, tokens)))(variables)
+  plain = jax.grad(lambda v: metric(model.apply(v, tokens)))(variables)
+  np.testing.assert_allclose(
+    grads["params"]["embed"]["embedding"], plain["params"]["embed"]["embedding"], atol=1e-4
+  )
+  with pytest.raises(jl.GradientContractError, match="edit_detached_from_graph"):
+    jax.grad(
+      lambda v: metric(
+        jl.when(jl.module(ACTS), keep_grad(jl.zero_ablate())).bind(spliced)(v, tokens)
+      )
+    )(variables)
+  # stop_error_grad: the gradient upstream flows through the features only.
+  cut = sae.splice(model, "block_0", d, stop_error_grad=True)
+  g_cut = jax.grad(lambda v: metric(cut.apply(v, tokens)))(variables)
+  assert not np.allclose(
+    g_cut["params"]["embed"]["embedding"], plain["params"]["embed"]["embedding"], atol=1e-4
+  )
+
+
+class Linear(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(D, param_dtype=jnp.float64, name="resid")(x)
+    return nn.Dense(3, param_dtype=jnp.float64, name="head")(h)
+
+
+def test_attribution_patching_equals_exact_patching_on_a_linear_model():
+  model = Linear()
+  clean = jax.random.normal(jax.random.key(0), (4, 5), jnp.float64)
+  corrupt = jax.random.normal(jax.random.key(1), (4, 5), jnp.float64)
+  variables = model.init(jax.random.key(2), clean)
+  d = sae.SAE.init(jax.random.key(3), D, F, dtype=jnp.float64)
+  spliced = sae.splice(model, "resid", d)
+  metric = lambda out: out[:, 0].sum()  # noqa: E731
+  acts = "resid/sae/acts"
+  g = jl.site_grads(spliced, variables, corrupt, metric=metric, sites=[acts])
+  donor = jl.trace(spliced, variables, clean, save=jl.module(acts))
+  delta = donor[acts].out - g.out[acts]
+  attribution = (g.grad[acts] * delta).sum(0)
+  base = metric(spliced.apply(variables, corrupt))
+  exact = []
+  for feature in range(0, F, 7):
+    patched = jl.when(jl.units(jl.module(acts), jnp.asarray([feature])), jl.patch_from(donor))
+    exact.append(metric(patched.bind(spliced)(variables, corrupt)) - base)
+  np.testing.assert_allclose(attribution[::7], jnp.stack(exact), atol=1e-10)
+  assert float(jnp.abs(attribution).max()) > 1e-3
+
+
+def test_sweeps_over_feature_sites(gpt):
+  model, variables, tokens, d, spliced = gpt
+  corrupt = tokens.at[:, 2].set((tokens[:, 2] + 1) % 11)
+  metric = _metric
+  grid = jl.sweep.patching_sweep(
+    spliced, variables, tokens, corrupt, metric, sites=(ACTS, "block_0/sae/error")
+  )
+  clean_trace = jl.trace(spliced, variables, tokens)
+  one = jl.when(jl.module(ACTS), jl.at_positions([2], jl.patch_from(clean_trace)))
+  assert grid.shape == (2, 6)
+  assert float(grid[0, 2]) == pytest.approx(
+    float(metric(one.bind(spliced)(variables, corrupt))), abs=1e-5
+  )
+
+
+def _metric(out):
+  return out[:, -1, 1].mean()
+
+
+def test_generation_with_a_feature_steered():
+  model = Llama(
+    LlamaConfig(vocab_size=13, d_model=D, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=32)
+  )
+  prompt = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, 4)), jnp.int32)
+  variables = model.init(jax.random.key(0), prompt)
+  d = sae.SAE.init(jax.random.key(1), D, F, activation="relu")
+  spliced = sae.splice(model, "blocks_1/resid_pre", d)
+  plain = jl.generate(model, variables, prompt, max_new_tokens=3)
+  onehot = jnp.zeros((F,), jnp.float32).at[3].set(1.0)
+  steer = jl.when(jl.module("blocks_1/resid_pre/sae/acts"), jl.steer(onehot, 40.0))
+  steered = jl.generate(spliced, variables, prompt, max_new_tokens=3, intervene=steer)
+  by_hand_ = jl.when(jl.module("blocks_1/resid_pre"), jl.steer(d.W_dec[3], 40.0))
+  want = jl.generate(model, variables, prompt, max_new_tokens=3, intervene=by_hand_)
+  np.testing.assert_array_equal(steered.tokens, want.tokens)
+  assert not np.array_equal(steered.tokens, plain.tokens)
+
+
+class Toy(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(D, name="pre")(x)
+    m = MLP(name="mlp")(h)
+    return nn.Dense(2, name="head")(h + m)
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, h):
+    return nn.Dense(D, name="down")(jax.nn.relu(nn.Dense(32, name="up")(h)))
+
+
+def test_a_transcoder_replaces_the_mlp_output():
+  model = Toy()
+  x = jax.random.normal(jax.random.key(0), (3, 5), jnp.float32)
+  variables = model.init(jax.random.key(1), x)
+  tc = sae.Transcoder.init(jax.random.key(2), D, F, d_out=D, skip=True)
+  tc = tc.replace(W_skip=0.1 * jnp.eye(D, dtype=jnp.float32))
+  kept = sae.splice(model, "mlp", tc)
+  np.testing.assert_allclose(kept.apply(variables, x), model.apply(variables, x), atol=1e-5)
+  replaced = sae.splice(model, "mlp", tc, keep_error=False)
+  t = jl.trace(replaced, variables, x, save=jl.module("pre") | jl.module("mlp"))
+  np.testing.assert_allclose(t["mlp"].out, tc(t["pre"].out), rtol=1e-5, atol=1e-6)
+  assert "mlp/sae/acts" in jl.trace(replaced, variables, x, save=jl.all_sites()).labels
+  # reads= another site (here the same value, from the module that makes it).
+  via = sae.splice(model, "mlp", tc, reads="pre", keep_error=False)
+  np.testing.assert_allclose(via.apply(variables, x), replaced.apply(variables, x), rtol=1e-6)
+
+
+class Pair(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(D, name="a")(x), x
+
+
+class KwModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(D, name="sub")(inputs=x)
+
+
+class TupleModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    a, _ = Pair(name="pair")(x)
+    return nn.Dense(2, name="head")(a)
+
+
+def test_splice_refusals(gpt):
+  model, variables, tokens, d, spliced = gpt
+  from flax import nnx
+
+  with pytest.raises(sae.SAEError, match=r"\[sae_model_unsupported\]"):
+    sae.splice(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "x", d)
+  with pytest.raises(sae.SAEError, match=r"\[sae_invalid_argument\]") as info:
+    sae.splice(model, 3, d)
+  assert info.value.fields["field"] == "site"
+  with pytest.raises(sae.SAEError, match=r"\[sae_invalid_argument\]"):
+    sae.splice(model, "block_0", "not a dictionary")
+  with pytest.raises(sae.SAEError, match=r"\[sae_invalid_argument\]"):
+    sae.splice(model, "block_0", d, reads="embed")
+  with pytest.raises(sae.SAEError, match=r"\[sae_invalid_argument\]"):
+    sae.splice(model, {"block_0": d}, d)
+  narrow = sae.SAE.init(jax.random.key(0), 8, F)
+  with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\]"):
+    sae.splice(model, "block_0", narrow).apply(variables, tokens)
+  with pytest.raises(jl.SiteError, match=r"\[unknown_site\]"):
+    sae.splice(model, "block_9", d).apply(variables, tokens)
+  x = jnp.ones((2, 4), jnp.float32)
+  tm = TupleModel()
+  tv = tm.init(jax.random.key(0), x)
+  with pytest.raises(jl.SiteError, match=r"\[sae_site_not_array\]"):
+    sae.splice(tm, "pair", sae.SAE.init(jax.random.key(0), D, F)).apply(tv, x)
+  km = KwModel()
+  kv = km.init(jax.random.key(0), x)
+  with pytest.raises(jl.SiteError, match=r"\[sae_site_not_array\]"):
+    sae.splice(km, "sub", sae.Transcoder.init(jax.random.key(0), 4, F, d_out=D)).apply(kv, x)
+  tc = sae.Transcoder.init(jax.random.key(0), D, F, d_out=D)
+  with pytest.raises(jl.SiteError, match=r"\[sae_reads_missing\]"):
+    sae.splice(model, "block_0", tc, reads="block_1").apply(variables, tokens)
