@@ -360,7 +360,7 @@ def train_iit(
   def loss_of(p, v, batch, step):
     t = None
     if temperature_of is not None:
-      t = temperature_of(step.astype(jnp.float32), steps_total or 1)
+      t = temperature_of(jnp.asarray(step, float), steps_total or 1)
     out = intervened_output(
       model,
       v,
@@ -422,7 +422,8 @@ def iia(
       positions=positions,
       temperature=temperature,
     )
-    return jnp.sum(jnp.argmax(readout(out), axis=-1) == batch["label"]), batch["label"].size
+    guess = jnp.argmax(readout(out), axis=-1)
+    return jnp.sum(guess == jnp.asarray(batch["label"]).astype(guess.dtype)), guess.size
 
   if isinstance(batches, dict):
     batches = [batches]

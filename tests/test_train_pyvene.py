@@ -1,0 +1,211 @@
+"""jaxlens.train against pyvene 0.1.8: the same torch model (converted with torch_bridge), the
+same initial parameters and batches give the same losses and parameter gradients (float64,
+1e-8) and the same IIA after training; LoReFT's forward and gradients equal pyreft's formula."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+torch = pytest.importorskip("torch")
+pv = pytest.importorskip("pyvene")
+transformers = pytest.importorskip("transformers")
+
+from pyvene.models.layers import LowRankRotateLayer  # noqa: E402
+
+from jaxlens import train as jt  # noqa: E402
+from torch_bridge.convert import from_torch  # noqa: E402
+
+D, H, B, K = 8, 12, 6, 3
+TOL = 1e-8
+
+
+class _Wrapped(torch.nn.Module):
+  """The torch MLP with what pyvene reads from a model (``config``, ``device``)."""
+
+  def __init__(self, seq):
+    super().__init__()
+    self.seq = seq
+    self.config = transformers.PretrainedConfig(hidden_size=H)
+    self.device = torch.device("cpu")
+
+  def forward(self, x):
+    return self.seq(x)
+
+
+@pytest.fixture(scope="module")
+def models():
+  torch.manual_seed(0)
+  seq = torch.nn.Sequential(
+    torch.nn.Linear(D, H),
+    torch.nn.Tanh(),
+    torch.nn.Linear(H, H),
+    torch.nn.Tanh(),
+    torch.nn.Linear(H, 2),
+  ).double()
+  for p in seq.parameters():
+    p.requires_grad_(False)
+  flax_model, variables, site_map = from_torch(seq, dtype=torch.float64)
+  return seq, flax_model, variables, site_map["2"]
+
+
+def _batches(n, seed):
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    base = rng.normal(size=(B, 1, D))
+    source = rng.normal(size=(B, 1, D))
+    out.append({"base": base, "source": source, "label": (source[:, 0, 0] > 0).astype(np.int32)})
+  return out
+
+
+def _rotation(intervention):
+  param = intervention.rotate_layer.parametrizations.weight
+  return {
+    "raw": jnp.asarray(param.original.detach().numpy()),
+    "base": jnp.asarray(param[0].base.numpy()),
+  }
+
+
+CASES = {
+  "das": (lambda: pv.RotatedSpaceIntervention(embed_dim=H), lambda: jt.DAS(dim=3)),
+  "boundless_das": (
+    lambda: pv.BoundlessRotatedSpaceIntervention(embed_dim=H),
+    lambda: jt.BoundlessDAS(temperature_start=5.0, temperature_end=0.5),
+  ),
+  "low_rank_das": (
+    lambda: pv.LowRankRotatedSpaceIntervention(embed_dim=H, low_rank_dimension=3),
+    lambda: jt.LowRankDAS(rank=3),
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_losses_gradients_and_iia_agree_with_pyvene(models, name):
+  seq, flax_model, variables, site = models
+  make_pv, make_jt = CASES[name]
+  torch.manual_seed(1)
+  intervention = make_pv().double()
+  if name == "das":
+    intervention.set_interchange_dim(3)
+  method = make_jt()
+  params = {"rotation": _rotation(intervention)}
+  trained = [intervention.rotate_layer.parametrizations.weight.original]
+  if name == "boundless_das":
+    params["boundary"] = jnp.asarray(intervention.intervention_boundaries.detach().numpy())
+    trained.append(intervention.intervention_boundaries)
+    # pyvene's population is int64, and int64 - 0.0 is float32 in torch: its mask would be
+    # computed in float32 whatever the model's dtype. A float64 population keeps it float64.
+    intervention.intervention_population = torch.nn.Parameter(
+      torch.arange(H, dtype=torch.float64), requires_grad=False
+    )
+  config = pv.IntervenableConfig(
+    representations=[
+      pv.RepresentationConfig(
+        component="seq.2.output", unit="pos", max_number_of_units=1, intervention=intervention
+      )
+    ]
+  )
+  ivm = pv.IntervenableModel(config, _Wrapped(seq))
+  ivm.disable_model_gradients()
+  steps = 12
+  batches = _batches(steps, seed=2)
+  opt_t = torch.optim.Adam(trained, lr=0.02)
+
+  def torch_out(batch, step):
+    if name == "boundless_das":
+      intervention.set_temperature(
+        torch.tensor(float(method.temperature(step, steps)), dtype=torch.float64)
+      )
+    _, out = ivm(
+      {"x": torch.from_numpy(batch["base"])},
+      [{"x": torch.from_numpy(batch["source"])}],
+      {"sources->base": 0},
+    )
+    return out[:, -1]
+
+  def jax_loss(p, batch, step):
+    t = method.temperature(jnp.asarray(step, float), steps) if name == "boundless_das" else None
+    out = jt.intervened_output(
+      flax_model, variables, site, method, p, batch["base"], batch["source"], temperature=t
+    )
+    logp = jax.nn.log_softmax(out[:, -1])
+    return -jnp.mean(jnp.take_along_axis(logp, batch["label"][:, None], 1))
+
+  grad_fn = jax.jit(jax.value_and_grad(jax_loss))
+  opt_j = optax.adam(0.02)
+  state = opt_j.init(params)
+  p = params
+  torch_losses = []
+  for step, batch in enumerate(batches):
+    out = torch_out(batch, step)
+    loss_t = torch.nn.functional.cross_entropy(out, torch.from_numpy(batch["label"]).long())
+    opt_t.zero_grad()
+    loss_t.backward()
+    torch_losses.append(loss_t.item())
+    if step < K:  # the first steps: the same loss and the same gradients
+      value, g = grad_fn(p, batch, step)
+      assert abs(float(value) - loss_t.item()) <= TOL
+      np.testing.assert_allclose(g["rotation"]["raw"], trained[0].grad.numpy(), atol=TOL, rtol=0)
+      assert not np.asarray(g["rotation"]["base"]).any()
+      if name == "boundless_das":
+        np.testing.assert_allclose(g["boundary"], trained[1].grad.numpy(), atol=TOL, rtol=0)
+      with jax.numpy_dtype_promotion("standard"):
+        updates, state = opt_j.update(g, state, p)
+      p = optax.apply_updates(p, updates)
+    opt_t.step()
+  # The training loop: the same losses over every step, and the same IIA after training.
+  result = jt.train_iit(
+    flax_model,
+    variables,
+    site,
+    method,
+    params,
+    batches,
+    optimizer=optax.adam(0.02),
+    progress=False,
+  )
+  np.testing.assert_allclose(result.losses, torch_losses, atol=1e-7, rtol=0)
+  eval_batch = _batches(1, seed=3)[0]
+  with torch.no_grad():
+    hits_t = torch_out(eval_batch, steps - 1).argmax(-1).numpy() == eval_batch["label"]
+  temperature = method.temperature(steps - 1, steps) if name == "boundless_das" else None
+  got = jt.iia(
+    flax_model, variables, site, method, result.params, eval_batch, temperature=temperature
+  )
+  assert got == float(np.mean(hits_t))
+
+
+def test_loreft_forward_and_gradients_equal_pyreft_formula():
+  """pyreft's LoreftIntervention: ``base + (learned_source(base) - rotate_layer(base)) @
+  rotate_layer.weight.T`` with an orthogonal-parametrised LowRankRotateLayer."""
+  torch.manual_seed(0)
+  rotate = torch.nn.utils.parametrizations.orthogonal(LowRankRotateLayer(D, 3).double())
+  source = torch.nn.Linear(D, 3).double()
+  with torch.no_grad():
+    # Off the diagonal: torch reads the diagonal through .int() (see jaxlens.train.orthogonal).
+    noise = torch.randn(D, 3, dtype=torch.float64).tril(-1)
+    rotate.parametrizations.weight.original.add_(0.3 * noise)
+  x = torch.randn(4, 5, D, dtype=torch.float64)
+  out = x + torch.matmul(source(x) - rotate(x), rotate.weight.T)
+  (out.sin().sum()).backward()
+  params = {
+    "rotation": {
+      "raw": jnp.asarray(rotate.parametrizations.weight.original.detach().numpy()),
+      "base": jnp.asarray(rotate.parametrizations.weight[0].base.numpy()),
+    },
+    "W": jnp.asarray(source.weight.detach().numpy()),
+    "b": jnp.asarray(source.bias.detach().numpy()),
+  }
+  xj = jnp.asarray(x.numpy())
+  f = jax.jit(lambda p: jt.LoReFT(3).edit(p)(xj))
+  np.testing.assert_allclose(f(params), out.detach().numpy(), atol=1e-12, rtol=0)
+  g = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(f(p)))))(params)
+  np.testing.assert_allclose(
+    g["rotation"]["raw"], rotate.parametrizations.weight.original.grad.numpy(), atol=1e-12
+  )
+  np.testing.assert_allclose(g["W"], source.weight.grad.numpy(), atol=1e-12)
+  np.testing.assert_allclose(g["b"], source.bias.grad.numpy(), atol=1e-12)
