@@ -117,26 +117,68 @@ def wait(tree, *, timeout_s: float, what: str = "computation", poll_s: float = 0
   A collective waits for every process taking part. When one of them has died or hangs,
   ``jax.block_until_ready`` would wait forever (or until JAX's heartbeat timeout kills
   this process with a fatal log, for a process that died); this raises a
-  :class:`DistributedError` ``process_timeout`` instead. Dispatch is asynchronous, so
-  the wait covers the computation, not its compilation. An error of the computation
-  itself propagates as JAX raises it. Returns ``tree``.
+  :class:`DistributedError` ``process_timeout`` instead, also when the collective fails
+  at once because a peer's connection closed (gloo's "Connection closed by peer" when the
+  batch is split across processes). Dispatch is asynchronous, so the wait covers the
+  computation, not its compilation. Any other error of the computation itself propagates
+  as JAX raises it. Returns ``tree``.
   """
   leaves = _leaves(tree)
   start = time.monotonic()
-  while not all(leaf.is_ready() for leaf in leaves):
+  try:
+    while not all(leaf.is_ready() for leaf in leaves):
+      waited = time.monotonic() - start
+      if waited > timeout_s:
+        raise DistributedError(
+          f"{what} not finished after {waited:.1f} s on process {jax.process_index()} of "
+          f"{jax.process_count()}: a process it waits for has died or hangs",
+          code="process_timeout",
+          process=jax.process_index(),
+          waited_s=round(waited, 3),
+          fix="read the other processes' logs; if the step is only slow, raise timeout_s "
+          "(and jax.distributed.initialize(heartbeat_timeout_seconds=...))",
+        )
+      time.sleep(poll_s)
+    return jax.block_until_ready(tree)
+  except DistributedError:
+    raise
+  except Exception as error:  # jax raises its own JaxRuntimeError subclasses
+    if not _peer_failure(error):
+      raise
     waited = time.monotonic() - start
-    if waited > timeout_s:
-      raise DistributedError(
-        f"{what} not finished after {waited:.1f} s on process {jax.process_index()} of "
-        f"{jax.process_count()}: a process it waits for has died or hangs",
-        code="process_timeout",
-        process=jax.process_index(),
-        waited_s=round(waited, 3),
-        fix="read the other processes' logs; if the step is only slow, raise timeout_s "
-        "(and jax.distributed.initialize(heartbeat_timeout_seconds=...))",
-      )
-    time.sleep(poll_s)
-  return jax.block_until_ready(tree)
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    raise DistributedError(
+      f"{what} failed after {waited:.1f} s on process {jax.process_index()} of "
+      f"{jax.process_count()}: a process it waits for has died or hangs (its collective "
+      f"lost a peer: {first})",
+      code="process_timeout",
+      process=jax.process_index(),
+      waited_s=round(waited, 3),
+      cause=first,
+      fix="read the other processes' logs; restart the job from its last checkpoint",
+    ) from error
+
+
+# What a collective's error says when a peer process is gone (gloo on CPU, NCCL and the
+# coordination service on GPU): such an error is a dead process, not a bug of the step.
+_PEER_SIGNS = (
+  "connection closed by peer",
+  "connection reset",
+  "broken pipe",
+  "gloo",
+  "nccl",
+  "unavailable",
+  "socket closed",
+  "heartbeat",
+  "tasks are unhealthy",
+)
+
+
+def _peer_failure(error: BaseException) -> bool:
+  if jax.process_count() == 1:
+    return False
+  text = str(error).lower()
+  return any(sign in text for sign in _PEER_SIGNS)
 
 
 def _client():

@@ -338,6 +338,7 @@ def top_sites(
   ax.invert_yaxis()
   ax.axvline(0.0, color="black", linewidth=0.8)
   ax.set_xlabel("score")
+  ax.set_ylabel("site @ position")
   if title is not None:
     ax.set_title(title)
   return _finish(fig, path)

@@ -54,7 +54,7 @@ NOT_SAVED = "#eeeeee"
 _LEGEND = (
   ("keeps the gradient", KEEP),
   ("cuts the gradient", CUT),
-  ("downstream of an edit (recomputed by replay)", DOWNSTREAM),
+  ("downstream of an edit (computed with it live, or recomputed by a replay)", DOWNSTREAM),
   ("replay frontier (re-leafed)", FRONTIER),
   ("not saved", NOT_SAVED),
 )
@@ -124,7 +124,9 @@ class SiteView:
   module_type: str
   value: Any
   edits: tuple = ()
-  state: str = ""  # "keep", "cut", "downstream", "frontier", "not saved" or ""
+  # "keep", "cut", "downstream" (recomputed by a replay), "live downstream" (computed with a
+  # live edit in place), "frontier", "not saved" or ""
+  state: str = ""
   input: Any = None  # the call's (args, kwargs), when the trace saved inputs
 
 
@@ -175,13 +177,15 @@ class TraceView:
   counts: dict
 
 
-def _site_state(label, edited, downstream, frontier, saved) -> str:
+def _site_state(label, edited, downstream, frontier, saved, live=frozenset()) -> str:
   if label in edited:
     return "keep" if all(_keeps(e) for e in edited[label]) else "cut"
   if label in frontier:
     return "frontier"
   if label in downstream:
     return "downstream"
+  if label in live:
+    return "live downstream"
   return "" if saved else "not saved"
 
 
@@ -190,10 +194,17 @@ def _trace_view(trace) -> TraceView:
   rules = _rules(trace)
   fired = _fired(rules, infos)
   edited: dict[str, list] = {}
-  for (_, edit), labels in zip(rules, fired):
+  replayed: set[str] = set()  # sites edited by a rule that a replay applied
+  first_replayed = getattr(trace, "_replayed_from", None)
+  for i, ((_, edit), labels) in enumerate(zip(rules, fired)):
     for lbl in labels:
       edited.setdefault(lbl, []).append(edit)
-  downstream = _downstream(trace, set(edited))
+      if first_replayed is not None and i >= first_replayed:
+        replayed.add(lbl)
+  # A replay recomputes the cone of what it edits; the rest of an edit's downstream sites
+  # were computed with it live, in the capture (nothing was recomputed for them).
+  downstream = _downstream(trace, replayed)
+  live = _downstream(trace, set(edited)) - downstream
   frontier = dict(getattr(trace, "frontier", {}) or {})
   values = dict(trace.values)
   inputs = dict(getattr(trace, "inputs", None) or {})
@@ -207,7 +218,7 @@ def _trace_view(trace) -> TraceView:
       info.module_type if info.kind == "module" else info.func,
       value,
       tuple(edited.get(lbl, ())),
-      _site_state(lbl, edited, downstream, frontier, saved),
+      _site_state(lbl, edited, downstream, frontier, saved, live),
       inputs.get(lbl),
     )
 
@@ -239,7 +250,8 @@ def _trace_view(trace) -> TraceView:
     node_at(info.path).ops.append(site(info, values[lbl]))
   output = trace.output
   if root.out is None and "output" not in seen:
-    root.out = SiteView("output", "module", "output", output, state="downstream" if edited else "")
+    state = "downstream" if replayed else "live downstream" if edited else ""
+    root.out = SiteView("output", "module", "output", output, state=state)
   root.module_type = root.module_type or "model"
   staged = tuple(getattr(getattr(trace, "_staged", None), "rules", ()))
   spec = SpecView(
@@ -251,6 +263,7 @@ def _trace_view(trace) -> TraceView:
     "sites": len(infos),
     "edited": len(edited),
     "downstream": len(downstream & set(values)),
+    "live downstream": len(live & set(values)),
     "frontier": len(frontier),
   }
   return TraceView(output, root, spec, frontier, bool(getattr(trace, "stale", False)), counts)
@@ -356,13 +369,15 @@ _STATE_COLOR = {
   "keep": KEEP,
   "cut": CUT,
   "downstream": DOWNSTREAM,
+  "live downstream": DOWNSTREAM,
   "frontier": FRONTIER,
   "not saved": NOT_SAVED,
 }
 _STATE_TEXT = {
   "keep": "edited, keeps the gradient",
   "cut": "edited, cuts the gradient",
-  "downstream": "recomputed downstream of an edit",
+  "downstream": "recomputed downstream of an edit by a replay",
+  "live downstream": "downstream of a live edit",
   "frontier": "replay frontier (re-leafed)",
   "not saved": "not saved",
 }
@@ -515,6 +530,7 @@ def _render_trace(tv: TraceView, path, subtree_renderer):
   summary = (
     f"{c['saved']} of {c['sites']} sites saved; {c['edited']} edited, "
     f"{c['downstream']} recomputed downstream"
+    + (f", {c['live downstream']} downstream of a live edit" if c.get("live downstream") else "")
     + (f", {c['frontier']} frontier values" if c["frontier"] else "")
     + ("; stale: staged edits not run" if tv.stale else "")
   )

@@ -447,15 +447,30 @@ def _fault(args, out_dir):
 
   from jaxlens import distributed as jd
 
-  mesh = jax.make_mesh((len(jax.devices()),), ("cells",), axis_types=(jax.sharding.AxisType.Auto,))
-  a = jax.make_array_from_callback(
-    (8,), NamedSharding(mesh, P("cells")), lambda index: np.arange(8.0)[index]
-  )
+  if args.scenario == "die-batch":
+    # The layout docs/scaling.md recommends: the batch split across processes, each
+    # process's devices on a second axis. A dead peer makes gloo fail the collective at
+    # once (a JaxRuntimeError), not hang.
+    mesh = jax.make_mesh(
+      (jax.process_count(), jax.local_device_count()),
+      ("data", "model"),
+      axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
+    a = jax.make_array_from_callback(
+      (4, 8), NamedSharding(mesh, P("data", "model")), lambda index: np.ones((4, 8))[index]
+    )
+  else:
+    mesh = jax.make_mesh(
+      (len(jax.devices()),), ("cells",), axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    a = jax.make_array_from_callback(
+      (8,), NamedSharding(mesh, P("cells")), lambda index: np.arange(8.0)[index]
+    )
   total = jax.jit(lambda a: jnp.sum(a**2))
   jd.wait(total(a), timeout_s=args.step_timeout)  # compiled and run once by everyone
   report = {"process_index": jax.process_index()}
   if args.process_id == 1:
-    if args.scenario == "die":
+    if args.scenario in ("die", "die-batch"):
       os._exit(3)
     time.sleep(3600)  # hang: alive (heartbeats flow) but never reaches the collective
   start = time.monotonic()
@@ -469,6 +484,8 @@ def _fault(args, out_dir):
       "message": str(error),
       "fields": error.fields,
     }
+  except Exception as error:  # noqa: BLE001 (what jd.wait let through, for the test to see)
+    report["error"] = {"type": type(error).__name__, "code": None, "message": str(error)}
   report["seconds"] = round(time.monotonic() - start, 2)
   if args.scenario == "hang":
     try:
@@ -494,7 +511,9 @@ def main(argv=None):
   parser.add_argument("--port", type=int, required=True)
   parser.add_argument("--devices", type=int, default=2, help="CPU devices per process")
   parser.add_argument("--out", type=Path, required=True)
-  parser.add_argument("--scenario", choices=("parity", "die", "hang"), default="parity")
+  parser.add_argument(
+    "--scenario", choices=("parity", "die", "die-batch", "hang"), default="parity"
+  )
   parser.add_argument("--init-timeout", type=int, default=60)
   parser.add_argument("--heartbeat-timeout", type=int, default=60)
   parser.add_argument("--step-timeout", type=float, default=120.0)

@@ -90,6 +90,7 @@ def test_top_sites_orders_bars_by_score():
   fig = plot.top_sites(grid, row_labels=["embed", "block_0"], col_labels=["a", "b"], k=3)
   ax = fig.axes[0]
   assert _ticks(ax.get_yticklabels()) == ["embed @ b", "block_0 @ b", "embed @ a"]
+  assert ax.get_ylabel() == "site @ position" and ax.get_xlabel() == "score"
   np.testing.assert_allclose([p.get_width() for p in ax.patches], [0.9, 0.5, 0.1])
   with pytest.raises(jl.InvalidArgumentError, match="k must be a positive int"):
     plot.top_sites(grid, row_labels=["embed", "block_0"], k=0)

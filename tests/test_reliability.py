@@ -119,3 +119,117 @@ def test_a_prompt_longer_than_the_context_is_refused(decoders, family):
   with pytest.raises(jl.InvalidArgumentError, match=r"\[index_out_of_range\].*context of 12"):
     model.apply(variables, jnp.ones((1, 13), jnp.int32))
   assert jl.generate(model, variables, jnp.ones((1, 10), jnp.int32), 2).tokens.shape == (1, 2)
+
+
+def test_a_call_that_did_not_run_names_the_calls_that_did(decoders):
+  model, variables = decoders["llama"]  # tied: embed runs __call__ once and attend once
+  with pytest.raises(jl.SiteError, match=r"\[unknown_site\].*'embed' ran \(__call__ call 1") as e:
+    jl.trace(model, variables, TOKENS, save=jl.module("embed", call=2))
+  assert e.value.fields["candidates"][:1] == ["embed"]
+  assert "embed.attend" in e.value.fields["candidates"]
+
+
+def test_a_string_factor_is_a_typed_error(decoders):
+  model, variables = decoders["llama"]
+  with pytest.raises(jl.ShapeError, match=r"\[dtype_mismatch\].*'2'"):
+    jl.scale("2")
+  # The same value reaching a verb's parameter some other way (a hand-built edit).
+  edit = jl.intervention.Edit("scale", {"factor": "2"})
+  with pytest.raises(jl.ShapeError, match=r"\[dtype_mismatch\].*factor"):
+    jl.when(jl.module("blocks_0"), edit).bind(model)(variables, TOKENS)
+
+
+def test_at_positions_with_a_python_list_is_a_jit_argument(decoders):
+  model, variables = decoders["llama"]
+  site = jl.module("blocks_0/resid_post")
+  f = jax.jit(lambda e: jl.when(site, e).bind(model)(variables, TOKENS))
+  want = f(jl.at_positions(jnp.asarray([2]), jl.zero_ablate()))
+  np.testing.assert_array_equal(f(jl.at_positions([2], jl.zero_ablate())), want)
+  np.testing.assert_array_equal(f(jl.at_positions((2,), jl.zero_ablate())), want)
+  # and it still refuses a concrete position outside the site
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[index_out_of_range\]"):
+    jl.when(site, jl.at_positions([9], jl.zero_ablate())).bind(model)(variables, TOKENS)
+
+
+def test_a_truncated_gguf_names_the_tensor_cut(tmp_path):
+  gguf = pytest.importorskip("gguf")
+  from jaxlens.models import LoadError, load_gguf
+
+  path = tmp_path / "m.gguf"
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.add_block_count(1)
+  w.add_tensor("token_embd.weight", np.ones((8, 4), np.float32))
+  w.add_tensor("output_norm.weight", np.ones((4,), np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  data = path.read_bytes()
+  (tmp_path / "cut.gguf").write_bytes(data[:-24])  # inside the last tensor (16 bytes + 16 padding)
+  with pytest.raises(LoadError, match=r"\[truncated_file\].*'output_norm.weight'") as e:
+    load_gguf(tmp_path / "cut.gguf")
+  assert e.value.fields["tensor"] == "output_norm.weight"
+
+
+# -- saved specs --------------------------------------------------------------------
+
+
+def _spec():
+  return jl.when(jl.module("blocks_0"), jl.scale(2.0))
+
+
+def test_a_spec_version_holding_fifos_is_refused_without_hanging(tmp_path):
+  import os
+  import threading
+
+  path = _spec().save(tmp_path / "s")
+  version = path / os.readlink(path / "current")
+  for name in ("spec.json", "arrays.npz"):
+    (version / name).unlink()
+    os.mkfifo(version / name)
+  result = {}
+
+  def load():
+    try:
+      jl.load_spec(path)
+    except jl.InvalidArgumentError as error:
+      result["error"] = error
+
+  thread = threading.Thread(target=load, daemon=True)
+  thread.start()
+  thread.join(20)
+  if thread.is_alive():  # unblock the reader before failing
+    with open(version / "spec.json", "wb"):
+      pass
+    pytest.fail("load_spec blocked on a FIFO")
+  assert result["error"].code == "spec_corrupt"
+  assert "not a regular file" in str(result["error"])
+
+
+def test_a_save_cleans_up_what_a_killed_save_left(tmp_path):
+  path = _spec().save(tmp_path / "s")
+  stale = path / ".tmp-v-0123456789abcdef0123456789abcdef"
+  stale.mkdir()
+  (stale / "arrays.npz").write_bytes(b"half")
+  (path / ".current.tmp-deadbeef").symlink_to("v-nowhere")
+  _spec().save(path)
+  assert sorted(p.name for p in path.iterdir() if p.name.startswith(".")) == [".lock"]
+  assert len(jl.load_spec(path).rules) == 1
+
+
+def test_a_spec_naming_an_unknown_verb_says_so(tmp_path):
+  import json
+
+  from jaxlens._src import saving
+
+  path = _spec().save(tmp_path / "s")
+  doc = json.loads((path / "spec.json").read_text())
+  doc.pop("sha256")
+  doc["rules"][0]["edit"]["verb"] = "scale_v2"
+  with np.load(path / "arrays.npz") as npz:
+    arrays = {k: npz[k] for k in npz.files}
+  target = (path / "spec.json").resolve()
+  target.write_text(json.dumps({**doc, "sha256": saving._digest(doc, arrays)}))
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[unknown_verb\].*'scale_v2'") as e:
+    jl.load_spec(path)
+  assert "scale" in e.value.fields["candidates"]

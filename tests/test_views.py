@@ -178,3 +178,18 @@ def test_html_page_renders_in_headless_chromium(traces, tmp_path):
   ):
     assert name in rendered, name
   assert "<title>a replayed trace</title>" in out.stdout
+
+
+def test_a_live_edit_is_not_labelled_as_recomputed_by_replay(traces):
+  """Issue 31: a live intervene= trace labelled its downstream sites "recomputed by replay"."""
+  live, replayed = traces
+  states = {k: s.state for k, s in _sites(views.view(live).sites).items()}
+  assert states["block_1/mlp"] == "keep"
+  assert states["ln_f"] == states["head"] == "live downstream"
+  assert "downstream" not in states.values()
+  assert "by a replay" not in treescope.render_to_text(live)
+  assert "downstream of a live edit" in treescope.render_to_text(live)
+  # The replay's own cone is "recomputed"; the live edit's rule came first (replayed_from=1).
+  replayed_states = {k: s.state for k, s in _sites(views.view(replayed).sites).items()}
+  assert replayed_states["block_0/ln_2"] == "downstream"
+  assert "recomputed downstream of an edit by a replay" in treescope.render_to_text(replayed)

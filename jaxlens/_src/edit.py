@@ -433,7 +433,18 @@ def fail_shape(msg, ctx, verb, fix=None, code="shape_mismatch", **fields):
 
 def as_param(value, x, ctx, verb, name):
   """An array argument used as a parameter of a function of x, cast to x's dtype."""
-  arr = jnp.asarray(value)
+  try:
+    if isinstance(value, (str, bytes)):
+      raise TypeError(f"a {type(value).__name__}")
+    arr = jnp.asarray(value)
+  except TypeError:
+    fail_shape(
+      f"{name} must be a number or a numeric array, got {value!r:.60}",
+      ctx,
+      verb,
+      code="dtype_mismatch",
+      fix=f"pass {name} as a number, e.g. {verb}(2.0)",
+    )
   if jnp.issubdtype(arr.dtype, jnp.complexfloating) and not jnp.issubdtype(
     x.dtype, jnp.complexfloating
   ):

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 import zipfile
 from pathlib import Path
@@ -263,7 +264,18 @@ class _Reader:
     if not isinstance(keep, bool):
       raise _corrupt("keep_grad must be true or false", self.path)
     try:
-      edit = verb_named(d["verb"]).build(args)
+      verb = verb_named(d["verb"])
+    except InvalidArgumentError as error:
+      # An intact spec from another jaxlens (its hash matched): say so, not "corrupt".
+      raise SpecFormatError(
+        f"{self.path}: the spec uses the verb {d['verb']!r:.60}, which this jaxlens does not have",
+        code="unknown_verb",
+        site=str(self.path),
+        candidates=error.fields.get("candidates"),
+        fix="load it with the jaxlens version that saved it, or save it again without that verb",
+      ) from None
+    try:
+      edit = verb.build(args)
     except InvalidArgumentError as error:
       raise _corrupt(f"edit {d['verb']!r}: {error}", self.path) from None
     except (TypeError, ValueError, AttributeError, IndexError) as error:
@@ -380,6 +392,13 @@ def save_rules(rules, path) -> Path:
       fix="save to a writable directory",
     ) from None
   with _locked(path):
+    # What a writer killed mid-save left behind (its lock died with it; a live writer holds
+    # the lock, so nothing here is in use).
+    for stale in path.iterdir():
+      if stale.name.startswith(".tmp-v-") and stale.is_dir() and not stale.is_symlink():
+        shutil.rmtree(stale, ignore_errors=True)
+      elif stale.name.startswith(".") and ".tmp-" in stale.name and stale.is_symlink():
+        stale.unlink(missing_ok=True)
     version = f"v-{uuid.uuid4().hex}"
     tmp = path / f".tmp-{version}"
     published = False
@@ -428,6 +447,11 @@ def _read_once(path: Path):
       site=str(path),
       fix=_FIX,
     )
+  for name in ("spec.json", "arrays.npz"):
+    # A FIFO or device there would block the read (or never end): refuse anything but a file.
+    # (One stat: a FileNotFoundError, a version a writer just removed, is read again.)
+    if not stat.S_ISREG(os.stat(where / name).st_mode):
+      raise _corrupt(f"{name} is not a regular file", path)
   return (where / "spec.json").read_bytes(), (where / "arrays.npz").read_bytes()
 
 

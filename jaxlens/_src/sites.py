@@ -253,6 +253,26 @@ class _Module(Site):
         f"the module {self.path!r} returns a tuple or dict; select one element with output=",
         elements[:10],
       )
+    same_path = sorted(
+      {s.label for s in seen if s.kind == "module" and s.path == self.path and s.layers is None}
+    )
+    if same_path and not any(ch in self.path for ch in "*?["):
+      calls = sorted(
+        {
+          (s.method, s.call)
+          for s in seen
+          if s.kind == "module" and s.path == self.path and s.layers is None
+        }
+      )
+      ran = ", ".join(f"{m} call {c}" for m, c in calls)
+      return (
+        f"the module {self.path!r} ran ({ran}), but not as method={self.method!r} "
+        f"call={self.call!r}"
+        + (f" layer={self.layer!r}" if self.layer is not None else "")
+        + (f" output={self.output!r}" if self.output is not None else "")
+        + "; select one of the calls that ran",
+        same_path[:10],
+      )
     paths = sorted({s.path for s in seen if s.path and s.kind == "module"} - {self.path})
     close = difflib.get_close_matches(self.path, paths, n=5, cutoff=0.4)
     suffix = [p for p in paths if p.endswith("/" + self.path)]

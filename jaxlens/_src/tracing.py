@@ -83,6 +83,7 @@ class _Static:
   call: Any = None  # (method, apply_kwargs items, model kwargs items)
   input_labels: tuple = ()
   save_inputs: bool = False
+  replayed_from: int | None = None
 
 
 def _id_eq(a, b):
@@ -120,6 +121,7 @@ class Trace(Donor):
     keep_inputs=True,
     inputs=None,
     save_inputs=False,
+    replayed_from=None,
   ):
     self.output = output
     self.inputs = dict(inputs or {})  # label -> (args, kwargs) of the saved module calls
@@ -139,6 +141,9 @@ class Trace(Donor):
     self.stale = stale
     self._module = module
     self._call = call
+    # The index of the first rule of the spec applied by a replay (the ones before it ran
+    # live, in the capture), or None when none was: views say what was recomputed.
+    self._replayed_from = replayed_from
 
   # -- pytree -------------------------------------------------------------
 
@@ -170,6 +175,7 @@ class Trace(Donor):
       self._call,
       ilabels,
       self._save_inputs,
+      self._replayed_from,
     )
     return children, aux
 
@@ -195,6 +201,7 @@ class Trace(Donor):
       call=aux.call,
       inputs=dict(zip(aux.input_labels, ivals)),
       save_inputs=aux.save_inputs,
+      replayed_from=aux.replayed_from,
     )
 
   # -- reading ------------------------------------------------------------
@@ -421,6 +428,7 @@ class Trace(Donor):
       call=self._call,
       inputs=self.inputs,
       save_inputs=self._save_inputs,
+      replayed_from=self._replayed_from,
     )
     output = changes.pop("output", self.output)
     values = changes.pop("values", self.values)
@@ -547,6 +555,7 @@ class Trace(Donor):
       frontier=ev.frontier if differentiable else {},
       replay_starts=tuple(starts) if differentiable else None,
       replay_layers=tuple(sorted(first_layers.items())) if differentiable else (),
+      replayed_from=len(self._spec.rules) if self._replayed_from is None else self._replayed_from,
     )
 
   def _rerun(self, new: Spec, model, inputs) -> "Trace":

@@ -36,7 +36,7 @@ from jaxlens._src.edit import (
   source_values,
   takes_hook_keyword,
 )
-from jaxlens._src.errors import InvalidArgumentError
+from jaxlens._src.errors import InvalidArgumentError, ShapeError
 from jaxlens._src.sites import Site, as_selector
 from jaxlens._src.tracebacks import api_boundary
 
@@ -115,6 +115,12 @@ def scale(factor) -> Edit:
     >>> jl.scale(0.5)
     jl.scale(0.5)
   """
+  if isinstance(factor, (str, bytes)):
+    raise ShapeError(
+      f"scale: factor must be a number or a numeric array, got {factor!r:.60}",
+      code="dtype_mismatch",
+      fix="jl.scale(2.0)",
+    )
   return _make("scale", {"factor": factor})
 
 
@@ -532,6 +538,13 @@ def at_positions(positions, edit, *, axis=1) -> Edit:
   (whose value is not known when the edit is traced) makes the site NaN.
   """
   inner = as_edit(edit)
+  if isinstance(positions, (list, tuple)):
+    # One array leaf, not a list of int leaves: passed to jit as an argument, a list would
+    # become scalar tracers that no check can stack.
+    try:
+      positions = np.asarray(positions)
+    except ValueError:
+      pass  # ragged: refused where the edit fires, with the site named
   return Edit(
     "at_positions", {"positions": positions, "edit": inner}, (("axis", axis),), keeps=inner.keeps
   )

@@ -425,6 +425,32 @@ def _gguf_reader(path):
     def data(self, value):
       self._data = value.view(np.ndarray)
 
+    def _build_tensors(self, start_offs, fields):
+      # gguf slices each tensor's bytes from the map and reshapes them, so a cut file fails
+      # with numpy's "cannot reshape" naming no tensor: check every extent first.
+      size = len(self._data)
+      for field in fields:
+        _, name_data, _, dims, raw_dtype, offset = field.parts
+        name = bytes(name_data).decode("utf-8", "replace")
+        try:
+          block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_dtype[0]))]
+        except (ValueError, KeyError):
+          raise LoadError(
+            f"{path.name}: tensor {name!r} has an unknown GGML type {int(raw_dtype[0])}",
+            code="truncated_file",
+            tensor=name,
+            fix="download the file again",
+          ) from None
+        end = int(start_offs) + int(offset[0]) + int(np.prod(dims)) * type_size // block
+        if end > size:
+          raise LoadError(
+            f"{path.name} is truncated: tensor {name!r} ends at byte {end}, the file has {size}",
+            code="truncated_file",
+            tensor=name,
+            fix="download the file again",
+          )
+      super()._build_tensors(start_offs, fields)
+
   path = Path(path)
   if not path.is_file():
     raise LoadError(
@@ -435,6 +461,8 @@ def _gguf_reader(path):
     )
   try:
     return Reader(str(path))
+  except LoadError:
+    raise
   except (ValueError, IndexError, OSError, KeyError) as e:
     raise LoadError(
       f"{path.name} is not a readable GGUF file (truncated or corrupt): {e}",
