@@ -3,7 +3,7 @@
 A tiny GPT (``jaxlens.models.GPT``, float32) and a clean/corrupt pair are swept over
 every block x every position in two layouts, each on a ``(data=2, model=2)`` mesh:
 
-* cells: ``jaxlens.distributed.patching_sweep``, the positions split over all four
+* cells: ``jl.sweep.patching_sweep(..., mesh=)``, the positions split over all four
   devices; every device holds the whole model and replays its own cells;
 * tensor-parallel: ``jl.sweep.patching_sweep`` on the mesh, the batch split over
   ``data`` and every Dense kernel of the GPT over ``model`` (XLA partitions the sweep).
@@ -178,6 +178,7 @@ def worker(args) -> None:
   from benchmarks._timing import interleaved, median
   from jaxlens import distributed as jd
   from jaxlens import models
+  from jaxlens.sweep import _patching as sweep_internals  # the compiled program, for its HLO
 
   mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
   model, host_vars, clean = models.init_gpt(
@@ -215,7 +216,9 @@ def worker(args) -> None:
   dc, dk = put(clean, "data"), put(corrupt, "data")
   tp_sweep = jax.jit(lambda v, c, k: jl.sweep.patching_sweep(model, v, c, k, metric, sites=sites))
   runs = {
-    "cells": lambda: jd.patching_sweep(model, replicated, rc, rk, metric, mesh=mesh, sites=sites),
+    "cells": lambda: jl.sweep.patching_sweep(
+      model, replicated, rc, rk, metric, mesh=mesh, sites=sites
+    ),
     "tensor_parallel": lambda: tp_sweep(tp_vars, dc, dk),
   }
   grids = {name: jd.host_values(jd.wait(run(), timeout_s=600)) for name, run in runs.items()}
@@ -225,7 +228,7 @@ def worker(args) -> None:
     lambda index: np.arange(args.seq, dtype=np.int32)[index],
   )
   hlo = {
-    "cells": jd._sharded_sweep.lower(
+    "cells": sweep_internals._sharded_sweep.lower(
       model,
       replicated,
       rc,
@@ -235,6 +238,7 @@ def worker(args) -> None:
       sites=tuple(sites),
       mesh=mesh,
       cell_axes=("data", "model"),
+      batch_size=None,
     )
     .compile()
     .as_text(),
@@ -337,7 +341,7 @@ def estimate_7b(
   on 64 accelerators (8 hosts x 8, H100-class: 989 TFLOP/s dense bf16, 40 % of it used;
   NVLink 450 GB/s within a host).
 
-  Cells layout (``jaxlens.distributed.patching_sweep``): every device holds the model
+  Cells layout (``jl.sweep.patching_sweep(..., mesh=)``): every device holds the model
   and both traces and replays 256 cells. A cell at layer ``l`` recomputes layers
   ``l..31`` and the head: on average (L + 1) / 2L of a forward in arithmetic (on the
   tiny benchmark model a cell costs ``tiny_cell_over_forward`` forwards, lower because

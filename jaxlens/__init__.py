@@ -13,10 +13,6 @@ it is not part of the public API.
 import types as _types
 
 from jaxlens import intervention as intervention
-from jaxlens import sweep as sweep
-from jaxlens import generation as generation
-from jaxlens.generation import at_steps as at_steps
-from jaxlens.generation import generate as generate
 from jaxlens._src.dependence import depends_on as depends_on
 from jaxlens._src.doors import Spec as Spec
 from jaxlens._src.doors import SpecReport as SpecReport
@@ -51,7 +47,11 @@ from jaxlens._src.tracing import trace as trace
 from jaxlens.intervention import *  # noqa: F403 (every edit builder; tests/test_api.py checks)
 from jaxlens.intervention import __all__ as _intervention_all
 
-# Built on the names above: gradients at sites and the activation store.
+# The tools, built on the names above (they import them from here).
+from jaxlens import protocol as protocol
+from jaxlens import sweep as sweep
+from jaxlens import generation as generation
+from jaxlens.generation import generate as generate
 from jaxlens import store as store
 from jaxlens import views as views  # attaches the notebook views to Trace, Spec, Edit, Site
 from jaxlens.attribution import SiteGrads as SiteGrads
@@ -100,9 +100,9 @@ __all__ = sorted(
     "store",
     "generation",
     "generate",
-    "at_steps",
     "compilation_cache_dir",
     "set_compilation_cache",
+    "protocol",
   }
 )
 

@@ -20,21 +20,16 @@ class MissingDependencyError(JaxlensError, ImportError):
     fields: ``{"code": "missing_dependency", "package": ..., "fix": ...}``.
   """
 
-  def __init__(self, package: str, feature: str, extra: str):
-    fix = f"pip install 'jaxlens[{extra}]' (or pip install {package})"
-    self.fields = {"code": "missing_dependency", "package": package, "fix": fix}
-    super().__init__(
-      f"[missing_dependency] {feature} needs {package}, which is not installed\n  Fix: {fix}"
-    )
-
-  @property
-  def code(self) -> str:
-    return self.fields["code"]
-
 
 def require(module: str, *, feature: str, extra: str, package: str | None = None) -> Any:
   """Imports ``module`` or raises :class:`MissingDependencyError`."""
   try:
     return importlib.import_module(module)
   except ImportError as error:
-    raise MissingDependencyError(package or module.split(".")[0], feature, extra) from error
+    package = package or module.split(".")[0]
+    raise MissingDependencyError(
+      f"{feature} needs {package}, which is not installed",
+      code="missing_dependency",
+      fix=f"pip install 'jaxlens[{extra}]' (or pip install {package})",
+      package=package,
+    ) from error

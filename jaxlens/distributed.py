@@ -12,8 +12,9 @@ does need care is the boundary with the host, and faults:
   by process 0, then a barrier, so that every process can :func:`jaxlens.load_spec` it.
 - :func:`wait` and :func:`barrier`: bounded waits that raise :class:`DistributedError`
   when another process has died or hangs, instead of blocking forever.
-- :func:`patching_sweep`: a patching sweep whose cells are spread over every device of
-  every process.
+
+A patching sweep whose cells are spread over every device of every process is
+:func:`jaxlens.sweep.patching_sweep` with ``mesh=``.
 
 ``docs/scaling.md`` has the launch recipe for a GPU cluster and a TPU pod;
 ``tests/test_distributed.py`` runs all of this with two processes on localhost.
@@ -21,31 +22,24 @@ does need care is the boundary with the host, and faults:
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlens._src.edit import split_over_processes
-from jaxlens._src.errors import InvalidArgumentError, JaxlensError
+from jaxlens._src.errors import JaxlensError
 from jaxlens._src.doors import load_spec as _load_spec
 from jaxlens._src.doors import save_spec as _save_spec
-from jaxlens._src.sites import module
-from jaxlens._src.tracing import trace
-from jaxlens._src.verbs import at_positions, patch_from
 
 __all__ = [
   "DistributedError",
   "barrier",
   "host_values",
   "load_spec",
-  "patching_sweep",
   "save_spec",
   "wait",
 ]
@@ -58,14 +52,6 @@ class DistributedError(JaxlensError, RuntimeError):
     fields: ``"code"`` (``process_timeout`` or ``barrier_timeout``), ``"process"``
       (this process's index), ``"waited_s"``, ``"fix"``.
   """
-
-  def __init__(self, message: str, *, code: str, fix: str, **fields: Any):
-    self.fields = {"code": code, "fix": fix, **fields}
-    super().__init__(f"[{code}] {message}\n  Fix: {fix}")
-
-  @property
-  def code(self) -> str:
-    return self.fields["code"]
 
 
 def _leaves(tree) -> list:
@@ -240,113 +226,3 @@ def save_spec(spec, path, *, timeout_s: float = 300.0):
 def load_spec(path):
   """:func:`jaxlens.load_spec`: every process reads the directory (no collective)."""
   return _load_spec(path)
-
-
-def patching_sweep(
-  model,
-  variables,
-  clean,
-  corrupt,
-  metric: Callable[[Any], Any],
-  *,
-  mesh,
-  sites: Sequence[str],
-  positions: Sequence[int] | None = None,
-  cell_axes: Sequence[str] | None = None,
-  batch_size: int | None = None,
-):
-  """:func:`jaxlens.sweep.patching_sweep` with its cells spread over the devices of ``mesh``.
-
-  The positions are split over the mesh axes ``cell_axes`` (default: all of them, so
-  every device of every process gets ``len(positions) / n_devices`` cells of each
-  site); each device runs the clean and the corrupt trace once and replays its own
-  cells (``corrupt_trace.fork().do(site, jl.at_positions([p], jl.patch_from(clean)))``,
-  vmapped), so no activation crosses devices. ``variables``, ``clean`` and
-  ``corrupt`` are replicated over the cell axes: this layout is for a model that fits
-  on one device (a bigger one shards over a model axis left out of ``cell_axes``, see
-  ``docs/scaling.md``). Positions are padded to a multiple of the number of cell
-  shards with position 0 and the padding is dropped. ``batch_size`` bounds how many
-  of a device's cells run at once (``jax.lax.map`` over chunks), as in
-  :func:`jaxlens.sweep.patching_sweep`.
-
-  Returns:
-    A global float array ``(len(sites), len(positions))``, its position axis sharded
-    over ``cell_axes`` (when padding was needed, as XLA places the sliced result);
-    :func:`host_values` gives it on the host.
-  """
-  cell_axes = tuple(mesh.axis_names if cell_axes is None else cell_axes)
-  unknown = [a for a in cell_axes if a not in mesh.axis_names]
-  if unknown or not sites:
-    raise InvalidArgumentError(
-      f"patching_sweep: cell_axes {unknown} are not axes of the mesh {mesh.axis_names}"
-      if unknown
-      else "patching_sweep needs at least one site to patch",
-      code="invalid_argument",
-      fix=f"cell_axes={tuple(mesh.axis_names)!r}, sites=('block_0',)",
-    )
-  seq = jnp.shape(clean)[1]
-  positions = tuple(range(seq)) if positions is None else tuple(int(p) for p in positions)
-  bad = [p for p in positions if not 0 <= p < seq]
-  if bad:
-    raise InvalidArgumentError(
-      f"patching_sweep: positions {bad} are out of range for sequence length {seq}",
-      code="index_out_of_range",
-      fix=f"positions in [0, {seq})",
-    )
-  shards = int(np.prod([mesh.shape[a] for a in cell_axes]))
-  padded = positions + (0,) * (-len(positions) % shards)
-  cells = jax.make_array_from_callback(
-    (len(padded),),
-    NamedSharding(mesh, P(cell_axes)),
-    lambda index: np.asarray(padded, np.int32)[index],
-  )
-  grid = _sharded_sweep(
-    model,
-    variables,
-    clean,
-    corrupt,
-    cells,
-    metric=metric,
-    sites=tuple(sites),
-    mesh=mesh,
-    cell_axes=cell_axes,
-    batch_size=batch_size,
-  )
-  return grid if len(padded) == len(positions) else grid[:, : len(positions)]
-
-
-def _local_sweep(model, variables, clean, corrupt, cells, *, metric, sites, batch_size):
-  donor = trace(model, variables, clean, save=[module(s) for s in sites])
-  base = trace(model, variables, corrupt)
-  rows = []
-  for path in sites:
-
-    def one(position, path=path):
-      edit = at_positions(position[None], patch_from(donor))
-      return metric(base.fork().do(module(path), edit).output)
-
-    rows.append(
-      jax.vmap(one)(cells) if batch_size is None else jax.lax.map(one, cells, batch_size=batch_size)
-    )
-  return jnp.stack(rows)
-
-
-@functools.partial(
-  jax.jit, static_argnames=("model", "metric", "sites", "mesh", "cell_axes", "batch_size")
-)
-def _sharded_sweep(
-  model, variables, clean, corrupt, cells, *, metric, sites, mesh, cell_axes, batch_size=None
-):
-  # Manual over the cell axes only: any other mesh axis (a model axis the variables are
-  # split over) stays with XLA's partitioner inside each cell shard.
-  body = jax.shard_map(
-    lambda v, a, b, c: _local_sweep(
-      model, v, a, b, c, metric=metric, sites=sites, batch_size=batch_size
-    ),
-    mesh=mesh,
-    in_specs=(P(), P(), P(), P(cell_axes)),
-    out_specs=P(None, cell_axes),
-    axis_names=set(cell_axes),
-    check_vma=False,
-  )
-  return body(variables, clean, corrupt, cells)

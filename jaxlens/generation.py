@@ -9,7 +9,8 @@ tokens may end every row early). Edits are jaxlens specs applied through the liv
 * ``intervene=``: in the prefill and in every decode step (a steering vector on every token);
 * ``prefill=``: in the prefill only (``jl.patch_from`` a trace of another prompt);
 * ``decode=``: in the decode steps only;
-* :func:`at_steps` selects, inside any of these, the calls that produce chosen new tokens.
+* :func:`jaxlens.at_steps` selects, inside any of these, the calls that produce chosen new
+  tokens (the call index reaches edits as ``FireContext.step``).
 
 Call ``c`` is the forward pass whose last logits choose new token ``c``: call 0 is the prefill,
 call ``c >= 1`` feeds new token ``c - 1`` (at absolute position ``prompt_len + c - 1`` of an
@@ -31,7 +32,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,56 +44,10 @@ import numpy as np
 from jaxlens._src.doors import Spec, as_spec, when
 from jaxlens._src.errors import InvalidArgumentError, ShapeError
 from jaxlens._src.sites import as_selector
-from jaxlens._src.edit import Edit, fire, register
-from jaxlens._src.verbs import as_edit, hook
+from jaxlens._src.verbs import hook
 from jaxlens._src.tracebacks import api_boundary
 
-__all__ = ["Generation", "at_steps", "generate", "left_pad"]
-
-# The index of the forward call being traced inside jl.generate (see at_steps).
-_CALL = threading.local()
-
-
-def _at_steps(x, p, s, ctx):
-  call = getattr(_CALL, "index", None)
-  if call is None:
-    raise InvalidArgumentError(
-      "at_steps selects calls of a generation; this site was reached outside jl.generate",
-      code="outside_generation",
-      site=ctx.label,
-      fix="use the spec in jl.generate(..., intervene=spec), or drop at_steps",
-    )
-  edited = fire(p["edit"], x, ctx)
-  return jnp.where(jnp.isin(call, p["steps"]), edited, x)
-
-
-@api_boundary
-def at_steps(steps, edit) -> Edit:
-  """Applies ``edit`` only in the forward calls that produce the chosen new tokens.
-
-  Call 0 is the prefill (its last position chooses new token 0); call ``t >= 1`` is the
-  decode step that feeds new token ``t - 1`` and chooses token ``t``. In the other calls the
-  site keeps its value. ``steps`` is a leaf (an int array): changing it does not recompile.
-  The edit keeps the gradient when the inner one does.
-
-  Args:
-    steps: an int or a sequence of ints, the call indices.
-    edit: the edit to apply in those calls.
-  """
-  steps = np.atleast_1d(np.asarray(steps))
-  if steps.ndim != 1 or not np.issubdtype(steps.dtype, np.integer):
-    raise InvalidArgumentError(
-      f"at_steps takes integer call indices, got {steps!r}",
-      code="invalid_argument",
-      fix="jl.at_steps([0, 3], edit)",
-    )
-  inner = as_edit(edit)
-  return Edit(
-    "at_steps", {"steps": jnp.asarray(steps, jnp.int32), "edit": inner}, (), keeps=inner.keeps
-  )
-
-
-register("at_steps", _at_steps, at_steps)
+__all__ = ["Generation", "generate", "left_pad"]
 
 
 @flax.struct.dataclass
@@ -190,23 +144,19 @@ def _forward(module, variables, cache, tokens, key_mask, positions, spec: Spec, 
   store: dict = {}
   if save is not None:
     spec = spec + when(save, _recorder(store))
-  _CALL.index = call
-  try:
-    if spec.rules:
-      logits, updated = spec.bind(module, mutable=["cache"])(
-        {**variables, "cache": cache}, tokens, key_mask, positions=positions, decode=True
-      )
-    else:
-      logits, updated = module.apply(
-        {**variables, "cache": cache},
-        tokens,
-        key_mask,
-        positions=positions,
-        decode=True,
-        mutable=["cache"],
-      )
-  finally:
-    _CALL.index = None
+  if spec.rules:
+    logits, updated = spec.bind(module, mutable=["cache"], step=call)(
+      {**variables, "cache": cache}, tokens, key_mask, positions=positions, decode=True
+    )
+  else:
+    logits, updated = module.apply(
+      {**variables, "cache": cache},
+      tokens,
+      key_mask,
+      positions=positions,
+      decode=True,
+      mutable=["cache"],
+    )
   return logits, updated["cache"], store
 
 
@@ -355,11 +305,13 @@ def _check_prompt(prompt, mask, module, max_new_tokens):
         site="embed",
         fix=f"ids in [0, {vocab}) (a tokenizer that matches the model)",
       )
-  max_len = getattr(config, "max_len", None)
+  # How many positions the model can take (jaxlens.protocol.Decoder.max_positions).
+  max_positions = getattr(module, "max_positions", None)
+  max_len = max_positions() if callable(max_positions) else None
   if isinstance(max_len, int) and jnp.shape(prompt)[1] + max_new_tokens > max_len:
     raise InvalidArgumentError(
       f"generate: prompt length {jnp.shape(prompt)[1]} + {max_new_tokens} new tokens exceeds "
-      f"the model's context of {max_len} (config.max_len)",
+      f"the model's context of {max_len} (max_positions())",
       code="index_out_of_range",
       fix=f"max_new_tokens <= {max_len - jnp.shape(prompt)[1]}"
       if jnp.shape(prompt)[1] < max_len

@@ -86,23 +86,6 @@ class StoreError(JaxlensError, OSError):
       ``store_corrupt``, ``unknown_site``, ``store_not_local``.
   """
 
-  def __init__(
-    self, message: str, *, code: str, path: Any = None, fix: str | None = None, **fields: Any
-  ):
-    self.fields = {"code": code, **fields}
-    if path is not None:
-      self.fields["path"] = str(path)
-    if fix is not None:
-      self.fields["fix"] = fix
-    text = f"[{code}] {message}"
-    if fix is not None:
-      text += f"\n  Fix: {fix}"
-    super().__init__(text)
-
-  @property
-  def code(self) -> str:
-    return self.fields["code"]
-
 
 def _shard(root: Path, i: int) -> Path:
   return root / f"shard_{i:06d}.safetensors"
@@ -120,7 +103,7 @@ def _disk_full(path, error=None) -> StoreError:
   return StoreError(
     f"no space left on the device of {path}" + (f": {error}" if error else ""),
     code="disk_full",
-    path=path,
+    path=str(path),
     fix="free space or collect to another path; collect() again resumes "
     "after the last complete batch",
   )
@@ -132,7 +115,7 @@ def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
     raise StoreError(
       f"{root} is a file, not a store directory",
       code="store_path_invalid",
-      path=root,
+      path=str(root),
       fix="collect(..., path=<a new or existing directory>)",
     )
   if overwrite and (root / _META).exists():
@@ -145,14 +128,14 @@ def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
     raise StoreError(
       f"cannot create the store directory {root}: {error}",
       code="store_path_invalid",
-      path=root,
+      path=str(root),
       fix="a path in a writable directory",
     ) from error
   if not os.access(root, os.W_OK):
     raise StoreError(
       f"the store directory {root} is not writable",
       code="store_path_invalid",
-      path=root,
+      path=str(root),
       fix="a path in a writable directory",
     )
   if not (root / _META).exists():
@@ -160,7 +143,7 @@ def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
       raise StoreError(
         f"{root} is a non-empty directory that is not an activation store",
         code="store_not_empty",
-        path=root,
+        path=str(root),
         fix="an empty or new directory, or collect(..., overwrite=True) on a store",
       )
     _write_json(root / _META, meta)
@@ -171,7 +154,7 @@ def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
       f"{root} holds other sites, shapes or dtypes ({old.get('sites')}) than this "
       f"collection ({meta['sites']})",
       code="store_mismatch",
-      path=root,
+      path=str(root),
       fix="another path, or collect(..., overwrite=True) to replace it",
     )
   for tmp in root.glob("*.tmp"):
@@ -205,7 +188,7 @@ def _check_local(values: dict, root: Path) -> None:
     raise StoreError(
       f"the values of {split} are split over processes; this process cannot write them",
       code="store_not_local",
-      path=root,
+      path=str(root),
       site=split[0],
       fix="collect one store per process from its local rows (see docs/scaling.md), "
       "or gather the batch first",
@@ -354,7 +337,7 @@ def collect(
     raise StoreError(
       "collect was given no batches",
       code="store_empty_dataset",
-      path=root,
+      path=str(root),
       fix="an iterable that yields at least one batch",
     )
   shapes = jax.eval_shape(run, variables, *as_args(first))
@@ -439,7 +422,7 @@ class ActivationStore:
       raise StoreError(
         f"{root} is not an activation store (no {_META})",
         code="store_missing",
-        path=root,
+        path=str(root),
         fix="jaxlens.store.collect(..., path) first",
       )
     self.path = root
@@ -464,7 +447,7 @@ class ActivationStore:
       raise StoreError(
         f"the store has no site {label!r}; it has {list(self.labels)}",
         code="unknown_site",
-        path=self.path,
+        path=str(self.path),
         site=label,
         fix=f"one of {list(self.labels)}",
       )
@@ -486,7 +469,7 @@ class ActivationStore:
       raise StoreError(
         f"shard {i} of {self.path} cannot be read: {error}",
         code="store_corrupt",
-        path=_shard(self.path, i),
+        path=str(_shard(self.path, i)),
         fix="delete that shard and the ones after it, then collect() again to recompute them",
       ) from error
 
@@ -515,7 +498,7 @@ class ActivationStore:
       raise StoreError(
         f"batch {i} is out of range: the store holds {self.num_batches}",
         code="index_out_of_range",
-        path=self.path,
+        path=str(self.path),
         fix=f"0 <= i < {self.num_batches}",
       )
     with self._open(i) as f:

@@ -274,7 +274,7 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
   sites = ("block_0", "block_1")
   out["sweep/grid"] = jl.sweep.patching_sweep(model, v, donor_x, x, metric, sites=sites)
   if mesh is not None:
-    cells = jd.patching_sweep(model, v, donor_x, x, metric, mesh=mesh, sites=sites)
+    cells = jl.sweep.patching_sweep(model, v, donor_x, x, metric, mesh=mesh, sites=sites)
     out["sweep_cells/grid"] = cells
     facts["sweep_cells_processes"] = spans(cells)
     facts["sweep_cells_shard_shape"] = list(cells.sharding.shard_shape(cells.shape))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxlens as jl
-from jaxlens.cone_sweep import cone_sweep
+from jaxlens.sweep import cone_sweep
 from jaxlens.models import GPT2, GPT2Config, Llama, LlamaConfig
 
 VOCAB, SEQ = 40, 7
@@ -96,6 +96,6 @@ def test_bad_input_gets_typed_errors():
     cone_sweep(model, {}, x, x[:, :3], logit_diff)
   import flax.linen as nn
 
-  with pytest.raises(jl.InvalidArgumentError) as e:
+  with pytest.raises(jl.InvalidArgumentError, match=r"protocol\.Decoder") as e:
     cone_sweep(nn.Dense(3), {}, x, x, logit_diff)
   assert e.value.code == "invalid_argument"

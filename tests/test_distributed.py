@@ -387,13 +387,12 @@ def test_bounded_waits_return_at_once_on_one_process():
 
 
 def test_the_cell_sweep_on_one_process_matches_jl_sweep(reference):
-  """jaxlens.distributed.patching_sweep on 4 devices of this process: cells over ``data``
+  """jl.sweep.patching_sweep(mesh=) on 4 devices of this process: cells over ``data``
   with the kernels split over ``model``, in chunks of one cell; and its input errors."""
   import jax
   from jax.sharding import AxisType
 
   import jaxlens as jl
-  from jaxlens import distributed as jd
 
   mesh = jax.make_mesh(
     (2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4]
@@ -404,7 +403,7 @@ def test_the_cell_sweep_on_one_process_matches_jl_sweep(reference):
   x = rng.normal(size=(worker.BATCH, worker.SEQ, worker.WIDTH))
   variables = worker._host_variables(model, x, seed=2)
   sites = ("block_0", "block_1")
-  grid = jd.patching_sweep(
+  grid = jl.sweep.patching_sweep(
     model,
     place.variables(variables),
     place.put(2 * x),
@@ -419,13 +418,18 @@ def test_the_cell_sweep_on_one_process_matches_jl_sweep(reference):
   assert grid.shape == (2, 3)  # 3 cells, padded to 4 over the two data shards, then cut
   want = reference["float64"][0]["sweep/grid"][:, [3, 1, 2]]
   np.testing.assert_allclose(np.asarray(grid), want, rtol=0, atol=1e-12)
-  with pytest.raises(jl.InvalidArgumentError) as error:
-    jd.patching_sweep(
+  with pytest.raises(jl.InvalidArgumentError, match="not axes of the mesh") as error:
+    jl.sweep.patching_sweep(
       model, variables, 2 * x, x, worker.metric, mesh=mesh, sites=sites, cell_axes=("cells",)
     )
   assert error.value.code == "invalid_argument" and "cell_axes" in str(error.value)
+  with pytest.raises(jl.InvalidArgumentError, match="pass the mesh too") as error:
+    jl.sweep.patching_sweep(
+      model, variables, 2 * x, x, worker.metric, sites=sites, cell_axes=("data",)
+    )
+  assert error.value.code == "invalid_argument"
   with pytest.raises(jl.InvalidArgumentError) as error:
-    jd.patching_sweep(
+    jl.sweep.patching_sweep(
       model, variables, 2 * x, x, worker.metric, mesh=mesh, sites=sites, positions=(worker.SEQ,)
     )
   assert error.value.code == "index_out_of_range"

@@ -276,3 +276,64 @@ def test_reprs_show_every_argument():
   # A repr of plain values is code that builds the same edit.
   edit = jl.clamp(min=-1.0, max=2.0)
   assert repr(eval(repr(edit), {"jl": jl, "jnp": jnp})) == repr(edit)
+
+
+def _error_classes():
+  """Every ``class ...Error`` in jaxlens and torch_bridge, read from the source: name -> bases,
+  and whether its body is a docstring only."""
+  import ast
+  import pathlib
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  found = {}
+  for path in [*root.glob("jaxlens/**/*.py"), *root.glob("torch_bridge/**/*.py")]:
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ClassDef) and node.name.endswith("Error"):
+        bases = [b.attr if isinstance(b, ast.Attribute) else b.id for b in node.bases]
+        doc_only = (
+          len(node.body) == 1
+          and isinstance(node.body[0], ast.Expr)
+          and isinstance(node.body[0].value, ast.Constant)
+        )
+        found[node.name] = (bases, doc_only, path.relative_to(root))
+  return found
+
+
+def test_one_error_family_with_one_constructor():
+  """Every error class is a JaxlensError built by the base constructor (a subclass with a
+  docstring only), and docs/errors.md names it."""
+  import pathlib
+
+  classes = _error_classes()
+  assert {"JaxlensError", "StoreError", "ConversionError", "LoadError"} <= set(classes)
+  builtin = {"ValueError", "OSError", "RuntimeError", "ImportError", "TypeError", "Exception"}
+
+  def reaches_base(name):
+    return name == "JaxlensError" or any(b in classes and reaches_base(b) for b in classes[name][0])
+
+  docs = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
+  for name, (bases, doc_only, path) in classes.items():
+    assert set(bases) <= set(classes) | builtin, (name, bases)
+    assert reaches_base(name), f"{path}: {name} is not a JaxlensError"
+    if name != "JaxlensError":
+      assert doc_only, f"{path}: {name} has a body besides its docstring"
+    assert f"`{name}`" in docs or f".{name}`" in docs, f"docs/errors.md: add {name}"
+
+
+def test_the_base_constructor_formats_every_error_alike():
+  from jaxlens.store import StoreError
+
+  error = StoreError(
+    "no store here", code="store_missing", site="a/b", fix="collect first", path="p"
+  )
+  assert str(error) == "[store_missing] no store here (site: a/b)\n  Fix: collect first"
+  assert error.code == "store_missing"
+  assert error.fields == {
+    "code": "store_missing",
+    "site": "a/b",
+    "fix": "collect first",
+    "path": "p",
+  }
+  assert isinstance(error, OSError) and isinstance(error, jl.JaxlensError)
+  with pytest.raises(TypeError, match="code"):
+    jl.InvalidArgumentError("no code")

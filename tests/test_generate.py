@@ -10,7 +10,8 @@ import optax
 import pytest
 
 import jaxlens as jl
-from jaxlens.generation import at_steps, generate, left_pad
+from jaxlens import at_steps
+from jaxlens.generation import generate, left_pad
 from jaxlens.models import GPT2, GPT2Config, Llama, LlamaConfig
 
 VOCAB, D, N = 48, 32, 6
@@ -353,3 +354,20 @@ def test_the_decoder_init_is_traced_once_per_model_and_cache_size(llama, monkeyp
     counts.append(len(inits))
   assert counts == [1, 1]
   assert out.tokens.shape == (TOKENS.shape[0], N)
+
+
+def test_at_steps_reads_the_step_from_the_fire_context():
+  """The step reaches at_steps through FireContext.step, set by spec.bind(model, step=)."""
+  import flax.linen as nn
+
+  x = jnp.ones((2, 3), jnp.float32)
+  edit = at_steps([1, 3], jl.scale(2.0))
+  np.testing.assert_array_equal(edit(x, jl.intervention.FireContext("x", step=3)), 2 * x)
+  np.testing.assert_array_equal(edit(x, jl.intervention.FireContext("x", step=2)), x)
+  model = nn.Sequential([nn.Dense(3), nn.Dense(2)])
+  variables = model.init(jax.random.key(0), x)
+  spec = jl.when(jl.module("layers_0"), edit)
+  plain = model.apply(variables, x)
+  run = jax.jit(lambda step: spec.bind(model, step=step)(variables, x))
+  np.testing.assert_allclose(run(jnp.int32(0)), plain)
+  assert not np.allclose(run(jnp.int32(1)), plain)

@@ -42,8 +42,6 @@ FLOORS = {
   "doors": 8,
   # 9: Trace and the trace doors.
   "tracing": 9,
-  # 10: patching sweeps.
-  "sweep": 10,
 }
 
 

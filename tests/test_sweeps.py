@@ -165,7 +165,7 @@ def test_defaults_chunks_and_no_recompile(seq_model):
   subset = jl.sweep.patching_sweep(model, variables, clean, corrupt, logit_diff, positions=(5, 2))
   np.testing.assert_allclose(subset, full[:, [5, 2]], atol=1e-12, rtol=0)
   # New inputs of the same shape reuse the compiled sweep.
-  from jaxlens._src import sweep  # the compiled sweep's cache
+  from jaxlens.sweep import _patching as sweep  # the compiled sweep's cache
 
   before = sweep._sweep._cache_size()
   other = (corrupt + 3) % VOCAB
@@ -177,14 +177,14 @@ def test_defaults_chunks_and_no_recompile(seq_model):
 def test_gate_is_exactly_the_identity_or_the_edit():
   x = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float64).reshape(1, 3, 4)
   donor = jnp.full_like(x, 7.0)
-  on = jl.sweep.gate(jnp.asarray(True), jl.patch_from(donor))
-  off = jl.sweep.gate(jnp.asarray(False), jl.patch_from(donor))
+  on = jl.gate(jnp.asarray(True), jl.patch_from(donor))
+  off = jl.gate(jnp.asarray(False), jl.patch_from(donor))
   np.testing.assert_array_equal(on(x), donor)
   np.testing.assert_array_equal(off(x), x)
-  both = jax.vmap(lambda f: jl.sweep.gate(f, jl.patch_from(donor))(x))(jnp.asarray([True, False]))
+  both = jax.vmap(lambda f: jl.gate(f, jl.patch_from(donor))(x))(jnp.asarray([True, False]))
   np.testing.assert_array_equal(both[0], donor)
   np.testing.assert_array_equal(both[1], x)
-  assert not on.keeps and jl.sweep.gate(True, jl.scale(2.0)).keeps
+  assert not on.keeps and jl.gate(True, jl.scale(2.0)).keeps
 
 
 @pytest.mark.parametrize(

@@ -70,7 +70,7 @@ class Spec:
 
   @api_boundary
   def bind(
-    self, model, *, method: str | Callable | None = None, **apply_kwargs
+    self, model, *, method: str | Callable | None = None, step=None, **apply_kwargs
   ) -> Callable[..., Any]:
     """The model's function with this spec's edits live.
 
@@ -79,6 +79,9 @@ class Spec:
         giving a function of ``*inputs``; or an unbound linen module, giving a
         function of ``(variables, *inputs)``.
       method: the module method to call (default ``__call__``).
+      step: the decoding step of the calls (an int or a traced int scalar), which edits read
+        as ``FireContext.step`` (:func:`jaxlens.at_steps` selects steps by it);
+        :func:`jaxlens.generate` passes its call index. Default None: not a generation.
       **apply_kwargs: passed to ``Module.apply`` (``rngs=``, ``mutable=``).
 
     Returns:
@@ -100,12 +103,20 @@ class Spec:
           save_given=False,
           method=method,
           apply_kwargs=dict(apply_kwargs),
+          step=step,
         ).output
     else:
 
       def run(call, variables, inputs, kwargs):
         return interceptor.run_live(
-          call, variables, inputs, kwargs, rules, method=method, apply_kwargs=apply_kwargs
+          call,
+          variables,
+          inputs,
+          kwargs,
+          rules,
+          method=method,
+          apply_kwargs=apply_kwargs,
+          step=step,
         )[0]
 
     if isinstance(model, nnx.Module):

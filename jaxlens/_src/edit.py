@@ -278,6 +278,8 @@ class FireContext:
     module_type: the module class name.
     site_values: the values of the sites that already ran in this call, by label.
     grad_disabled: whether a ``jaxlens.no_grad()`` scope is active.
+    step: the decoding step of this call (``spec.bind(model, step=t)``; ``jl.generate``
+      passes its call index), or None outside a generation. ``jl.at_steps`` reads it.
   """
 
   label: str
@@ -291,6 +293,7 @@ class FireContext:
   # selects a single layer, that layer (a Python int).
   layer: Any = None
   static_layer: int | None = None
+  step: Any = None
 
   @classmethod
   def standalone(cls) -> "FireContext":

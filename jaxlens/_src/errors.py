@@ -1,9 +1,11 @@
 """Typed errors and warnings of jaxlens.
 
-Every error jaxlens raises on bad input is an :class:`InvalidArgumentError` (a
-``ValueError``) or one of its subclasses. Each carries ``.fields``, a dict with at
-least ``"code"`` (a stable machine-readable reason), and where it applies ``"site"``
-(the site label or selector involved) and ``"fix"`` (a spelling that works).
+Every error jaxlens and torch_bridge raise is a :class:`JaxlensError`, built by its one
+constructor; bad input is an :class:`InvalidArgumentError` (a ``ValueError``) or one of its
+subclasses. Each carries ``.fields``, a dict with at least ``"code"`` (a stable
+machine-readable reason), and where it applies ``"site"`` (the site label or selector
+involved) and ``"fix"`` (a spelling that works). A new subpackage's error class subclasses
+one of these with a docstring only.
 """
 
 from __future__ import annotations
@@ -13,15 +15,23 @@ from typing import Any
 
 
 class JaxlensError(Exception):
-  """Base class of every jaxlens error."""
+  """Base class of every jaxlens and torch_bridge error: the one constructor.
 
+  The message reads ``[code] message (site: ...)`` with, when there is one, a second line
+  ``Fix: ...``. Every other error class is a subclass with a docstring only, so each error
+  has the same fields and the same message shape (``docs/errors.md`` lists the classes and
+  codes; ``tests/test_errors.py`` checks both).
 
-class InvalidArgumentError(JaxlensError, ValueError):
-  """An argument or a site value that jaxlens refuses.
+  Args:
+    message: what went wrong, naming the argument, what was received and what was expected.
+    code: a stable machine-readable reason (``docs/errors.md`` lists every code).
+    site: the site label, selector or tensor involved, if any.
+    fix: a spelling that works, if there is one.
+    **fields: further details (``expected``, ``received``, ``candidates``, ``path`` ...).
 
   Attributes:
-    fields: a dict with ``"code"`` and, where known, ``"site"``, ``"fix"``,
-      ``"expected"``, ``"received"`` and ``"candidates"``.
+    fields: a dict with ``"code"`` and, where given, ``"site"`` (as a string), ``"fix"`` and
+      the further details.
   """
 
   def __init__(
@@ -41,7 +51,17 @@ class InvalidArgumentError(JaxlensError, ValueError):
 
   @property
   def code(self) -> str:
+    """The stable reason, ``fields["code"]``."""
     return self.fields["code"]
+
+
+class InvalidArgumentError(JaxlensError, ValueError):
+  """An argument or a site value that jaxlens refuses.
+
+  Attributes:
+    fields: a dict with ``"code"`` and, where known, ``"site"``, ``"fix"``,
+      ``"expected"``, ``"received"`` and ``"candidates"``.
+  """
 
 
 class SiteError(InvalidArgumentError):

@@ -23,7 +23,7 @@ from jaxlens._src.sites import SiteInfo, unmatched_error
 class LiveRun:
   """The mutable state of one live door call, alive while the model is traced."""
 
-  def __init__(self, rules, save, grad_disabled: bool, probe: bool = False):
+  def __init__(self, rules, save, grad_disabled: bool, probe: bool = False, step=None):
     self.rules = rules
     self.firing = runtime.Firing(len(rules), probe)
     self.save = save
@@ -33,6 +33,7 @@ class LiveRun:
     self.saved: dict[str, Any] = {}
     self.infos: dict[str, SiteInfo] = {}
     self.grad_disabled = grad_disabled
+    self.step = step
 
   def interceptor(self, next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
@@ -42,7 +43,12 @@ class LiveRun:
     info = SiteInfo(path, context.method_name, self.calls[key], context.module_type)
     self.seen.append(info)
     ctx = FireContext(
-      info.label, path, info.module_type, site_values=self.values, grad_disabled=self.grad_disabled
+      info.label,
+      path,
+      info.module_type,
+      site_values=self.values,
+      grad_disabled=self.grad_disabled,
+      step=self.step,
     )
     elements = runtime.output_elements(out)
     if elements:
@@ -75,7 +81,7 @@ class LiveRun:
       raise unmatched_error(self.save, self.seen, "save=")
 
 
-def _probe_site_graphs(call, variables, inputs, kwargs, rules, method, apply_kwargs):
+def _probe_site_graphs(call, variables, inputs, kwargs, rules, method, apply_kwargs, step):
   """Raises site_has_no_graph where a keep_grad site value depends on no float input.
 
   It traces the model abstractly once with the edits applied, returning the site
@@ -86,7 +92,7 @@ def _probe_site_graphs(call, variables, inputs, kwargs, rules, method, apply_kwa
   dtypes: list = []
 
   def probe_fn(variables, inputs):
-    run = LiveRun(rules, None, False, probe=True)
+    run = LiveRun(rules, None, False, probe=True, step=step)
     call.run(variables, inputs, kwargs, run.interceptor, method, apply_kwargs)
     recorded = run.firing.recorded
     labels[:] = [lbl for lbl, _ in recorded]
@@ -108,6 +114,7 @@ def run_live(
   method=None,
   apply_kwargs=None,
   save_given=False,
+  step=None,
 ):
   """Runs ``call`` (from ``model_calls.split``) with ``rules`` live: ``(output, LiveRun)``."""
   apply_kwargs = dict(apply_kwargs or {})
@@ -116,12 +123,12 @@ def run_live(
     variables, inputs = runtime.stop(variables), runtime.stop(inputs)
   probed = False
   if not disabled and runtime.asks_keep_grad(rules):
-    _probe_site_graphs(call, variables, inputs, kwargs, rules, method, apply_kwargs)
+    _probe_site_graphs(call, variables, inputs, kwargs, rules, method, apply_kwargs, step)
     probed = True
-  run = LiveRun(rules, save, disabled)
+  run = LiveRun(rules, save, disabled, step=step)
   out = call.run(variables, inputs, kwargs, run.interceptor, method, apply_kwargs)
   run.check(save_given)
   if run.firing.hook_asked and not probed:
     # A hook asked for keep_grad through an InterventionDecision: check its site now.
-    _probe_site_graphs(call, variables, inputs, kwargs, rules, method, apply_kwargs)
+    _probe_site_graphs(call, variables, inputs, kwargs, rules, method, apply_kwargs, step)
   return out, run

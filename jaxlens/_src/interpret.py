@@ -69,6 +69,7 @@ def evaluate(
   site_values: dict | None = None,
   releaf_layers: dict | None = None,
   reuse_labels=(),
+  step=None,
 ) -> Evaluation:
   """Runs the program, applying ``rules`` and keeping the sites ``save`` selects.
 
@@ -92,6 +93,7 @@ def evaluate(
     reuse_labels: replay: start sites (module sites outside layer stacks) whose value
       before the edit is ``known[label]``; the replay starts from that value instead of
       recomputing the module's own operations and the inputs they need.
+    step: the decoding step, passed to the edits as ``FireContext.step``.
   """
   ev = Evaluation(len(rules), probe)
   env = ev.env
@@ -164,6 +166,7 @@ def evaluate(
         grad_disabled,
         probe,
         releaf_layers,
+        step,
       )
     else:
       out = node.prim.bind(*[read(a) for a in node.ins], **node.params)
@@ -180,6 +183,7 @@ def evaluate(
           site_values=site_values,
           grad_disabled=grad_disabled,
           layer=layer,
+          step=step,
         )
         val = runtime.fire_rules(rules, info, val, ctx, ev.firing, layer)
         if info.kind == "module":
@@ -231,6 +235,7 @@ def _eval_scan(
   grad_disabled,
   probe,
   releaf_layers=None,
+  step=None,
 ):
   """Runs a layer stack as ``lax.scan`` over its body sub-program."""
   p = node.params
@@ -258,6 +263,7 @@ def _eval_scan(
       layer=k,
       site_values=dict(site_values),
       releaf_layers=releaf_layers,
+      step=step,
     )
     outs = [o[1] if isinstance(o, tuple) else sev.env[o] for o in node.sub.out_ids]
     box["ev"], box["labels"] = sev, list(sev.saved)
@@ -398,6 +404,7 @@ def capture(
   method,
   apply_kwargs,
   save_inputs: bool = False,
+  step=None,
 ) -> Captured:
   """Builds the program of a model call, checks the rules against it, and evaluates it."""
   # The program is built from abstract inputs, so a model's own checks of concrete input
@@ -418,9 +425,9 @@ def capture(
     program.check_selectable(prog, save, "save=", editing=False)
   probed = False
   if not disabled and runtime.asks_keep_grad(rules):
-    runtime.raise_no_graph(*probe_sites(prog, args, consts, rules))
+    runtime.raise_no_graph(*probe_sites(prog, args, consts, rules, step=step))
     probed = True
-  ev = evaluate(prog, args, consts, rules, save, grad_disabled=disabled)
+  ev = evaluate(prog, args, consts, rules, save, grad_disabled=disabled, step=step)
   seen = prog.infos
   for (selector, _), count in zip(rules, ev.fired):
     if count == 0:
@@ -429,5 +436,5 @@ def capture(
     raise program.save_miss(prog, save)
   if not probed and ev.firing.hook_asked:
     # A hook may ask for keep_grad at fire time (InterventionDecision): check its site.
-    runtime.raise_no_graph(*probe_sites(prog, args, consts, rules))
+    runtime.raise_no_graph(*probe_sites(prog, args, consts, rules, step=step))
   return Captured(prog, consts, args, ev, program_output(prog, ev, None))

@@ -575,6 +575,50 @@ def gate(flag, edit) -> Edit:
 register("gate", _gate, gate)
 
 
+def _at_steps(x, p, s, ctx):
+  if ctx.step is None:
+    raise InvalidArgumentError(
+      "at_steps selects calls of a generation; this site was reached outside jl.generate",
+      code="outside_generation",
+      site=ctx.label,
+      fix="use the spec in jl.generate(..., intervene=spec), or drop at_steps",
+    )
+  edited = fire(p["edit"], x, ctx)
+  return jnp.where(jnp.isin(ctx.step, p["steps"]), edited, x)
+
+
+@api_boundary
+def at_steps(steps, edit) -> Edit:
+  """Applies ``edit`` only in the forward calls of :func:`jaxlens.generate` that produce the
+  chosen new tokens.
+
+  Call 0 is the prefill (its last position chooses new token 0); call ``t >= 1`` is the
+  decode step that feeds new token ``t - 1`` and chooses token ``t``. In the other calls the
+  site keeps its value. The call index reaches the edit as ``FireContext.step`` (a door
+  called with ``spec.bind(model, step=t)`` sets it; ``jl.generate`` does). ``steps`` is a
+  leaf (an int array): changing it does not recompile. The edit keeps the gradient when the
+  inner one does.
+
+  Args:
+    steps: an int or a sequence of ints, the call indices.
+    edit: the edit to apply in those calls.
+  """
+  steps = np.atleast_1d(np.asarray(steps))
+  if steps.ndim != 1 or not np.issubdtype(steps.dtype, np.integer):
+    raise InvalidArgumentError(
+      f"at_steps takes integer call indices, got {steps!r}",
+      code="invalid_argument",
+      fix="jl.at_steps([0, 3], edit)",
+    )
+  inner = as_edit(edit)
+  return Edit(
+    "at_steps", {"steps": jnp.asarray(steps, jnp.int32), "edit": inner}, (), keeps=inner.keeps
+  )
+
+
+register("at_steps", _at_steps, at_steps)
+
+
 # --------------------------------------------------------------------------
 # Cutting verbs.
 

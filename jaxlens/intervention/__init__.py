@@ -3,8 +3,8 @@
 The verbs, the backward verbs, the trained interventions (``das``,
 ``boundless_das``, ``low_rank_das``, ``loreft``, ``direft``; ``jaxlens.train``
 initialises and trains their parameters), ``keep_grad``, ``compose``, ``hook``,
-``gate``, ``at_positions``, the selections (``units``, ``subspace`` and the ``subspace_*``
-edits), populations, and the edit types. ``jaxlens`` re-exports all of them, so
+``gate``, ``at_positions``, ``at_steps``, the selections (``units``, ``subspace`` and the
+``subspace_*`` edits), populations, and the edit types. ``jaxlens`` re-exports all of them, so
 ``jl.scale`` and ``jl.intervention.scale`` are the same function.
 """
 
@@ -34,6 +34,7 @@ from jaxlens._src.trained import low_rank_das as low_rank_das
 from jaxlens._src.verbs import add as add
 from jaxlens._src.verbs import add_noise as add_noise
 from jaxlens._src.verbs import at_positions as at_positions
+from jaxlens._src.verbs import at_steps as at_steps
 from jaxlens._src.verbs import clamp as clamp
 from jaxlens._src.verbs import compose as compose
 from jaxlens._src.verbs import gate as gate
@@ -54,9 +55,6 @@ from jaxlens._src.verbs import splice_module as splice_module
 from jaxlens._src.verbs import steer as steer
 from jaxlens._src.verbs import swap_with as swap_with
 from jaxlens._src.verbs import zero_ablate as zero_ablate
-
-# Defined beside the decode loop, above the core (it reads the generation step).
-from jaxlens.generation import at_steps as at_steps  # noqa: E402
 
 __all__ = [
   "Edit",

@@ -205,6 +205,17 @@ class GPT(nn.Module):
       self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_INIT, name="head"
     )(x)
 
+  @nn.nowrap
+  def layer_sites(self) -> tuple[str, ...]:
+    """``block_0`` .. ``block_{n_layers-1}``: each block's output
+    (:class:`jaxlens.protocol.LayeredModel`)."""
+    return tuple(f"block_{i}" for i in range(self.n_layers))
+
+  @nn.nowrap
+  def block_site(self, layer: int, name: str) -> str:
+    """``f"block_{layer}/{name}"`` (``ln_1``, ``attn``, ``ln_2``, ``mlp``)."""
+    return f"block_{layer}/{name}"
+
 
 def gpt_config(size: str = "small") -> dict:
   """The :class:`GPT` keyword arguments of a named size.

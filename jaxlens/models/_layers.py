@@ -1,4 +1,5 @@
-"""Pieces the zoo's families share: masks, the attention core, the KV cache, RMSNorm.
+"""Pieces the zoo's families share: masks, the attention core, the KV cache, RMSNorm, and the
+model protocol's common methods (:mod:`jaxlens.protocol`).
 
 Every value interpretability looks at passes through :func:`jaxlens.named`, so it is a site
 named by the calling module's path (``blocks_3/attn/pattern``).
@@ -15,7 +16,6 @@ import numpy as np
 
 from jaxlens._src.errors import InvalidArgumentError, ShapeError
 from jaxlens._src.named import named
-from jaxlens._src.sweep import layer_sites
 
 
 def softmax_dtype(dtype) -> Any:
@@ -173,13 +173,19 @@ class RMSNorm(nn.Module):
 
 
 class LayerSites:
-  """The zoo families' per-layer sites (a mixin of their top-level modules)."""
+  """:class:`jaxlens.protocol.LayeredModel` for the zoo families (a mixin of their top-level
+  modules, which have ``config.n_layers`` blocks named ``blocks_{i}``)."""
+
+  @nn.nowrap
+  def block_site(self, layer: int, name: str) -> str:
+    """``f"blocks_{layer}/{name}"``."""
+    return f"blocks_{layer}/{name}"
 
   @nn.nowrap
   def layer_sites(self) -> tuple[str, ...]:
     """``blocks_{i}/resid_pre`` for every block: the residual stream entering each block, which
     :func:`jaxlens.sweep.patching_sweep` patches by default."""
-    return layer_sites(self.config.n_layers, "blocks_{}/resid_pre")
+    return tuple(self.block_site(i, "resid_pre") for i in range(self.config.n_layers))
 
   @nn.nowrap
   def check_inputs(self, tokens=None, *args, **kwargs) -> None:
@@ -194,3 +200,38 @@ class LayerSites:
     n_types = getattr(self.config, "type_vocab_size", None)
     if types is not None and n_types is not None and hasattr(types, "dtype"):
       check_ids(types, n_types, "token_types", "type_embed")
+
+
+def run_block_after(block: nn.Module, params, x, positions, past_keys, past_values, mask):
+  """:meth:`jaxlens.protocol.Decoder.run_block` for a zoo block whose call is ``(x, positions,
+  key_mask, decode, cache_index, mask)``: the past fills the first slots of the block's KV
+  cache, and ``x`` is decoded after it (``cache_index`` = the past's length)."""
+  batch, n = x.shape[:2]
+
+  def slots(past):
+    return jnp.concatenate([past, jnp.zeros((batch, n) + past.shape[2:], past.dtype)], axis=1)
+
+  cache = {"attn": {"cached_key": slots(past_keys), "cached_value": slots(past_values)}}
+  out, _ = block.apply(
+    {"params": params, "cache": cache},
+    x,
+    positions,
+    None,
+    True,
+    jnp.int32(past_keys.shape[1]),
+    mask,
+    mutable=["cache"],
+  )
+  return out
+
+
+def unembed_after(norm: nn.Module, config, params, x):
+  """:meth:`jaxlens.protocol.Decoder.unembed` for a zoo decoder whose parameters are
+  ``ln_final`` and ``lm_head`` (or, with ``config.tie_embeddings``, ``embed``)."""
+  x = norm.apply({"params": params["ln_final"]}, x)
+  dense = {"dtype": config.dtype, "param_dtype": config.dtype}
+  if config.tie_embeddings:
+    embed = nn.Embed(config.vocab_size, config.d_model, **dense)
+    return embed.apply({"params": params["embed"]}, x, method="attend")
+  head = nn.Dense(config.vocab_size, use_bias=False, **dense)
+  return head.apply({"params": params["lm_head"]}, x)

@@ -29,7 +29,7 @@ def patching_grid(
 ):
   """``grid[i, p]``: ``metric`` of the corrupt run with ``sites[i]`` at position ``p`` patched
   from the clean run. One compiled program for the whole grid: every site has a rule
-  ``jl.sweep.gate(layer == i, ...)``, and the cells are mapped over (``lax.map``, vectorised in
+  ``jl.gate(layer == i, ...)``, and the cells are mapped over (``lax.map``, vectorised in
   chunks of ``batch_size``)."""
   return _grid(
     model, variables, clean, corrupt, metric=metric, sites=tuple(sites), batch_size=batch_size
@@ -45,7 +45,7 @@ def _grid(model, variables, clean, corrupt, *, metric, sites, batch_size):
     layer, pos = c // n_pos, c % n_pos
     spec = None
     for i, site in enumerate(sites):
-      edit = jl.sweep.gate(layer == i, jl.at_positions(pos[None], jl.patch_from(donor)))
+      edit = jl.gate(layer == i, jl.at_positions(pos[None], jl.patch_from(donor)))
       rule = jl.when(jl.module(site), edit)
       spec = rule if spec is None else spec + rule
     return metric(spec.bind(model)(variables, corrupt))

@@ -26,6 +26,8 @@ from jaxlens.models._layers import (
   check_length,
   lookup_ids,
   layer_norm_options,
+  run_block_after,
+  unembed_after,
 )
 
 __all__ = ["GPT2", "GPT2MLP", "GPT2Attention", "GPT2Block", "GPT2Config"]
@@ -148,7 +150,7 @@ class GPT2Block(nn.Module):
 class GPT2(LayerSites, nn.Module):
   """GPT-2. Call: ``(tokens, attention_mask=None, positions=None, decode=False) -> logits``;
   the arguments are those of :class:`jaxlens.models.llama.Llama` (concrete positions must be
-  in ``[0, max_len)``, traced ones outside give NaN)."""
+  in ``[0, max_len)``, traced ones outside give NaN). A :class:`jaxlens.protocol.Decoder`."""
 
   config: GPT2Config
 
@@ -201,3 +203,20 @@ class GPT2(LayerSites, nn.Module):
         name="lm_head",
       )(x)
     return named(logits, "logits")
+
+  @nn.nowrap
+  def max_positions(self) -> int:
+    """``config.max_len``, the number of learned positions."""
+    return self.config.max_len
+
+  @nn.nowrap
+  def run_block(self, variables, layer, x, positions, *, past_keys, past_values, mask):
+    """:meth:`jaxlens.protocol.Decoder.run_block`."""
+    block = GPT2Block(self.config)
+    params = variables["params"][f"blocks_{layer}"]
+    return run_block_after(block, params, x, positions, past_keys, past_values, mask)
+
+  @nn.nowrap
+  def unembed(self, variables, x):
+    """:meth:`jaxlens.protocol.Decoder.unembed`."""
+    return unembed_after(_norm(self.config, None), self.config, variables["params"], x)

@@ -42,7 +42,9 @@ from jaxlens.models._layers import (
   check_ids,
   check_length,
   lookup_ids,
+  run_block_after,
   softmax_dtype,
+  unembed_after,
 )
 
 __all__ = ["Llama", "LlamaAttention", "LlamaBlock", "LlamaConfig", "LlamaMLP", "rotary"]
@@ -192,7 +194,7 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(LayerSites, nn.Module):
-  """A Llama-family causal language model.
+  """A Llama-family causal language model (a :class:`jaxlens.protocol.Decoder`).
 
   Call: ``model.apply(variables, tokens, attention_mask=None, positions=None, decode=False)``
   gives logits ``(batch, seq, vocab_size)`` (Hugging Face's order: ``input_ids,
@@ -256,3 +258,21 @@ class Llama(LayerSites, nn.Module):
         name="lm_head",
       )(x)
     return named(logits, "logits")
+
+  @nn.nowrap
+  def max_positions(self) -> int:
+    """``config.max_len``, the context length the model's call accepts."""
+    return self.config.max_len
+
+  @nn.nowrap
+  def run_block(self, variables, layer, x, positions, *, past_keys, past_values, mask):
+    """:meth:`jaxlens.protocol.Decoder.run_block`."""
+    block = LlamaBlock(self.config)
+    params = variables["params"][f"blocks_{layer}"]
+    return run_block_after(block, params, x, positions, past_keys, past_values, mask)
+
+  @nn.nowrap
+  def unembed(self, variables, x):
+    """:meth:`jaxlens.protocol.Decoder.unembed`."""
+    norm = RMSNorm(self.config.norm_eps, self.config.dtype)
+    return unembed_after(norm, self.config, variables["params"], x)

@@ -85,8 +85,7 @@ def from_torch(
     raise TypeError(f"from_torch expects a torch.nn.Module, got {type(module).__name__}")
   if method not in _METHODS:
     raise ConversionError(
-      f"[invalid_method] method={method!r} is not one of {_METHODS}. Fix: pass method="
-      "'auto', 'modules' or 'export'.",
+      f"method={method!r} is not one of {_METHODS}",
       code="invalid_method",
       module="",
       fix="method='auto'",
@@ -123,8 +122,7 @@ def convert(
   """The export path of :func:`from_torch`; also returns the :class:`Program` it built."""
   if not example_args and not example_kwargs:
     raise ConversionError(
-      "[example_inputs_required] the export path traces the model on example inputs. Fix: "
-      "pass them, from_torch(model, x).",
+      "the export path traces the model on example inputs",
       code="example_inputs_required",
       module="",
       fix="from_torch(model, *example_inputs)",
@@ -137,8 +135,8 @@ def convert(
       target = None
     if target is None or not jnp.issubdtype(target, jnp.floating):
       raise ConversionError(
-        f"[unsupported_dtype] dtype={dtype!r} is not supported; supported: None (keep "
-        "torch's) or a floating dtype such as jnp.float32. Fix: dtype=jnp.float32.",
+        f"dtype={dtype!r} is not supported; supported: None (keep torch's) or a floating "
+        "dtype such as jnp.float32",
         code="unsupported_dtype",
         module="",
         attribute="dtype",

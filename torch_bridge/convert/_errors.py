@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from jaxlens import JaxlensError
 
 __all__ = ["ConversionError"]
 
 
-class ConversionError(ValueError):
+class ConversionError(JaxlensError, ValueError):
   """A torch model (or part of one) that cannot be converted faithfully.
 
   Attributes:
@@ -17,11 +17,3 @@ class ConversionError(ValueError):
       ``"fix"`` and, for ``unsupported_op``, ``"ops"``: one ``{"op", "node", "module"}`` dict
       per node whose ATen operator has no JAX entry. ``docs/errors.md`` lists every code.
   """
-
-  def __init__(self, message: str, **fields: Any) -> None:
-    super().__init__(message)
-    self.fields: dict[str, Any] = fields
-
-  @property
-  def code(self) -> str:
-    return self.fields.get("code", "")

@@ -133,14 +133,14 @@ def export_model(model: torch.nn.Module, args: tuple, kwargs: dict, options: Exp
   except _CustomFunction:
     name, module = watch.custom
     raise ConversionError(
-      f"[custom_autograd_function] module {module or '<root>'!r} calls the custom autograd "
-      f"Function {name}; torch.export would keep its forward and drop its backward, so the "
-      "converted model's gradients would differ. Fix: replace the Function by torch ops "
-      "(or by a module whose gradient is the autograd one) before converting.",
+      f"module {module or '<root>'!r} calls the custom autograd Function {name}; "
+      "torch.export would keep its forward and drop its backward, so the converted model's "
+      "gradients would differ",
       code="custom_autograd_function",
       module=module,
       function=name,
-      fix="replace the autograd.Function by plain torch ops",
+      fix="replace the autograd.Function by plain torch ops (or by a module whose gradient "
+      "is the autograd one) before converting",
     ) from None
   except ConversionError:
     raise
@@ -148,14 +148,14 @@ def export_model(model: torch.nn.Module, args: tuple, kwargs: dict, options: Exp
     module = watch.failed_in or ""
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     raise ConversionError(
-      f"[export_failed] torch.export could not export the model (failed in module "
-      f"{module or '<root>'!r}): {type(error).__name__}: {first[:300]}. Data-dependent "
-      "control flow (an `if` on a tensor's values) is the usual cause. Fix: make the branch "
-      "static, or use torch.cond, or pass the shapes that vary as dynamic_shapes.",
+      f"torch.export could not export the model (failed in module {module or '<root>'!r}): "
+      f"{type(error).__name__}: {first[:300]}. Data-dependent control flow (an `if` on a "
+      "tensor's values) is the usual cause",
       code="export_failed",
       module=module,
       cause=type(error).__name__,
-      fix="make the control flow static or rewrite it with torch.cond",
+      fix="make the branch static, or use torch.cond, or pass the shapes that vary as "
+      "dynamic_shapes",
     ) from error
   finally:
     for m, training in flags:
@@ -342,13 +342,12 @@ class Program:
       )
       more = f" (and {len(missing) - 20} more nodes)" if len(missing) > 20 else ""
       raise ConversionError(
-        f"[unsupported_op] {len(ops)} ATen operator(s) have no JAX entry: {', '.join(ops)}. "
-        f"Nodes: {lines}{more}. Fix: add them to torch_bridge.convert._aten.ATEN, or rewrite "
-        "that part of the model with supported ops.",
+        f"{len(ops)} ATen operator(s) have no JAX entry: {', '.join(ops)}. Nodes: {lines}{more}",
         code="unsupported_op",
         module=missing[0]["module"],
         ops=missing,
-        fix="add the operators to torch_bridge.convert._aten.ATEN",
+        fix="add the operators to torch_bridge.convert._aten.ATEN, or rewrite that part of "
+        "the model with supported ops",
       )
 
   def template_of(self, path: str) -> _Call:
@@ -425,7 +424,7 @@ def _leaf(fqn: str) -> str:
 
 def _error(code: str, module: str, what: str, fix: str) -> ConversionError:
   return ConversionError(
-    f"[{code}] module {module or '<root>'!r}: {what}. Fix: {fix}.",
+    f"module {module or '<root>'!r}: {what}",
     code=code,
     module=module,
     fix=fix,

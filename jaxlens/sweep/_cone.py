@@ -21,6 +21,10 @@ replays the patched site's downstream cone (:func:`jaxlens.sweep.patching_sweep`
 ``(L - 1 - k) * S``; on 16 positions that is 136 token-layers per layer instead of 256.
 Results equal :func:`jaxlens.sweep.patching_sweep` on the sites ``blocks_{k}/resid_post``
 (or ``resid_pre``), up to float rounding.
+
+The sweep asks the model through :class:`jaxlens.protocol.Decoder`: its sites
+(``block_site``), and how to run one block after a given past (``run_block``) and to turn the
+last residual stream into logits (``unembed``).
 """
 
 from __future__ import annotations
@@ -29,51 +33,27 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._src.errors import InvalidArgumentError, ShapeError
+from jaxlens import InvalidArgumentError, ShapeError, module, trace
 from jaxlens._src.tracebacks import api_boundary
-from jaxlens._src.sites import module
-from jaxlens._src.tracing import trace
+from jaxlens.protocol import Decoder
 
 __all__ = ["cone_sweep"]
 
 _SITES = ("resid_post", "resid_pre")
 
 
-def _family(model):
-  """The block class, the final norm and the unembedding of a zoo decoder."""
-  from jaxlens.models._layers import RMSNorm, layer_norm_options
-  from jaxlens.models.gpt2 import GPT2, GPT2Block
-  from jaxlens.models.llama import Llama, LlamaBlock
-
-  cfg = getattr(model, "config", None)
-  if isinstance(model, Llama):
-    block, norm = LlamaBlock, RMSNorm(cfg.norm_eps, cfg.dtype)
-  elif isinstance(model, GPT2):
-    block = GPT2Block
-    norm = nn.LayerNorm(
-      cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype, **layer_norm_options(cfg.dtype)
-    )
-  else:
+def _check_decoder(model) -> None:
+  if not isinstance(model, Decoder):
     raise InvalidArgumentError(
-      f"cone_sweep runs the zoo's causal decoders (Llama, GPT2), got {type(model).__name__}",
+      f"cone_sweep runs causal decoders that can run one block on its own "
+      f"(jaxlens.protocol.Decoder: the zoo's Llama, GPT2), got {type(model).__name__}",
       code="invalid_argument",
       fix="jl.sweep.patching_sweep(...) for other models",
     )
-
-  def final(params, x):
-    x = norm.apply({"params": params["ln_final"]}, x)
-    if cfg.tie_embeddings:
-      embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype)
-      return embed.apply({"params": params["embed"]}, x, method="attend")
-    head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype)
-    return head.apply({"params": params["lm_head"]}, x)
-
-  return block(cfg), final, cfg.n_layers
 
 
 def _layout(positions, seq):
@@ -101,8 +81,8 @@ def _layout(positions, seq):
   jax.jit, static_argnames=("model", "metric", "layers", "positions", "site", "batch_size")
 )
 def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, batch_size):
-  block, final, n_layers = _family(model)
-  params = variables["params"]
+  n_layers = len(model.layer_sites())
+  at = model.block_site
   batch, seq = corrupt.shape
   cell_pos, tok_pos, mask, gather = _layout(positions, seq)
   n_tok = len(tok_pos)
@@ -113,23 +93,23 @@ def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, 
     corrupt,
     keep_inputs=False,
     save=[
-      module(f"blocks_{j}/{name}")
-      for j in range(n_layers)
-      for name in ("resid_pre", "attn/k", "attn/v")
+      module(at(j, name)) for j in range(n_layers) for name in ("resid_pre", "attn/k", "attn/v")
     ]
-    + [module(f"blocks_{n_layers - 1}")],
+    + [module(at(n_layers - 1, "resid_post"))],
   )
   donor = trace(
     model,
     variables,
     clean,
     keep_inputs=False,
-    save=[module(f"blocks_{k}/{site}") for k in sorted(set(layers))],
+    save=[module(at(k, site)) for k in sorted(set(layers))],
   )
 
   # The residual stream entering block j (j = n_layers: the last block's output).
   def stream(j):
-    return base[f"blocks_{j}/resid_pre"].out if j < n_layers else base[f"blocks_{n_layers - 1}"].out
+    return (
+      base[at(j, "resid_pre")].out if j < n_layers else base[at(n_layers - 1, "resid_post")].out
+    )
 
   first = np.asarray(tok_pos == cell_pos)  # the patched token of each packed cell
 
@@ -138,7 +118,7 @@ def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, 
     # position of each cell from the clean run.
     j = k + 1 if site == "resid_post" else k
     corrupt_in = stream(j)[:, tok_pos]
-    patched = donor[f"blocks_{k}/{site}"].out[:, tok_pos]
+    patched = donor[at(k, site)].out[:, tok_pos]
     return jnp.where(first[None, :, None], patched, corrupt_in)
 
   starts = [k + 1 if site == "resid_post" else k for k in layers]
@@ -155,25 +135,18 @@ def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, 
     if state is None:
       continue
     cells = state.shape[0]
-    k, v = base[f"blocks_{j}/attn/k"].out, base[f"blocks_{j}/attn/v"].out
 
-    def cache_of(c, cells=cells):
-      full = jnp.concatenate([c, jnp.zeros((batch, n_tok) + c.shape[2:], c.dtype)], axis=1)
-      return jnp.broadcast_to(full, (cells,) + full.shape).reshape(
-        (cells * batch,) + full.shape[1:]
-      )
+    def past(c, cells=cells):  # the corrupt run's keys (values) for every cell's rows
+      return jnp.broadcast_to(c, (cells,) + c.shape).reshape((cells * batch,) + c.shape[1:])
 
-    cache = {"attn": {"cached_key": cache_of(k), "cached_value": cache_of(v)}}
-    x = state.reshape((cells * batch, n_tok, state.shape[-1]))
-    out, _ = block.apply(
-      {"params": params[f"blocks_{j}"], "cache": cache},
-      x,
+    out = model.run_block(
+      variables,
+      j,
+      state.reshape((cells * batch, n_tok, state.shape[-1])),
       packed_positions,
-      None,
-      True,
-      jnp.int32(seq),
-      mask,
-      mutable=["cache"],
+      past_keys=past(base[at(j, "attn/k")].out),
+      past_values=past(base[at(j, "attn/v")].out),
+      mask=mask,
     )
     state = out.reshape(state.shape)
   rest = [i for i in order[joined:]]  # resid_post of the last block
@@ -184,7 +157,7 @@ def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, 
   gather = jnp.asarray(gather)
 
   def cell_metrics(x):
-    both = jnp.concatenate([corrupt_logits, final(params, x)], axis=1)
+    both = jnp.concatenate([corrupt_logits, model.unembed(variables, x)], axis=1)
     full = jnp.take(both, gather, axis=1)  # (batch, positions, seq, vocab)
     values = jax.vmap(metric, in_axes=1)(full)
     if values.shape != (len(positions),):
@@ -221,8 +194,8 @@ def cone_sweep(
   recomputing only the cone of each cell (see the module docstring), in one jitted call.
 
   Args:
-    model: an unbound causal decoder of the zoo (:class:`jaxlens.models.Llama`,
-      :class:`jaxlens.models.GPT2`).
+    model: an unbound causal decoder with the :class:`jaxlens.protocol.Decoder` methods (the
+      zoo's :class:`jaxlens.models.Llama`, :class:`jaxlens.models.GPT2`).
     variables: its variables.
     clean, corrupt: int ``(batch, seq)`` token ids of one shape (no padding).
     metric: a function of the logits ``(batch, seq, vocab)`` returning a scalar; hashable (a
@@ -237,12 +210,12 @@ def cone_sweep(
     A float array ``(len(layers), len(positions))``.
 
   Raises:
-    InvalidArgumentError: ``invalid_argument`` (not a zoo decoder, an unknown ``site``),
+    InvalidArgumentError: ``invalid_argument`` (not a ``Decoder``, an unknown ``site``),
       ``index_out_of_range`` (a layer or position outside the model or sequence);
       :class:`ShapeError` ``shape_mismatch`` or ``metric_not_scalar``.
   """
-  _family(model)
-  n_layers = model.config.n_layers
+  _check_decoder(model)
+  n_layers = len(model.layer_sites())
   if site not in _SITES:
     raise InvalidArgumentError(
       f"cone_sweep patches the residual stream, got site={site!r}",

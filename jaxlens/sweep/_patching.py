@@ -1,4 +1,4 @@
-"""Floor 10: activation-patching sweeps as one compiled call.
+"""Activation-patching sweeps as one compiled call, on one device or spread over a mesh.
 
 An activation-patching sweep asks, for every layer ``l`` and sequence position
 ``p``: if the corrupt run is given the clean run's value of layer ``l`` at
@@ -10,11 +10,9 @@ site, the cells are a batch of replays of that site's downstream cone
 (``corrupt_trace.fork().do(site, jl.at_positions(p, jl.patch_from(clean)))``),
 ``jax.vmap``ped over the position, which is an edit leaf. A cell at layer ``l``
 recomputes only what lies after ``l``, and equals the single live patch (replay
-evaluates the same operations on the same values).
-
-``gate(flag, edit)`` writes its inner edit's value when its flag is on and the site
-value itself when it is off: with the flag a leaf, ``jax.vmap`` over flags selects
-which rules of a spec are live (a grid over sites in one program).
+evaluates the same operations on the same values). With ``mesh=``, the same cells
+are split over the mesh's devices (``jax.shard_map``): each device runs the two
+traces and its own cells.
 """
 
 from __future__ import annotations
@@ -24,14 +22,22 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxlens._src.errors import InvalidArgumentError, ShapeError
-from jaxlens._src.sites import module
+from jaxlens import (
+  InvalidArgumentError,
+  ShapeError,
+  at_positions,
+  module,
+  patch_from,
+  trace,
+)
 from jaxlens._src.tracebacks import api_boundary
-from jaxlens._src.tracing import trace
-from jaxlens._src.verbs import at_positions, gate, patch_from
+from jaxlens.protocol import LayeredModel
 
-__all__ = ["gate", "layer_sites", "patching_sweep"]
+__all__ = ["layer_sites", "patching_sweep"]
 
 
 @api_boundary
@@ -74,8 +80,8 @@ def _check(clean, corrupt, sites, positions):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "positions", "batch_size"))
-def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_size):
+def _cells(model, variables, clean, corrupt, cells, *, metric, sites, batch_size):
+  """The grid rows of ``sites`` at the positions ``cells`` (an int array)."""
   donor = trace(model, variables, clean, save=[module(s) for s in sites])
   # The corrupt run once, every module site saved: a cell at site i replays only the
   # downstream cone of site i from these values, not the layers below it.
@@ -98,7 +104,6 @@ def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_
       edit = at_positions(position[None], patch_from(donor))
       return check(metric(base.fork().do(module(path), edit).output))
 
-    cells = jnp.asarray(positions, jnp.int32)
     if batch_size is None:
       grid.append(jax.vmap(one)(cells))
     else:
@@ -107,17 +112,76 @@ def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_
   return jnp.stack(grid)
 
 
+@functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "positions", "batch_size"))
+def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_size):
+  cells = jnp.asarray(positions, jnp.int32)
+  return _cells(
+    model, variables, clean, corrupt, cells, metric=metric, sites=sites, batch_size=batch_size
+  )
+
+
+@functools.partial(
+  jax.jit, static_argnames=("model", "metric", "sites", "mesh", "cell_axes", "batch_size")
+)
+def _sharded_sweep(
+  model, variables, clean, corrupt, cells, *, metric, sites, mesh, cell_axes, batch_size
+):
+  # Manual over the cell axes only: any other mesh axis (a model axis the variables are
+  # split over) stays with XLA's partitioner inside each cell shard.
+  body = jax.shard_map(
+    lambda v, a, b, c: _cells(model, v, a, b, c, metric=metric, sites=sites, batch_size=batch_size),
+    mesh=mesh,
+    in_specs=(P(), P(), P(), P(cell_axes)),
+    out_specs=P(None, cell_axes),
+    axis_names=set(cell_axes),
+    check_vma=False,
+  )
+  return body(variables, clean, corrupt, cells)
+
+
+def _on_mesh(
+  model, variables, clean, corrupt, *, metric, sites, positions, mesh, cell_axes, batch_size
+):
+  cell_axes = tuple(mesh.axis_names if cell_axes is None else cell_axes)
+  unknown = [a for a in cell_axes if a not in mesh.axis_names]
+  if unknown:
+    raise InvalidArgumentError(
+      f"patching_sweep: cell_axes {unknown} are not axes of the mesh {mesh.axis_names}",
+      code="invalid_argument",
+      fix=f"cell_axes={tuple(mesh.axis_names)!r}",
+    )
+  shards = int(np.prod([mesh.shape[a] for a in cell_axes]))
+  padded = positions + (0,) * (-len(positions) % shards)
+  cells = jax.make_array_from_callback(
+    (len(padded),),
+    NamedSharding(mesh, P(cell_axes)),
+    lambda index: np.asarray(padded, np.int32)[index],
+  )
+  grid = _sharded_sweep(
+    model,
+    variables,
+    clean,
+    corrupt,
+    cells,
+    metric=metric,
+    sites=sites,
+    mesh=mesh,
+    cell_axes=cell_axes,
+    batch_size=batch_size,
+  )
+  return grid if len(padded) == len(positions) else grid[:, : len(positions)]
+
+
 def _default_sites(model) -> tuple[str, ...]:
-  """A model's own per-layer sites (``model.layer_sites()``: the zoo's ``blocks_{i}/resid_pre``),
-  else ``block_0`` .. ``block_{L-1}`` from ``model.n_layers`` (the demo GPT)."""
-  own = getattr(model, "layer_sites", None)
-  if callable(own):
-    return tuple(own())
+  """A model's own per-layer sites (:meth:`jaxlens.protocol.LayeredModel.layer_sites`), else
+  ``block_0`` .. ``block_{L-1}`` from an ``n_layers`` attribute."""
+  if isinstance(model, LayeredModel):
+    return tuple(model.layer_sites())
   n_layers = getattr(model, "n_layers", None)
   if n_layers is None:
     raise InvalidArgumentError(
-      f"patching_sweep: a {type(model).__name__} has neither layer_sites() nor n_layers; name "
-      "the sites",
+      f"patching_sweep: a {type(model).__name__} has neither layer_sites() (see "
+      "jaxlens.protocol.LayeredModel) nor n_layers; name the sites",
       code="invalid_argument",
       fix='patching_sweep(..., sites=("layers_0", "layers_1"))',
     )
@@ -135,6 +199,8 @@ def patching_sweep(
   sites: Sequence[str] | None = None,
   positions: Sequence[int] | None = None,
   batch_size: int | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+  cell_axes: Sequence[str] | None = None,
 ):
   """Patches the clean run into the corrupt one at every (site, position); returns the metric.
 
@@ -160,13 +226,26 @@ def patching_sweep(
       each block, ``blocks_{i}/resid_pre``; else ``block_0`` .. ``block_{L-1}`` from
       ``model.n_layers``).
     positions: the sequence positions (default: all of them).
-    batch_size: how many cells to run at once (default: all); bounds memory.
+    batch_size: how many cells to run at once (default: all; with ``mesh``: of a device's
+      cells); bounds memory.
+    mesh: spread the cells over the devices of this mesh, which may span several processes
+      (``docs/scaling.md``). The positions are split over the mesh axes ``cell_axes``, so
+      every device gets ``len(positions) / n_devices`` cells of each site; each device runs
+      the clean and the corrupt trace once and replays its own cells, so no activation
+      crosses devices. ``variables``, ``clean`` and ``corrupt`` are replicated over the cell
+      axes: this layout is for a model that fits on one device (a bigger one shards over a
+      model axis left out of ``cell_axes``). Positions are padded to a multiple of the
+      number of cell shards with position 0 and the padding is dropped.
+    cell_axes: the mesh axes the cells are split over (default: all of them).
 
   Returns:
-    A float array of shape ``(len(sites), len(positions))``.
+    A float array of shape ``(len(sites), len(positions))``; with ``mesh``, a global array
+    whose position axis is sharded over ``cell_axes`` (when padding was needed, as XLA
+    places the sliced result): ``jaxlens.distributed.host_values`` gives it on the host.
 
   Raises:
-    InvalidArgumentError: ``invalid_argument`` (no sites), ``index_out_of_range``
+    InvalidArgumentError: ``invalid_argument`` (no sites; a model without
+      ``layer_sites()`` and no ``sites``; ``cell_axes`` that are not axes of ``mesh``), ``index_out_of_range``
       (a position outside the sequence); :class:`ShapeError` ``shape_mismatch``
       (clean and corrupt differ in shape) or ``metric_not_scalar``.
 
@@ -187,6 +266,25 @@ def patching_sweep(
   seq = jnp.shape(clean)[1] if jnp.ndim(clean) >= 2 else 0
   positions = tuple(range(seq)) if positions is None else tuple(int(p) for p in positions)
   _check(clean, corrupt, sites, positions)
+  if mesh is not None:
+    return _on_mesh(
+      model,
+      variables,
+      clean,
+      corrupt,
+      metric=metric,
+      sites=sites,
+      positions=positions,
+      mesh=mesh,
+      cell_axes=cell_axes,
+      batch_size=batch_size,
+    )
+  if cell_axes is not None:
+    raise InvalidArgumentError(
+      "patching_sweep: cell_axes= splits the cells over a mesh; pass the mesh too",
+      code="invalid_argument",
+      fix="patching_sweep(..., mesh=mesh, cell_axes=('data',))",
+    )
   return _sweep(
     model,
     variables,
