@@ -29,7 +29,7 @@ def test_every_flipped_byte_and_every_truncation_is_refused_or_harmless(tmp_path
       try:
         got = repr(jl.load_spec(path))
       except jl.SpecFormatError as error:
-        assert error.code in ("spec_corrupt", "spec_version"), error
+        assert error.code == "spec_corrupt", error  # never spec_version: a damaged file
       else:  # a change the format does not read (JSON whitespace): the same spec
         assert got == want
     target.write_bytes(data)
@@ -51,6 +51,32 @@ def test_hostile_structure_is_a_typed_error(tmp_path, doc):
   (path / "spec.json").write_text(doc)
   with pytest.raises(jl.SpecFormatError):
     jl.load_spec(path)
+
+
+def test_a_damaged_version_field_is_spec_corrupt_and_a_newer_version_spec_version(tmp_path):
+  import json
+
+  from jaxlens._src import saving
+
+  path = _spec(1).save(tmp_path / "s")
+  text = (path / "spec.json").read_text()
+  doc = json.loads(text)
+  assert doc["version"] == saving.VERSION
+  for damaged in (saving.VERSION + 1, 0, 12, "2", None):
+    (path / "spec.json").write_text(json.dumps({**doc, "version": damaged}))
+    with pytest.raises(jl.SpecFormatError, match="version field is damaged") as error:
+      jl.load_spec(path)
+    assert error.value.code == "spec_corrupt"
+  # A later version written intact (its hash holds) is spec_version.
+  newer = {k: v for k, v in doc.items() if k != "sha256"}
+  newer["version"] = saving.VERSION + 1
+  with np.load(path / "arrays.npz") as npz:
+    arrays = {k: npz[k] for k in npz.files}
+  newer["sha256"] = saving._digest(newer, arrays)
+  (path / "spec.json").write_text(json.dumps(newer))
+  with pytest.raises(jl.SpecFormatError, match="format version 3") as error:
+    jl.load_spec(path)
+  assert error.value.code == "spec_version"
 
 
 def test_concurrent_writers_and_a_reader(tmp_path):

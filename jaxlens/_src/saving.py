@@ -506,19 +506,34 @@ def load_rules(path) -> tuple:
     raise SpecFormatError(
       f"{path}: not a {FORMAT} file", code="spec_corrupt", site=str(path), fix=_FIX
     )
-  if doc.get("version") not in (1, VERSION):
+  digest = doc.pop("sha256", None)
+
+  def intact(version):
+    try:
+      return digest == _digest({**doc, "version": version}, arrays)
+    except (TypeError, ValueError, RecursionError):
+      return False
+
+  version = doc.get("version")
+  if version not in (1, VERSION):
+    # Another version is spec_version only when the file is intact as written: a damaged
+    # version field (the content hashes as a version this jaxlens reads) or a file whose
+    # hash fails with a version that is not a later integer is spec_corrupt.
+    newer = type(version) is int and version > VERSION
+    if newer and (intact(version) or not any(intact(v) for v in (1, VERSION))):
+      raise SpecFormatError(
+        f"{path}: format version {version!r} (this jaxlens reads 1 and {VERSION})",
+        code="spec_version",
+        site=str(path),
+        fix="load it with the jaxlens that saved it, or a newer one",
+      )
     raise SpecFormatError(
-      f"{path}: format version {doc.get('version')!r} (this jaxlens reads 1 and {VERSION})",
-      code="spec_version",
+      f"{path}: the format version field is damaged ({version!r})",
+      code="spec_corrupt",
       site=str(path),
       fix=_FIX,
     )
-  digest = doc.pop("sha256", None)
-  try:
-    ok = digest == _digest(doc, arrays)
-  except (TypeError, ValueError, RecursionError):
-    ok = False
-  if not ok:
+  if not intact(version):
     raise SpecFormatError(
       f"{path}: content hash mismatch: the spec was truncated or altered",
       code="spec_corrupt",
