@@ -11,13 +11,74 @@ import transformers
 from jaxlens.models import config_from_hf, from_state_dict
 
 VOCAB, D_MODEL, D_MLP, LAYERS, HEADS = 64, 32, 48, 2, 4
+WINDOW = 4  # the sliding windows: shorter than the tests' 8-token sequences
+DECODERS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gemma3", "gemma2")
 
 
 def tiny_hf(family: str, *, dtype=torch.float32, attention: str = "eager", positions: int = 32):
-  """A two-layer ``llama``, ``gpt2`` or ``bert`` of width 32 with every parameter drawn
-  from a normal (torch seed 0; not the near-zero init some layers get), in eval mode."""
+  """A two-layer model of width 32 (a family of ``DECODERS`` or ``bert``) with every parameter
+  drawn from a normal (torch seed 0; not the near-zero init some layers get), in eval mode.
+  Sliding windows (Mistral: every layer; Qwen2/3: layer 1; Gemma: layer 0) are ``WINDOW``."""
   torch.manual_seed(0)
-  if family == "llama":
+  common = dict(
+    vocab_size=VOCAB,
+    hidden_size=D_MODEL,
+    intermediate_size=D_MLP,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    num_key_value_heads=2,
+    max_position_embeddings=positions,
+    attn_implementation=attention,
+  )
+  if family == "mistral":
+    cfg = transformers.MistralConfig(
+      **common, sliding_window=WINDOW, rope_parameters={"rope_type": "default", "rope_theta": 800.0}
+    )
+    hf = transformers.MistralForCausalLM(cfg)
+  elif family in ("qwen2", "qwen3"):
+    cls = transformers.Qwen2Config if family == "qwen2" else transformers.Qwen3Config
+    cfg = cls(
+      **common,
+      use_sliding_window=True,
+      sliding_window=WINDOW,
+      max_window_layers=1,
+      tie_word_embeddings=family == "qwen3",
+      **({"head_dim": 16} if family == "qwen3" else {}),
+    )
+    model = transformers.Qwen2ForCausalLM if family == "qwen2" else transformers.Qwen3ForCausalLM
+    hf = model(cfg)
+  elif family == "gpt_neox":
+    del common["num_key_value_heads"]
+    cfg = transformers.GPTNeoXConfig(
+      **common,
+      rope_parameters={"rope_type": "default", "rope_theta": 900.0, "partial_rotary_factor": 0.5},
+    )
+    hf = transformers.GPTNeoXForCausalLM(cfg)
+  elif family == "gemma3":
+    cfg = transformers.Gemma3TextConfig(
+      **common,
+      head_dim=16,
+      sliding_window=WINDOW,
+      layer_types=["sliding_attention", "full_attention"],
+      query_pre_attn_scalar=12,
+      rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+      },
+    )
+    hf = transformers.Gemma3ForCausalLM(cfg)
+  elif family == "gemma2":
+    cfg = transformers.Gemma2Config(
+      **common,
+      head_dim=16,
+      sliding_window=WINDOW,
+      query_pre_attn_scalar=12,
+      attn_logit_softcapping=3.0,
+      final_logit_softcapping=5.0,
+      rope_parameters={"rope_type": "default", "rope_theta": 300.0},
+    )
+    hf = transformers.Gemma2ForCausalLM(cfg)
+  elif family == "llama":
     cfg = transformers.LlamaConfig(
       vocab_size=VOCAB,
       hidden_size=D_MODEL,
@@ -53,7 +114,7 @@ def tiny_hf(family: str, *, dtype=torch.float32, attention: str = "eager", posit
     )
     hf = transformers.BertModel(cfg)
   else:
-    raise ValueError(f"unknown family {family!r}; expected 'llama', 'gpt2' or 'bert'")
+    raise ValueError(f"unknown family {family!r}; expected one of {DECODERS} or 'bert'")
   for p in hf.parameters():
     with torch.no_grad():
       p.normal_(0.0, 0.3 if p.ndim > 1 else 0.5)
@@ -63,3 +124,82 @@ def tiny_hf(family: str, *, dtype=torch.float32, attention: str = "eager", posit
 def zoo_twin(hf, dtype=jnp.float32):
   """The zoo's model with ``hf``'s weights (``jm.from_state_dict``)."""
   return from_state_dict(hf.state_dict(), config_from_hf(hf.config.to_dict(), dtype))
+
+
+def _f64_eager(original):
+  """The family's eager attention with the softmax in the scores' dtype when it is float64
+  (transformers' eager attention takes it in float32 even in a float64 model); float32 calls
+  go to the original."""
+
+  def forward(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
+    if query.dtype != torch.float64:
+      return original(
+        module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, **kwargs
+      )
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    if scaling is None:
+      scaling = query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+      scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+      if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+      else:
+        scores = scores + attention_mask[..., : key.shape[-2]]
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+  forward.jaxlens_f64 = True
+  return forward
+
+
+def _rope_base(config, layer_type=None):
+  rope = config.rope_parameters
+  if layer_type is not None and layer_type in rope:
+    rope = rope[layer_type]
+  return rope["rope_theta"], rope.get("partial_rotary_factor", 1.0)
+
+
+def exact_float64(hf):
+  """Makes a float64 transformers model compute in float64 throughout: RMSNorm and the rotary
+  angles (which transformers computes in float32 even in a float64 model), the eager
+  attention's softmax (``_f64_eager``) and Gemma's embedding scale (a float32 buffer, so
+  ``sqrt(d_model)`` rounded to float32). The float32 comparisons run the unmodified model."""
+  import importlib
+
+  module = importlib.import_module(type(hf).__module__)
+  if not getattr(module.eager_attention_forward, "jaxlens_f64", False):
+    module.eager_attention_forward = _f64_eager(module.eager_attention_forward)
+
+  def rms(mod, gemma):
+    eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
+
+    def forward(h):
+      normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+      return normed * (1.0 + mod.weight) if gemma else mod.weight * normed
+
+    return forward
+
+  cfg = hf.config
+  head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+  def rotary(x, position_ids, layer_type=None):
+    base, factor = _rope_base(cfg, layer_type)
+    dim = int(head_dim * factor)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    freqs = position_ids[..., None].double() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+  for mod in hf.modules():
+    name = type(mod).__name__
+    if name.endswith("RMSNorm"):
+      mod.forward = rms(mod, name.startswith("Gemma"))
+    elif name.endswith("RotaryEmbedding"):
+      mod.forward = rotary
+    elif name.endswith("ScaledWordEmbedding"):
+      mod.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=torch.float64)
+  return hf

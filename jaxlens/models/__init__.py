@@ -1,8 +1,9 @@
-"""jaxlens's model zoo: readable Flax implementations of GPT-2, the Llama family and BERT with
-named sites (``docs/models.md``), their offline loaders, and the small demo GPT.
+"""jaxlens's model zoo: readable Flax implementations of GPT-2, the Llama family (with Mistral,
+Qwen2 and Qwen3), GPT-NeoX, Gemma 3 and BERT with named sites (``docs/models.md``), their
+offline loaders, and the small demo GPT.
 
 One family per module: :mod:`jaxlens.models.gpt2`, :mod:`jaxlens.models.llama`,
-:mod:`jaxlens.models.bert`; loaders in :mod:`jaxlens.models.loading`; the two pretrained models
+:mod:`jaxlens.models.gpt_neox`, :mod:`jaxlens.models.gemma3`, :mod:`jaxlens.models.bert`; loaders in :mod:`jaxlens.models.loading`; the two pretrained models
 published as Python wheels in :mod:`jaxlens.models.hub`.
 """
 
@@ -17,8 +18,12 @@ from jaxlens.models._demo_gpt import init_gpt as init_gpt
 from jaxlens.models.bert import Bert as Bert
 from jaxlens.models.bert import BertConfig as BertConfig
 from jaxlens.models.bert import mean_pool as mean_pool
+from jaxlens.models.gemma3 import Gemma3 as Gemma3
+from jaxlens.models.gemma3 import Gemma3Config as Gemma3Config
 from jaxlens.models.gpt2 import GPT2 as GPT2
 from jaxlens.models.gpt2 import GPT2Config as GPT2Config
+from jaxlens.models.gpt_neox import GPTNeoX as GPTNeoX
+from jaxlens.models.gpt_neox import GPTNeoXConfig as GPTNeoXConfig
 from jaxlens.models.hub import minilm as minilm
 from jaxlens.models.hub import smollm2 as smollm2
 from jaxlens.models.llama import Llama as Llama
@@ -41,6 +46,10 @@ __all__ = [
   "Block",
   "CausalSelfAttention",
   "GPT2Config",
+  "GPTNeoX",
+  "GPTNeoXConfig",
+  "Gemma3",
+  "Gemma3Config",
   "Llama",
   "LlamaConfig",
   "LoadError",

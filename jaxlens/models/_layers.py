@@ -91,7 +91,7 @@ def check_length(seq: int, max_len: int, site: str) -> None:
     )
 
 
-def attention_mask(q_positions, k_positions, *, causal: bool, key_mask=None):
+def attention_mask(q_positions, k_positions, *, causal: bool, key_mask=None, window=None):
   """A boolean ``(batch or 1, 1, q, k)`` mask: True where a query may attend to a key.
 
   Args:
@@ -99,19 +99,24 @@ def attention_mask(q_positions, k_positions, *, causal: bool, key_mask=None):
     k_positions: int ``(k,)`` or ``(batch, k)`` positions of the keys.
     causal: whether a query sees only keys at its own position or before.
     key_mask: optional ``(batch, k)`` padding mask, nonzero for real tokens.
+    window: optional sliding window: a query at position ``p`` sees only keys at positions
+      ``> p - window`` (itself and the ``window - 1`` keys before it, as Hugging Face's
+      sliding-window layers).
   """
   q_positions, k_positions = jnp.atleast_2d(q_positions), jnp.atleast_2d(k_positions)
   if causal:
     mask = k_positions[:, None, :] <= q_positions[:, :, None]
   else:
     mask = jnp.ones((1, q_positions.shape[1], k_positions.shape[1]), bool)
+  if window is not None:
+    mask = mask & (k_positions[:, None, :] > q_positions[:, :, None] - window)
   mask = mask[:, None]
   if key_mask is not None:
     mask = mask & (jnp.asarray(key_mask) != 0)[:, None, None, :]
   return mask
 
 
-def attend(q, k, v, mask, *, dtype):
+def attend(q, k, v, mask, *, dtype, scale=None, softcap=None):
   """Scaled dot-product attention with grouped-query heads, naming its sites.
 
   Sites (under the calling module): ``scores`` (scaled, masked, before the softmax,
@@ -123,13 +128,22 @@ def attend(q, k, v, mask, *, dtype):
     k, v: ``(batch, k, kv_heads, head_dim)``; ``heads`` is a multiple of ``kv_heads``.
     mask: boolean, broadcastable to ``(batch, heads, q, k)``.
     dtype: the computation dtype.
+    scale: the scores' factor; ``1 / sqrt(head_dim)`` when None.
+    softcap: optional attention-logit soft-capping (Gemma 2): ``softcap * tanh(s / softcap)``
+      of the scaled scores, before the mask.
   """
   heads, kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
   if heads != kv_heads:
     k = jnp.repeat(k, heads // kv_heads, axis=2)
     v = jnp.repeat(v, heads // kv_heads, axis=2)
   sdt = softmax_dtype(dtype)
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(sdt) / jnp.sqrt(jnp.asarray(head_dim, sdt))
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(sdt)
+  if scale is None:
+    scores = scores / jnp.sqrt(jnp.asarray(head_dim, sdt))
+  else:
+    scores = scores * jnp.asarray(scale, sdt)
+  if softcap is not None:
+    scores = softcap * jnp.tanh(scores / softcap)
   scores = named(jnp.where(mask, scores, jnp.finfo(sdt).min), "scores")
   pattern = named(jax.nn.softmax(scores, axis=-1).astype(dtype), "pattern")
   return named(jnp.einsum("bhqk,bkhd->bqhd", pattern, v), "z")
@@ -158,6 +172,96 @@ def cached_keys_values(module: nn.Module, k, v, index):
   return ck.value, cv.value, True
 
 
+# The slot of an empty entry of a windowed cache: far enough back for every window to miss it.
+_EMPTY = -(2**30)
+
+
+def windowed_keys_values(module: nn.Module, k, v, index, key_mask, window: int):
+  """The decode path's KV cache of a sliding-window layer: a ring of ``window`` entries.
+
+  A query sees only the ``window - 1`` keys before it, so the layer keeps the last ``window``
+  keys and values (``cached_key``, ``cached_value``: ``(batch, min(window, cache_len),
+  kv_heads, head_dim)``) and the slot each holds (``cached_slot``, ``slot + 1``; 0 for an
+  empty entry, so a zero-filled cache is an empty one). Its memory is bounded by the window
+  however long the generation. The call attends over the ring as it was before this call
+  and this call's keys, then writes this call's last ``min(seq, window)`` keys in.
+
+  Args:
+    module: the attention module (its ``cache`` collection).
+    k, v: this call's keys and values, ``(batch, seq, kv_heads, head_dim)``.
+    index: the slot of this call's first token.
+    key_mask: None or the ``(batch, cache_len)`` padding mask over slots.
+    window: the sliding window.
+
+  Returns:
+    ``(keys, values, key_slots, key_mask, initialised)``; on the creating call (no cache yet)
+    this call's keys and values with ``key_slots`` and ``key_mask`` None.
+  """
+  initialised = module.has_variable("cache", "cached_key")
+  batch, seq = k.shape[:2]
+  size = min(window, seq)  # on the creating call, seq is the cache's length
+  ck = module.variable("cache", "cached_key", jnp.zeros, (batch, size) + k.shape[2:], k.dtype)
+  cv = module.variable("cache", "cached_value", jnp.zeros, (batch, size) + v.shape[2:], v.dtype)
+  cs = module.variable("cache", "cached_slot", jnp.zeros, (size,), jnp.int32)
+  if not initialised:
+    return k, v, None, None, False
+  size = ck.value.shape[1]
+  index = jnp.asarray(index, jnp.int32)
+  slots = index + jnp.arange(seq, dtype=jnp.int32)
+  old = cs.value - 1
+  key_slots = jnp.concatenate([jnp.where(old >= 0, old, _EMPTY), slots])
+  keys = jnp.concatenate([ck.value, k.astype(ck.value.dtype)], axis=1)
+  values = jnp.concatenate([cv.value, v.astype(cv.value.dtype)], axis=1)
+  mask = None
+  if key_mask is not None:
+    mask = jnp.take(jnp.asarray(key_mask), jnp.maximum(key_slots, 0), axis=1, mode="clip")
+  n = min(seq, size)  # distinct ring entries: the last n slots are consecutive
+  ring = slots[-n:] % size
+  ck.value = ck.value.at[:, ring].set(k[:, -n:].astype(ck.value.dtype))
+  cv.value = cv.value.at[:, ring].set(v[:, -n:].astype(cv.value.dtype))
+  cs.value = cs.value.at[ring].set(slots[-n:] + 1)
+  return keys, values, key_slots, mask, True
+
+
+def cached_attention(
+  module,
+  q,
+  k,
+  v,
+  positions,
+  *,
+  key_mask,
+  decode,
+  cache_index,
+  mask,
+  window,
+  dtype,
+  scale=None,
+  softcap=None,
+):
+  """Causal attention of a decoder layer with its KV cache: the full cache
+  (:func:`cached_keys_values`) or, for a sliding-window layer, the ring
+  (:func:`windowed_keys_values`); ``mask``, when given, replaces the causal one."""
+  q_positions = k_positions = positions
+  if decode and window is not None:
+    k, v, slots, ring_mask, initialised = windowed_keys_values(
+      module, k, v, cache_index, key_mask, window
+    )
+    if initialised:
+      q_positions = cache_index + jnp.arange(q.shape[1], dtype=jnp.int32)
+      k_positions, key_mask = slots, ring_mask
+  elif decode:
+    k, v, initialised = cached_keys_values(module, k, v, cache_index)
+    if initialised:
+      # Causality in the cache is by slot (a query at slot cache_index + i sees the slots up
+      # to its own); positions, which left padding shifts per row, only embed or rotate.
+      q_positions = cache_index + jnp.arange(q.shape[1], dtype=cache_index.dtype)
+      k_positions = jnp.arange(k.shape[1], dtype=cache_index.dtype)
+  if mask is None:
+    mask = attention_mask(q_positions, k_positions, causal=True, key_mask=key_mask, window=window)
+  return attend(q, k, v, mask, dtype=dtype, scale=scale, softcap=softcap)
+
+
 class RMSNorm(nn.Module):
   """Root-mean-square norm: ``weight * x / sqrt(mean(x²) + eps)``, computed in at least float32."""
 
@@ -170,6 +274,26 @@ class RMSNorm(nn.Module):
     h = x.astype(softmax_dtype(self.dtype))
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
     return weight * h.astype(self.dtype)
+
+
+class LayerNorm(nn.Module):
+  """LayerNorm with ``scale`` and ``bias`` (``nn.LayerNorm``'s parameter names), its statistics
+  in at least float32 and the result cast to ``dtype``; unlike ``nn.LayerNorm`` it runs in
+  bfloat16 under strict dtype promotion."""
+
+  eps: float = 1e-5
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+    bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.dtype)
+    sdt = softmax_dtype(self.dtype)
+    h = x.astype(sdt)
+    mean = jnp.mean(h, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
+    h = (h - mean) * jax.lax.rsqrt(var + self.eps)
+    return (h * scale.astype(sdt) + bias.astype(sdt)).astype(self.dtype)
 
 
 class LayerSites:

@@ -1,8 +1,11 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral without sliding windows) in ``flax.linen``.
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) in ``flax.linen``.
 
 Pre-RMSNorm decoder blocks, rotary position embeddings with a configurable base (the
 "rotate half" convention of Hugging Face checkpoints), a SwiGLU MLP and grouped-query
-attention. Sites, the same in every family of ``jaxlens.models`` (see ``docs/models.md``):
+attention; as config options, Qwen2's q/k/v biases (``qkv_bias``), Qwen3's per-head RMSNorm
+of the queries and keys (``qk_norm``: sites ``attn/q_norm``, ``attn/k_norm``) and sliding-window
+attention (``sliding_window``, with ``layer_types`` for models that mix local and global
+layers; a local layer's KV cache is a ring of the window's length). Sites, the same in every family of ``jaxlens.models`` (see ``docs/models.md``):
 
 * ``embed``; per block ``blocks_{i}/``: ``resid_pre``, ``ln_1``, ``attn/q``, ``attn/k``,
   ``attn/v`` (after the rotation for q and k; ``(batch, seq, heads, head_dim)``, k and v
@@ -36,9 +39,7 @@ from jaxlens._src.named import named
 from jaxlens.models._layers import (
   LayerSites,
   RMSNorm,
-  attend,
-  attention_mask,
-  cached_keys_values,
+  cached_attention,
   check_ids,
   check_length,
   lookup_ids,
@@ -66,6 +67,13 @@ class LlamaConfig:
     max_len: the context length: a longer input (or a KV cache longer than it) is refused
       with ``index_out_of_range``.
     dtype: computation and parameter dtype (float32, bfloat16 or float64).
+    qkv_bias: biases on the q, k and v projections (Qwen2); ``o_bias`` on the output one.
+    qk_norm: an RMSNorm over each head's queries and keys before the rotation (Qwen3).
+    sliding_window: a query sees only itself and the ``sliding_window - 1`` tokens before it
+      (Mistral), in the layers ``layer_types`` marks ``"sliding_attention"`` (every layer
+      when ``layer_types`` is None).
+    layer_types: per layer ``"full_attention"`` or ``"sliding_attention"`` (Qwen2/3's
+      ``max_window_layers``), or None.
   """
 
   vocab_size: int = 32000
@@ -80,17 +88,33 @@ class LlamaConfig:
   tie_embeddings: bool = False
   max_len: int = 2048
   dtype: Any = jnp.float32
+  qkv_bias: bool = False
+  o_bias: bool = False
+  qk_norm: bool = False
+  sliding_window: int | None = None
+  layer_types: tuple[str, ...] | None = None
 
   @property
   def d_head(self) -> int:
     return self.head_dim or self.d_model // self.n_heads
 
+  def window(self, layer: int) -> int | None:
+    """The sliding window of block ``layer``, or None for a full-attention block."""
+    if self.sliding_window is None:
+      return None
+    if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+      return None
+    return self.sliding_window
 
-def rotary(x, positions, base: float):
+
+def rotary(x, positions, base: float, dims: int | None = None):
   """Rotates ``x`` (``(batch, seq, heads, head_dim)``) by its positions (``(seq,)`` or
   ``(batch, seq)``), "rotate half" style. The angles are computed in at least float32
-  (float64 for a float64 model).
+  (float64 for a float64 model). ``dims``: rotate only the first ``dims`` features of each
+  head (GPT-NeoX's partial rotary); the rest pass through.
   """
+  if dims is not None and dims < x.shape[-1]:
+    return jnp.concatenate([rotary(x[..., :dims], positions, base), x[..., dims:]], axis=-1)
   dim = x.shape[-1]
   adt = softmax_dtype(x.dtype)
   inv_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=adt) / dim))
@@ -109,6 +133,7 @@ class LlamaAttention(nn.Module):
   """
 
   config: LlamaConfig
+  window: int | None = None  # this layer's sliding window
 
   @nn.compact
   def __call__(
@@ -120,7 +145,7 @@ class LlamaAttention(nn.Module):
     def proj(n, name):
       y = nn.Dense(
         n * cfg.d_head,
-        use_bias=False,
+        use_bias=cfg.qkv_bias,
         dtype=cfg.dtype,
         param_dtype=cfg.dtype,
         kernel_init=_INIT,
@@ -128,23 +153,29 @@ class LlamaAttention(nn.Module):
       )(x)
       return y.reshape(batch, seq, n, cfg.d_head)
 
-    q = named(rotary(proj(cfg.n_heads, "q_proj"), positions, cfg.rope_base), "q")
-    k = named(rotary(proj(cfg.n_kv_heads, "k_proj"), positions, cfg.rope_base), "k")
+    q, k = proj(cfg.n_heads, "q_proj"), proj(cfg.n_kv_heads, "k_proj")
+    if cfg.qk_norm:
+      q = RMSNorm(cfg.norm_eps, cfg.dtype, name="q_norm")(q)
+      k = RMSNorm(cfg.norm_eps, cfg.dtype, name="k_norm")(k)
+    q = named(rotary(q, positions, cfg.rope_base), "q")
+    k = named(rotary(k, positions, cfg.rope_base), "k")
     v = named(proj(cfg.n_kv_heads, "v_proj"), "v")
-    q_positions = k_positions = positions
-    if decode:
-      k, v, initialised = cached_keys_values(self, k, v, cache_index)
-      if initialised:
-        # Causality in the cache is by slot (a query at slot cache_index + i sees the slots up
-        # to its own); positions, which left padding shifts per row, only embed or rotate.
-        q_positions = cache_index + jnp.arange(seq, dtype=cache_index.dtype)
-        k_positions = jnp.arange(k.shape[1], dtype=cache_index.dtype)
-    if mask is None:
-      mask = attention_mask(q_positions, k_positions, causal=True, key_mask=key_mask)
-    z = attend(q, k, v, mask, dtype=cfg.dtype)
+    z = cached_attention(
+      self,
+      q,
+      k,
+      v,
+      positions,
+      key_mask=key_mask,
+      decode=decode,
+      cache_index=cache_index,
+      mask=mask,
+      window=self.window,
+      dtype=cfg.dtype,
+    )
     return nn.Dense(
       cfg.d_model,
-      use_bias=False,
+      use_bias=cfg.o_bias,
       dtype=cfg.dtype,
       param_dtype=cfg.dtype,
       kernel_init=_INIT,
@@ -175,6 +206,7 @@ class LlamaBlock(nn.Module):
   """``resid_mid = x + attn(ln_1(x))``; ``resid_post = resid_mid + mlp(ln_2(resid_mid))``."""
 
   config: LlamaConfig
+  window: int | None = None  # this layer's sliding window
 
   @nn.compact
   def __call__(
@@ -184,7 +216,9 @@ class LlamaBlock(nn.Module):
     x = named(x, "resid_pre")
     h = RMSNorm(cfg.norm_eps, cfg.dtype, name="ln_1")(x)
     a = named(
-      LlamaAttention(cfg, name="attn")(h, positions, key_mask, decode, cache_index, mask),
+      LlamaAttention(cfg, self.window, name="attn")(
+        h, positions, key_mask, decode, cache_index, mask
+      ),
       "attn_out",
     )
     x = named(x + a, "resid_mid")
@@ -244,7 +278,9 @@ class Llama(LayerSites, nn.Module):
     )
     x = embed(lookup_ids(tokens))
     for i in range(cfg.n_layers):
-      x = LlamaBlock(cfg, name=f"blocks_{i}")(x, positions, attention_mask, decode, cache_index)
+      x = LlamaBlock(cfg, cfg.window(i), name=f"blocks_{i}")(
+        x, positions, attention_mask, decode, cache_index
+      )
     x = RMSNorm(cfg.norm_eps, cfg.dtype, name="ln_final")(x)
     if cfg.tie_embeddings:
       logits = embed.attend(x)

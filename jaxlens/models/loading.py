@@ -27,7 +27,9 @@ import numpy as np
 
 from jaxlens._src.errors import InvalidArgumentError
 from jaxlens.models.bert import Bert, BertConfig
+from jaxlens.models.gemma3 import Gemma3, Gemma3Config
 from jaxlens.models.gpt2 import GPT2, GPT2Config
+from jaxlens.models.gpt_neox import GPTNeoX, GPTNeoXConfig
 from jaxlens.models.llama import Llama, LlamaConfig
 
 __all__ = [
@@ -83,20 +85,128 @@ class Pretrained:
 # ---------------------------------------------------------------------------------- configs
 
 
-def config_from_hf(config: Mapping[str, Any], dtype=jnp.float32):
-  """A zoo config from a Hugging Face ``config.json`` dict (``model_type`` picks the family)."""
-  kind = config.get("model_type")
-  if kind == "mistral" and config.get("sliding_window"):
+def _rope_theta(config, default=10000.0, layer_type=None) -> float:
+  """The rotary base of a config dict: ``rope_theta``, or ``rope_parameters`` (transformers 5;
+  per layer type for Gemma 3). Scaled rotary variants are refused (``unknown_architecture``)."""
+  rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+  if layer_type is not None and layer_type in rope:
+    rope = rope[layer_type]
+  kind = rope.get("rope_type", rope.get("type", "default"))
+  if kind not in ("default", None):
     raise LoadError(
-      "Mistral with a sliding attention window is not supported",
+      f"rotary scaling {kind!r} is not supported",
       code="unknown_architecture",
       tensor=None,
-      received="sliding_window",
-      fix="set sliding_window to null in config.json if the context is shorter",
+      received=kind,
+      fix="jaxlens.models implements the default rotary embedding",
     )
-  if kind in ("llama", "mistral"):
+  return float(rope.get("rope_theta") or config.get("rope_theta") or default)
+
+
+def _layer_types(config) -> tuple[str, ...] | None:
+  """Qwen2/3's per-layer attention kinds: ``layer_types``, or (older ``config.json`` files)
+  sliding from layer ``max_window_layers`` on when ``use_sliding_window``."""
+  if config.get("layer_types"):
+    return tuple(config["layer_types"])
+  n = config["num_hidden_layers"]
+  first = config.get("max_window_layers", n)
+  return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+
+
+# The Hugging Face ``model_type`` values config_from_hf reads, and the zoo family of each.
+FAMILIES = {
+  "llama": "llama",
+  "mistral": "llama",
+  "qwen2": "llama",
+  "qwen3": "llama",
+  "gpt_neox": "gpt_neox",
+  "gemma3_text": "gemma3",
+  "gemma2": "gemma3",
+  "gpt2": "gpt2",
+  "bert": "bert",
+}
+
+
+def _neox_config(config, dtype) -> GPTNeoXConfig:
+  rope = config.get("rope_parameters") or {}
+  pct = rope.get("partial_rotary_factor", config.get("rotary_pct", 1.0))
+  return GPTNeoXConfig(
+    vocab_size=config["vocab_size"],
+    d_model=config["hidden_size"],
+    n_layers=config["num_hidden_layers"],
+    n_heads=config["num_attention_heads"],
+    d_mlp=config.get("intermediate_size"),
+    rotary_pct=float(pct),
+    rope_base=_rope_theta(config, config.get("rotary_emb_base", 10000.0)),
+    norm_eps=config.get("layer_norm_eps", 1e-5),
+    parallel_residual=bool(config.get("use_parallel_residual", True)),
+    activation=config.get("hidden_act", "gelu"),
+    attention_bias=bool(config.get("attention_bias", True)),
+    tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    max_len=config.get("max_position_embeddings", 2048),
+    dtype=dtype,
+  )
+
+
+def _gemma_config(config, dtype) -> Gemma3Config:
+  gemma2 = config.get("model_type") == "gemma2"
+  if config.get("use_bidirectional_attention"):
+    raise LoadError(
+      "Gemma with bidirectional attention is not supported",
+      code="unknown_architecture",
+      tensor=None,
+      received="use_bidirectional_attention",
+      fix="jaxlens.models implements the causal Gemma decoders",
+    )
+  if "text_config" in config:  # a multimodal Gemma3ForConditionalGeneration's config
+    config = {**config["text_config"], "model_type": "gemma3_text"}
+  layer_types = config.get("layer_types")
+  pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+  theta = _rope_theta(config, 1_000_000.0 if not gemma2 else 10000.0, "full_attention")
+  local = config.get("rope_local_base_freq")
+  if local is None:
+    local = theta if gemma2 else _rope_theta(config, 10000.0, "sliding_attention")
+  heads = config["num_attention_heads"]
+  return Gemma3Config(
+    vocab_size=config["vocab_size"],
+    d_model=config["hidden_size"],
+    n_layers=config["num_hidden_layers"],
+    n_heads=heads,
+    n_kv_heads=config.get("num_key_value_heads") or heads,
+    head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+    d_mlp=config["intermediate_size"],
+    query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", 256)),
+    sliding_window=config.get("sliding_window"),
+    layer_types=tuple(layer_types) if layer_types else None,
+    sliding_window_pattern=int(pattern or (2 if gemma2 else 6)),
+    rope_base=theta,
+    rope_local_base=float(local),
+    norm_eps=config.get("rms_norm_eps", 1e-6),
+    activation=config.get("hidden_activation") or config.get("hidden_act", "gelu_pytorch_tanh"),
+    qk_norm=not gemma2,
+    attn_softcap=config.get("attn_logit_softcapping"),
+    final_softcap=config.get("final_logit_softcapping"),
+    tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+    max_len=config.get("max_position_embeddings", 32768),
+    dtype=dtype,
+  )
+
+
+def config_from_hf(config: Mapping[str, Any], dtype=jnp.float32):
+  """A zoo config from a Hugging Face ``config.json`` dict (``model_type`` picks the family:
+  ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gpt_neox``, ``gemma3_text``, ``gemma2``,
+  ``gpt2``, ``bert``)."""
+  kind = config.get("model_type")
+  if kind in ("llama", "mistral", "qwen2", "qwen3"):
     heads = config["num_attention_heads"]
-    rope = config.get("rope_parameters") or {}
+    window, layer_types = None, None
+    if kind == "mistral":
+      window = config.get("sliding_window")
+    elif kind in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+      window, layer_types = config.get("sliding_window"), _layer_types(config)
+      if all(t == "full_attention" for t in layer_types):
+        window, layer_types = None, None
+    bias = bool(config.get("attention_bias", False))
     return LlamaConfig(
       vocab_size=config["vocab_size"],
       d_model=config["hidden_size"],
@@ -105,12 +215,21 @@ def config_from_hf(config: Mapping[str, Any], dtype=jnp.float32):
       n_kv_heads=config.get("num_key_value_heads") or heads,
       d_mlp=config["intermediate_size"],
       head_dim=config.get("head_dim"),
-      rope_base=float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+      rope_base=_rope_theta(config),
       norm_eps=config.get("rms_norm_eps", 1e-5),
       tie_embeddings=bool(config.get("tie_word_embeddings", False)),
       max_len=config.get("max_position_embeddings", 2048),
       dtype=dtype,
+      qkv_bias=bias or kind == "qwen2",
+      o_bias=bias and kind != "qwen2",
+      qk_norm=kind == "qwen3",
+      sliding_window=window,
+      layer_types=layer_types,
     )
+  if kind == "gpt_neox":
+    return _neox_config(config, dtype)
+  if kind in ("gemma3_text", "gemma3", "gemma2"):
+    return _gemma_config(config, dtype)
   if kind == "gpt2":
     return GPT2Config(
       vocab_size=config["vocab_size"],
@@ -142,14 +261,23 @@ def config_from_hf(config: Mapping[str, Any], dtype=jnp.float32):
     code="unknown_architecture",
     tensor=None,
     received=kind,
-    expected=["llama", "mistral", "gpt2", "bert"],
-    fix="jaxlens.models loads Llama-family, GPT-2 and BERT checkpoints",
+    expected=list(FAMILIES),
+    fix="jaxlens.models loads the families of jaxlens.models.loading.FAMILIES",
   )
 
 
 def model_for(config) -> nn.Module:
   """The zoo module of a config."""
-  return {LlamaConfig: Llama, GPT2Config: GPT2, BertConfig: Bert}[type(config)](config)
+  return _MODELS[type(config)](config)
+
+
+_MODELS: dict[type, type] = {
+  LlamaConfig: Llama,
+  GPT2Config: GPT2,
+  BertConfig: Bert,
+  GPTNeoXConfig: GPTNeoX,
+  Gemma3Config: Gemma3,
+}
 
 
 # ------------------------------------------------------------------------ tensor name maps
@@ -170,6 +298,11 @@ def _llama_map(cfg: LlamaConfig):
     yield (b, "ln_1", "weight"), h + "input_layernorm.weight", _ident
     for p in "qkvo":
       yield (b, "attn", f"{p}_proj", "kernel"), h + f"self_attn.{p}_proj.weight", _t
+      if (cfg.qkv_bias and p != "o") or (cfg.o_bias and p == "o"):
+        yield (b, "attn", f"{p}_proj", "bias"), h + f"self_attn.{p}_proj.bias", _ident
+    if cfg.qk_norm:
+      for p in "qk":
+        yield (b, "attn", f"{p}_norm", "weight"), h + f"self_attn.{p}_norm.weight", _ident
     yield (b, "ln_2", "weight"), h + "post_attention_layernorm.weight", _ident
     for p in ("gate", "up", "down"):
       yield (b, "mlp", f"{p}_proj", "kernel"), h + f"mlp.{p}_proj.weight", _t
@@ -198,6 +331,72 @@ def _gpt2_map(cfg: GPT2Config):
         yield (b, *mod.split("."), leaf), h + f"{mod}.{hf}", _ident  # Conv1D is (in, out)
   yield ("ln_final", "scale"), "transformer.ln_f.weight", _ident
   yield ("ln_final", "bias"), "transformer.ln_f.bias", _ident
+  if not cfg.tie_embeddings:
+    yield ("lm_head", "kernel"), "lm_head.weight", _t
+
+
+def _neox_qkv(k, heads):
+  """The ``k``-th of q, k, v from GPT-NeoX's fused projection, whose output rows are per head
+  ``[q | k | v]``; a weight ``(3 d, d_in)`` gives a kernel ``(d_in, d)``, a bias ``(d,)``."""
+
+  def take(w):
+    w = np.asarray(w)
+    rows = w.reshape(heads, 3, -1, *w.shape[1:])[:, k]
+    rows = rows.reshape(-1, *w.shape[1:])
+    return rows.T if rows.ndim == 2 else rows
+
+  return take
+
+
+def _neox_map(cfg: GPTNeoXConfig):
+  yield ("embed", "embedding"), "gpt_neox.embed_in.weight", _ident
+  for i in range(cfg.n_layers):
+    b, h = f"blocks_{i}", f"gpt_neox.layers.{i}."
+    yield from _norm((b, "ln_1"), h + "input_layernorm")
+    yield from _norm((b, "ln_2"), h + "post_attention_layernorm")
+    for k, p in enumerate("qkv"):
+      yield (
+        (b, "attn", f"{p}_proj", "kernel"),
+        h + "attention.query_key_value.weight",
+        _neox_qkv(k, cfg.n_heads),
+      )
+      if cfg.attention_bias:
+        yield (
+          (b, "attn", f"{p}_proj", "bias"),
+          h + "attention.query_key_value.bias",
+          _neox_qkv(k, cfg.n_heads),
+        )
+    if cfg.attention_bias:
+      yield from _dense((b, "attn", "dense"), h + "attention.dense")
+    else:
+      yield (b, "attn", "dense", "kernel"), h + "attention.dense.weight", _t
+    yield from _dense((b, "mlp", "dense_h_to_4h"), h + "mlp.dense_h_to_4h")
+    yield from _dense((b, "mlp", "dense_4h_to_h"), h + "mlp.dense_4h_to_h")
+  yield from _norm(("ln_final",), "gpt_neox.final_layer_norm")
+  if not cfg.tie_embeddings:
+    yield ("lm_head", "kernel"), "lm_head.weight", _t
+
+
+def _gemma_map(cfg: Gemma3Config):
+  yield ("embed", "embedding"), "model.embed_tokens.weight", _ident
+  norms = {
+    "ln_1": "input_layernorm",
+    "ln_1_post": "post_attention_layernorm",
+    "ln_2": "pre_feedforward_layernorm",
+    "ln_2_post": "post_feedforward_layernorm",
+  }
+  for i in range(cfg.n_layers):
+    b, h = f"blocks_{i}", f"model.layers.{i}."
+    for ours, theirs in norms.items():
+      yield (b, ours, "weight"), h + f"{theirs}.weight", _ident
+    for p in "qkvo":
+      yield (b, "attn", f"{p}_proj", "kernel"), h + f"self_attn.{p}_proj.weight", _t
+    if cfg.qk_norm:
+      for p in "qk":
+        yield (b, "attn", f"{p}_norm", "weight"), h + f"self_attn.{p}_norm.weight", _ident
+    for p in ("gate", "up", "down"):
+      yield (b, "mlp", f"{p}_proj", "kernel"), h + f"mlp.{p}_proj.weight", _t
+  yield ("ln_final", "weight"), "model.norm.weight", _ident
   if not cfg.tie_embeddings:
     yield ("lm_head", "kernel"), "lm_head.weight", _t
 
@@ -235,8 +434,12 @@ _MAPS: dict[type, Callable] = {
   LlamaConfig: _llama_map,
   GPT2Config: _gpt2_map,
   BertConfig: _bert_map,
+  GPTNeoXConfig: _neox_map,
+  Gemma3Config: _gemma_map,
 }
-_PREFIXES = ("model.", "transformer.", "bert.")
+_PREFIXES = ("model.", "transformer.", "bert.", "gpt_neox.")
+# Older names of a tensor: GPT-NeoX checkpoints before transformers 5 call the head embed_out.
+_ALIASES = {"lm_head.weight": "embed_out.weight"}
 
 
 def _lookup(tensors: Mapping[str, Any], name: str):
@@ -244,6 +447,8 @@ def _lookup(tensors: Mapping[str, Any], name: str):
   model, ``GPT2Model`` / ``BertModel`` / ``LlamaModel``, omit it); None if absent."""
   if name in tensors:
     return tensors[name]
+  if name in _ALIASES and _ALIASES[name] in tensors:
+    return tensors[_ALIASES[name]]
   for prefix in _PREFIXES:
     if name.startswith(prefix) and name[len(prefix) :] in tensors:
       return tensors[name[len(prefix) :]]
