@@ -9,7 +9,16 @@ import pytest
 
 import jaxlens as jl
 from jaxlens.sweep import cone_sweep
-from jaxlens.models import GPT2, GPT2Config, Llama, LlamaConfig
+from jaxlens.models import (
+  GPT2,
+  Gemma3,
+  Gemma3Config,
+  GPT2Config,
+  GPTNeoX,
+  GPTNeoXConfig,
+  Llama,
+  LlamaConfig,
+)
 
 VOCAB, SEQ = 40, 7
 MODELS = {
@@ -23,6 +32,22 @@ MODELS = {
       vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4, max_len=16, tie_embeddings=False
     )
   ),
+  # local layers with a window of 3 < SEQ: run_block keeps the window
+  "gemma3": lambda: Gemma3(
+    Gemma3Config(
+      vocab_size=VOCAB,
+      d_model=32,
+      n_layers=3,
+      n_heads=4,
+      n_kv_heads=2,
+      head_dim=8,
+      d_mlp=48,
+      sliding_window=3,
+      sliding_window_pattern=2,
+      final_softcap=5.0,
+    )
+  ),
+  "gpt_neox": lambda: GPTNeoX(GPTNeoXConfig(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4)),
 }
 
 
@@ -57,8 +82,8 @@ def test_cone_sweep_equals_the_plain_sweep(family):
   rng = np.random.default_rng(1)
   clean = jnp.asarray(rng.integers(0, VOCAB, (2, SEQ)), jnp.int32)
   corrupt = clean.at[:, 2].set((clean[:, 2] + 7) % VOCAB).at[:, 5].set(1)
-  metric = whole_output if family == "gpt2" else logit_diff
-  site = "resid_pre" if family == "gpt2" else "resid_post"
+  metric = whole_output if family in ("gpt2", "gemma3") else logit_diff
+  site = "resid_pre" if family in ("gpt2", "gemma3") else "resid_post"
   layers, positions = (0, 1, 2), (0, 2, 3, 6)
   cone = cone_sweep(model, variables, clean, corrupt, metric, positions=positions, site=site)
   sites = tuple(f"blocks_{k}/{site}" for k in layers)
@@ -71,7 +96,7 @@ def test_cone_sweep_equals_the_plain_sweep(family):
   )
   np.testing.assert_allclose(cone, plain, atol=1e-5, rtol=1e-5)
   assert float(jnp.abs(plain - plain[:, :1]).max()) > 1e-2  # the cells differ
-  if family == "gpt2":
+  if family != "llama":
     return
   # a subset of layers, in another order, gives the same rows
   sub = cone_sweep(

@@ -84,6 +84,7 @@ def test_sites_windows_and_the_residual_sums(family):
   have = {lbl[len("blocks_1/") :] for lbl in t.labels if lbl.startswith("blocks_1/")}
   assert BLOCK_SITES <= have, BLOCK_SITES - have
   assert model.layer_sites() == ("blocks_0/resid_pre", "blocks_1/resid_pre")
+  assert isinstance(model, jl.protocol.Decoder)
   for i in range(2):
     b = f"blocks_{i}/"
     np.testing.assert_allclose(

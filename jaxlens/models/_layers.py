@@ -349,6 +349,17 @@ def run_block_after(block: nn.Module, params, x, positions, past_keys, past_valu
   return out
 
 
+def window_mask(mask, positions, past_len: int, window: int | None):
+  """``mask`` of :meth:`jaxlens.protocol.Decoder.run_block` restricted to a sliding window:
+  the past's keys are at positions ``0 .. past_len - 1``, ``x``'s at ``positions``."""
+  if window is None:
+    return mask
+  q = jnp.atleast_2d(positions)
+  past = jnp.broadcast_to(jnp.arange(past_len, dtype=q.dtype), (q.shape[0], past_len))
+  k = jnp.concatenate([past, q], axis=1)
+  return mask & (k[:, None, :] > q[:, :, None] - window)[:, None]
+
+
 def unembed_after(norm: nn.Module, config, params, x):
   """:meth:`jaxlens.protocol.Decoder.unembed` for a zoo decoder whose parameters are
   ``ln_final`` and ``lm_head`` (or, with ``config.tie_embeddings``, ``embed``)."""

@@ -57,7 +57,10 @@ from jaxlens.models._layers import (
   check_ids,
   check_length,
   lookup_ids,
+  run_block_after,
   softmax_dtype,
+  unembed_after,
+  window_mask,
 )
 from jaxlens.models.llama import rotary
 
@@ -276,6 +279,32 @@ class Gemma3(LayerSites, nn.Module):
       logits = embed.attend(x)
     else:
       logits = _dense(cfg, cfg.vocab_size, "lm_head")(x)
-    if cfg.final_softcap is not None:
-      logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
-    return named(logits, "logits")
+    return named(_softcap(logits, cfg.final_softcap), "logits")
+
+  @nn.nowrap
+  def max_positions(self) -> int:
+    """``config.max_len``, the context length the model's call accepts."""
+    return self.config.max_len
+
+  @nn.nowrap
+  def run_block(self, variables, layer, x, positions, *, past_keys, past_values, mask):
+    """:meth:`jaxlens.protocol.Decoder.run_block`; the block reads the whole past and the mask
+    keeps a local layer's window."""
+    cfg = self.config
+    local = cfg.layer_type(layer) == "sliding_attention"
+    block = Gemma3Block(cfg, None, cfg.rope_local_base if local else cfg.rope_base)
+    params = variables["params"][f"blocks_{layer}"]
+    mask = window_mask(mask, positions, past_keys.shape[1], cfg.window(layer))
+    return run_block_after(block, params, x, positions, past_keys, past_values, mask)
+
+  @nn.nowrap
+  def unembed(self, variables, x):
+    """:meth:`jaxlens.protocol.Decoder.unembed` (with the final soft-cap)."""
+    norm = GemmaRMSNorm(self.config.norm_eps, self.config.dtype)
+    return _softcap(
+      unembed_after(norm, self.config, variables["params"], x), self.config.final_softcap
+    )
+
+
+def _softcap(x, cap):
+  return x if cap is None else cap * jnp.tanh(x / cap)

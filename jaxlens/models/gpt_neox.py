@@ -42,6 +42,8 @@ from jaxlens.models._layers import (
   check_ids,
   check_length,
   lookup_ids,
+  run_block_after,
+  unembed_after,
 )
 from jaxlens.models.llama import rotary
 
@@ -219,3 +221,21 @@ class GPTNeoX(LayerSites, nn.Module):
     else:
       logits = _dense(cfg, cfg.vocab_size, "lm_head", bias=False)(x)
     return named(logits, "logits")
+
+  @nn.nowrap
+  def max_positions(self) -> int:
+    """``config.max_len``, the context length the model's call accepts."""
+    return self.config.max_len
+
+  @nn.nowrap
+  def run_block(self, variables, layer, x, positions, *, past_keys, past_values, mask):
+    """:meth:`jaxlens.protocol.Decoder.run_block`."""
+    params = variables["params"][f"blocks_{layer}"]
+    block = GPTNeoXBlock(self.config)
+    return run_block_after(block, params, x, positions, past_keys, past_values, mask)
+
+  @nn.nowrap
+  def unembed(self, variables, x):
+    """:meth:`jaxlens.protocol.Decoder.unembed`."""
+    norm = LayerNorm(self.config.norm_eps, self.config.dtype)
+    return unembed_after(norm, self.config, variables["params"], x)

@@ -46,6 +46,7 @@ from jaxlens.models._layers import (
   run_block_after,
   softmax_dtype,
   unembed_after,
+  window_mask,
 )
 
 __all__ = ["Llama", "LlamaAttention", "LlamaBlock", "LlamaConfig", "LlamaMLP", "rotary"]
@@ -303,8 +304,10 @@ class Llama(LayerSites, nn.Module):
   @nn.nowrap
   def run_block(self, variables, layer, x, positions, *, past_keys, past_values, mask):
     """:meth:`jaxlens.protocol.Decoder.run_block`."""
+    # The block reads the whole past (window=None) and the mask keeps a local layer's window.
     block = LlamaBlock(self.config)
     params = variables["params"][f"blocks_{layer}"]
+    mask = window_mask(mask, positions, past_keys.shape[1], self.config.window(layer))
     return run_block_after(block, params, x, positions, past_keys, past_values, mask)
 
   @nn.nowrap
