@@ -7,6 +7,7 @@ Every test that imports sae_lens is in this file (its import costs seconds), in 
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 
 from jaxlens import sae as jsae
@@ -177,3 +178,71 @@ def test_other_dtypes_round_trip(dtype, x, tmp_path):
     want = back(torch.from_numpy(x).to(getattr(torch, dtype))).float().numpy()
   tol = {"float16": 2e-2, "bfloat16": 1e-1, "float64": 1e-12}[dtype]
   assert rel(np.asarray(ours(x).astype(jnp.float32)), want) <= tol
+
+
+# -- one training step: the same loss terms and gradients as SAELens's training SAEs -----------
+
+TRAIN_CASES = [
+  ("standard", "relu", {"l1_coefficient": 0.7}),
+  ("topk", "topk", {"k": 4, "rescale_acts_by_decoder_norm": False}),
+  ("topk", "topk", {"k": 4, "rescale_acts_by_decoder_norm": True}),
+  ("batchtopk", "batchtopk", {"k": 3.0, "rescale_acts_by_decoder_norm": True}),
+  ("jumprelu", "jumprelu", {"l0_coefficient": 0.3, "jumprelu_bandwidth": 0.5}),
+]
+
+
+@pytest.mark.parametrize(
+  "arch, ours_arch, cfg", TRAIN_CASES, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(TRAIN_CASES)]
+)
+def test_one_training_step_matches_saelens(arch, ours_arch, cfg):
+  from jaxlens.sae import train as jtrain
+  from sae_lens.saes.sae import TrainStepInput
+
+  cls, cfg_cls = sae_lens.registry.get_sae_training_class(arch)
+  ref = _randomise(cls(cfg_cls(d_in=D_IN, d_sae=D_SAE, **cfg)), 4)
+  if arch == "jumprelu":
+    with torch.no_grad():
+      ref.threshold.copy_(torch.linspace(0.0, 0.6, D_SAE))
+  x = np.random.default_rng(5).normal(size=(12, D_IN)).astype(np.float32)
+  dead = np.zeros(D_SAE, bool)
+  dead[[1, 3, 5, 8, 13]] = True
+  coefficient = cfg.get("l1_coefficient", cfg.get("l0_coefficient", 1.0))
+  out = ref.training_forward_pass(
+    TrainStepInput(
+      sae_in=torch.from_numpy(x),
+      coefficients={"l1": coefficient, "l0": coefficient},
+      dead_neuron_mask=torch.from_numpy(dead),
+      n_training_steps=0,
+      is_logging_step=False,
+    )
+  )
+  out.loss.backward()
+  names = ["W_enc", "b_enc", "W_dec", "b_dec"] + (["threshold"] if arch == "jumprelu" else [])
+  weights = {n: jnp.asarray(getattr(ref, n).detach().numpy()) for n in names}
+  ours_cfg = jtrain.TrainConfig(
+    d_sae=D_SAE,
+    architecture=ours_arch,
+    **{k: v for k, v in cfg.items() if k != "l1_coefficient" and k != "l0_coefficient"},
+    l1_coefficient=cfg.get("l1_coefficient", 1.0),
+    l0_coefficient=cfg.get("l0_coefficient", 1.0),
+  )
+  d = jsae.SAE(
+    **weights,
+    activation={"relu": "relu"}.get(ours_arch, ours_arch),
+    k=cfg.get("k"),
+    rescale_acts_by_decoder_norm=cfg.get("rescale_acts_by_decoder_norm", False),
+  )
+
+  def loss(d):
+    total, terms, _ = jtrain.loss_terms(d, ours_cfg, jnp.asarray(x), dead=jnp.asarray(dead))
+    return total, terms
+
+  (total, terms), grads = jax.value_and_grad(loss, has_aux=True)(d)
+  assert sorted(terms) == sorted(out.losses)
+  for name, value in out.losses.items():
+    assert float(terms[name]) == pytest.approx(float(value.detach()), rel=1e-5, abs=1e-7), name
+  assert float(total) == pytest.approx(float(out.loss.detach()), rel=1e-5)
+  if ours_arch in ("topk", "batchtopk"):
+    assert float(terms["auxiliary_reconstruction_loss"]) > 0  # the dead mask was used
+  for name in names:
+    assert rel(getattr(grads, name), getattr(ref, name).grad.numpy()) <= 1e-5, name

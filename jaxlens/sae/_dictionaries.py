@@ -107,8 +107,8 @@ class SAE:
     normalize_activations: SAELens's ``normalize_activations`` (``"none"``,
       ``"expected_average_only_in"`` (identity here, as in SAELens at inference),
       ``"constant_norm_rescale"``, ``"layer_norm"``).
-    rescale_acts_by_decoder_norm: TopK selects on ``hidden_pre * |W_dec row|`` and
-      decodes ``acts / |W_dec row|``.
+    rescale_acts_by_decoder_norm: TopK (and BatchTopK) select on ``hidden_pre * |W_dec row|``
+      and decode ``acts / |W_dec row|``.
     reshape_activations: ``"none"`` or ``"hook_z"`` (flatten ``(..., heads, d_head)``).
     metadata_json: SAELens's ``metadata`` (hook name, model name...) as JSON text.
 
@@ -335,9 +335,9 @@ class SAE:
       return jax.nn.relu(pre)
     if self.activation == "jumprelu":
       return jax.nn.relu(pre) * (pre > self.threshold).astype(pre.dtype)
+    if self.rescale_acts_by_decoder_norm:
+      pre = pre * self._decoder_norm()
     if self.activation == "topk":
-      if self.rescale_acts_by_decoder_norm:
-        pre = pre * self._decoder_norm()
       return topk_relu(pre, int(self.k))
     return batch_topk_relu(pre, self.k)
 
@@ -353,7 +353,7 @@ class SAE:
       x: the input they were encoded from; needed only to undo a run-time
         normalisation (``constant_norm_rescale``, ``layer_norm``) or ``hook_z``.
     """
-    if self.activation == "topk" and self.rescale_acts_by_decoder_norm:
+    if self.activation in ("topk", "batchtopk") and self.rescale_acts_by_decoder_norm:
       acts = acts / self._decoder_norm()
     out = acts.astype(self.dtype) @ self.W_dec + self.b_dec
     if self.normalize_activations in ("constant_norm_rescale", "layer_norm"):
@@ -384,10 +384,19 @@ class SAE:
 
   def to_jumprelu(self, threshold):
     """A JumpReLU SAE with this one's weights and a (scalar or per-feature) threshold:
-    what a BatchTopK SAE becomes for inference (as SAELens saves it)."""
-    return self.replace(
+    what a BatchTopK SAE becomes for inference (as SAELens saves it). With
+    ``rescale_acts_by_decoder_norm`` the decoder norms are folded into the encoder first
+    (the threshold is in those units, as SAELens's)."""
+    d = self
+    if self.rescale_acts_by_decoder_norm:
+      norm = self._decoder_norm()
+      d = self.replace(
+        W_enc=self.W_enc * norm, b_enc=self.b_enc * norm, W_dec=self.W_dec / norm[:, None]
+      )
+    return d.replace(
       activation="jumprelu",
       k=None,
+      rescale_acts_by_decoder_norm=False,
       threshold=jnp.broadcast_to(jnp.asarray(threshold, self.dtype), (self.d_sae,)),
     )
 

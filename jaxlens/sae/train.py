@@ -1,0 +1,735 @@
+"""Training sparse dictionaries in JAX: ``jaxlens.sae.train``.
+
+:func:`train` fits an SAE (or a transcoder, from pairs of sites) to batches of
+activations, from a :mod:`jaxlens.store` dataset (``store.batches(site, batch_size=...,
+flatten=True, shuffle=True)``) or any iterator of arrays, with optax. Each step is one
+compiled program (forward, loss terms, gradient, clipping, Adam, decoder normalisation,
+dead-feature counters and metrics); with ``mesh=`` the batch is split over the mesh's
+devices (data parallel: the dictionary is replicated and XLA sums the gradients), in one
+process or across processes.
+
+Architectures and losses (SAELens's definitions, ``sae_lens.saes.*TrainingSAE``):
+
+* ``"relu"`` (SAELens ``standard``): ``mse + l1_coefficient * mean(|acts * |W_dec row||_1)``.
+* ``"topk"``: ``mse + aux_loss_coefficient * AuxK``, where AuxK has the top ``d_in // 2``
+  pre-activations of the dead features reconstruct the residual ``x - x_hat`` (scaled down
+  while fewer than ``d_in // 2`` features are dead).
+* ``"batchtopk"``: TopK's losses with the ``k * rows`` largest activations of the whole
+  batch; a running threshold (the mean of each batch's smallest kept activation, at rate
+  ``topk_threshold_lr``) makes the inference SAE a JumpReLU one (:meth:`Trained.inference`).
+* ``"jumprelu"``: ``mse + l0_coefficient * mean(L0)``, the L0 and the JumpReLU through a
+  straight-through estimator (rectangle kernel of width ``jumprelu_bandwidth``) for the
+  threshold, which is clamped at 0 before each step.
+
+``mse`` is the squared error summed over the feature axis and averaged over rows. The
+sparsity coefficient warms up linearly over ``coefficient_warm_up_steps``; the learning
+rate warms up over ``lr_warm_up_steps`` and decays linearly to 0 over the last
+``lr_decay_steps``; gradients are clipped to global norm 1 (as SAELens's trainer does).
+``b_dec`` starts at the mean of the first batch (``b_dec_init="mean"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlens._optional import require
+from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder, batch_topk_relu, topk_relu
+
+__all__ = [
+  "TrainConfig",
+  "Trained",
+  "train",
+  "loss_terms",
+  "explained_variance",
+  "ce_loss_recovered",
+  "jumprelu",
+  "step_function",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """What :func:`train` fits and how.
+
+  Attributes:
+    d_sae: the number of features.
+    architecture: ``"relu"``, ``"topk"``, ``"batchtopk"`` or ``"jumprelu"``.
+    k: TopK's active features per row; BatchTopK's mean active features per row.
+    transcoder: fit a :class:`~jaxlens.sae.Transcoder` to ``(x, y)`` batches.
+    skip: a transcoder with a skip connection ``W_skip``.
+    lr, adam_beta1, adam_beta2: Adam's (SAELens's defaults).
+    lr_warm_up_steps, lr_decay_steps: linear warm-up from ``lr / warm_up`` and linear
+      decay to 0 over the last ``lr_decay_steps`` of ``steps``.
+    l1_coefficient: ReLU's L1 coefficient (on decoder-norm-weighted activations).
+    l0_coefficient: JumpReLU's L0 coefficient.
+    coefficient_warm_up_steps: linear warm-up of the L1 / L0 coefficient.
+    aux_loss_coefficient: TopK / BatchTopK's AuxK coefficient.
+    jumprelu_init_threshold, jumprelu_bandwidth: JumpReLU's initial threshold and STE
+      bandwidth.
+    topk_threshold_lr: BatchTopK's running-threshold rate.
+    rescale_acts_by_decoder_norm: TopK / BatchTopK select on ``pre * |W_dec row|``.
+    apply_b_dec_to_input: subtract ``b_dec`` before encoding (SAEs; never transcoders).
+    decoder_init_norm: initial norm of each decoder row.
+    normalize_decoder: renormalise decoder rows to unit norm after every step.
+    b_dec_init: ``"mean"`` (the first batch's mean) or ``"zeros"``.
+    dead_feature_window: a feature that has not fired for more than this many steps is
+      dead (AuxK's mask, the dead fraction metric).
+    grad_clip: global gradient-norm clip (SAELens: 1.0); None for none.
+    dtype: the dictionary's dtype.
+    seed: the initialisation's seed.
+  """
+
+  d_sae: int
+  architecture: str = "topk"
+  k: Any = None
+  transcoder: bool = False
+  skip: bool = False
+  lr: float = 3e-4
+  adam_beta1: float = 0.9
+  adam_beta2: float = 0.999
+  lr_warm_up_steps: int = 0
+  lr_decay_steps: int = 0
+  l1_coefficient: float = 1.0
+  l0_coefficient: float = 1.0
+  coefficient_warm_up_steps: int = 0
+  aux_loss_coefficient: float = 1.0
+  jumprelu_init_threshold: float = 0.01
+  jumprelu_bandwidth: float = 0.05
+  topk_threshold_lr: float = 0.01
+  rescale_acts_by_decoder_norm: bool = False
+  apply_b_dec_to_input: bool = True
+  decoder_init_norm: float | None = 0.1
+  normalize_decoder: bool = False
+  b_dec_init: str = "mean"
+  dead_feature_window: int = 1000
+  grad_clip: float | None = 1.0
+  dtype: Any = "float32"
+  seed: int = 0
+
+  def __post_init__(self):
+    def bad(field, why, fix):
+      raise SAEError(f"TrainConfig.{field}: {why}", code="sae_config_invalid", field=field, fix=fix)
+
+    if self.architecture not in ("relu", "topk", "batchtopk", "jumprelu"):
+      bad(
+        "architecture",
+        f"{self.architecture!r} is not relu/topk/batchtopk/jumprelu",
+        'architecture="topk"',
+      )
+    if isinstance(self.d_sae, bool) or not isinstance(self.d_sae, int) or self.d_sae < 1:
+      bad("d_sae", f"{self.d_sae!r} is not a positive int", "d_sae=4096")
+    if self.architecture in ("topk", "batchtopk") and (
+      self.k is None or isinstance(self.k, bool) or not self.k > 0 or self.k > self.d_sae
+    ):
+      bad("k", f"{self.k!r} must be in (0, d_sae] for {self.architecture}", "k=32")
+    if self.b_dec_init not in ("mean", "zeros"):
+      bad("b_dec_init", f"{self.b_dec_init!r} is not 'mean' or 'zeros'", 'b_dec_init="mean"')
+    if self.skip and not self.transcoder:
+      bad("skip", "a skip connection is for transcoders", "transcoder=True, skip=True")
+
+
+# --------------------------------------------------------------------------------------------
+# Straight-through estimators (SAELens's JumpReLU and Step autograd functions).
+
+
+def _rectangle(x):
+  return ((x > -0.5) & (x < 0.5)).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _jumprelu(x, threshold, bandwidth):
+  return x * (x > threshold).astype(x.dtype)
+
+
+def _jumprelu_fwd(x, threshold, bandwidth):
+  return _jumprelu(x, threshold, bandwidth), (x, threshold)
+
+
+def _jumprelu_bwd(bandwidth, res, g):
+  x, threshold = res
+  ste = (threshold / bandwidth) * _rectangle((x - threshold) / bandwidth) * g
+  dthreshold = -ste.reshape(-1, x.shape[-1]).sum(0)
+  return (x > threshold).astype(x.dtype) * g, dthreshold.astype(threshold.dtype)
+
+
+_jumprelu.defvjp(_jumprelu_fwd, _jumprelu_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _step(x, threshold, bandwidth):
+  return (x > threshold).astype(x.dtype)
+
+
+def _step_fwd(x, threshold, bandwidth):
+  return _step(x, threshold, bandwidth), (x, threshold)
+
+
+def _step_bwd(bandwidth, res, g):
+  x, threshold = res
+  ste = (1.0 / bandwidth) * _rectangle((x - threshold) / bandwidth) * g
+  dthreshold = -ste.reshape(-1, x.shape[-1]).sum(0)
+  return jnp.zeros_like(x), dthreshold.astype(threshold.dtype)
+
+
+_step.defvjp(_step_fwd, _step_bwd)
+
+
+def jumprelu(x, threshold, bandwidth: float):
+  """``x * (x > threshold)``, with the straight-through gradient for ``threshold``."""
+  return _jumprelu(x, threshold, float(bandwidth))
+
+
+def step_function(x, threshold, bandwidth: float):
+  """``(x > threshold)``, with the straight-through gradient for ``threshold`` (the L0)."""
+  return _step(x, threshold, float(bandwidth))
+
+
+# --------------------------------------------------------------------------------------------
+# The loss.
+
+
+def _topk_aux(d, cfg, x, out, pre, dead):
+  """SAELens's TopK auxiliary loss: the top dead pre-activations reconstruct the residual."""
+  num_dead = dead.sum()
+  k_aux = x.shape[-1] // 2
+  scale = jnp.minimum(num_dead / k_aux, 1.0).astype(x.dtype)
+  masked = jnp.where(dead, pre, -jnp.inf)
+  # The top min(k_aux, num_dead) dead pre-activations (raw, not through ReLU, as SAELens):
+  # with fewer dead features than k_aux the k-th value is -inf and every dead one is kept.
+  kth = jax.lax.top_k(jax.lax.stop_gradient(masked), min(k_aux, d.d_sae))[0][..., -1:]
+  aux_acts = jnp.where(dead & (masked >= kth), pre, jnp.zeros((), pre.dtype))
+  if cfg.rescale_acts_by_decoder_norm:
+    aux_acts = aux_acts / jnp.linalg.norm(d.W_dec, axis=-1)
+  recons = aux_acts @ d.W_dec
+  residual = jax.lax.stop_gradient(x - out)
+  loss = jnp.mean(jnp.sum((recons - residual) ** 2, axis=-1))
+  return jnp.where(num_dead > 0, cfg.aux_loss_coefficient * scale * loss, 0.0)
+
+
+def forward(d: SAE, cfg: TrainConfig, x):
+  """The training forward: ``(acts, hidden_pre, x_hat)`` (SAELens's ``hidden_pre`` is the
+  pre-activation after the decoder-norm rescaling of TopK)."""
+  sae_in = x.astype(d.dtype)
+  if d.apply_b_dec_to_input:
+    sae_in = sae_in - d.b_dec
+  pre = sae_in @ d.W_enc + d.b_enc
+  norm = jnp.linalg.norm(d.W_dec, axis=-1)
+  rescale = cfg.architecture in ("topk", "batchtopk") and cfg.rescale_acts_by_decoder_norm
+  if rescale:
+    pre = pre * norm
+  if cfg.architecture == "relu":
+    acts = jax.nn.relu(pre)
+  elif cfg.architecture == "jumprelu":
+    acts = jumprelu(pre, d.threshold.astype(pre.dtype), cfg.jumprelu_bandwidth)
+  elif cfg.architecture == "topk":
+    acts = topk_relu(pre, int(cfg.k))
+  else:
+    acts = batch_topk_relu(pre, cfg.k)
+  out = (acts / norm if rescale else acts) @ d.W_dec + d.b_dec
+  if isinstance(d, Transcoder) and d.W_skip is not None:
+    out = out + x.astype(d.dtype) @ d.W_skip.T
+  return acts, pre, out
+
+
+def loss_terms(d: SAE, cfg: TrainConfig, x, *, target=None, dead=None, coefficient=None):
+  """The loss and its terms for one batch: ``(total, {name: value}, (acts, pre, x_hat))``.
+
+  Args:
+    d: the dictionary being trained.
+    cfg: the training configuration.
+    x: ``(rows, d_in)`` activations.
+    target: what to reconstruct (a transcoder's output site; default ``x``).
+    dead: ``(d_sae,)`` bool, the dead features (TopK's AuxK); default none dead.
+    coefficient: the sparsity coefficient now (default the configured one).
+
+  The terms are named as in SAELens: ``mse_loss``, ``l1_loss`` (relu), ``l0_loss``
+  (jumprelu), ``auxiliary_reconstruction_loss`` (topk, batchtopk).
+  """
+  target = x if target is None else target
+  target = target.astype(d.dtype)
+  acts, pre, out = forward(d, cfg, x)
+  mse = jnp.mean(jnp.sum((out - target) ** 2, axis=-1))
+  terms = {"mse_loss": mse}
+  if cfg.architecture == "relu":
+    c = cfg.l1_coefficient if coefficient is None else coefficient
+    weighted = acts * jnp.linalg.norm(d.W_dec, axis=-1)
+    terms["l1_loss"] = jnp.mean(c * jnp.sum(jnp.abs(weighted), axis=-1))
+  elif cfg.architecture == "jumprelu":
+    c = cfg.l0_coefficient if coefficient is None else coefficient
+    l0 = jnp.sum(step_function(pre, d.threshold.astype(pre.dtype), cfg.jumprelu_bandwidth), -1)
+    terms["l0_loss"] = jnp.mean(c * l0)
+  else:
+    if dead is None:
+      dead = jnp.zeros((d.d_sae,), bool)
+    residual_in = target
+    terms["auxiliary_reconstruction_loss"] = _topk_aux(d, cfg, residual_in, out, pre, dead)
+  total = sum(terms.values())
+  return total, terms, (acts, pre, out)
+
+
+def explained_variance(x, x_hat):
+  """``1 - sum((x - x_hat)^2) / sum((x - mean(x))^2)`` over the rows (one number)."""
+  x = jnp.asarray(x, jnp.float32)
+  resid = jnp.sum((x - jnp.asarray(x_hat, jnp.float32)) ** 2)
+  total = jnp.sum((x - x.mean(0)) ** 2)
+  return 1.0 - resid / total
+
+
+# --------------------------------------------------------------------------------------------
+# State and one step.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class State:
+  """What changes from step to step (a pytree, checkpointed whole)."""
+
+  sae: Any
+  opt_state: Any
+  step: Any  # int32 scalar
+  since_fired: Any  # (d_sae,) int32: steps since each feature last fired
+  topk_threshold: Any  # float32 scalar: BatchTopK's running threshold
+
+
+def _schedule(cfg: TrainConfig, steps: int):
+  optax = require("optax", feature="jaxlens.sae.train", extra="sae")
+  parts, bounds = [], []
+  if cfg.lr_warm_up_steps > 0:
+    parts.append(
+      optax.linear_schedule(cfg.lr / cfg.lr_warm_up_steps, cfg.lr, max(cfg.lr_warm_up_steps - 1, 1))
+    )
+    bounds.append(cfg.lr_warm_up_steps)
+  parts.append(optax.constant_schedule(cfg.lr))
+  if cfg.lr_decay_steps > 0:
+    parts.append(optax.linear_schedule(cfg.lr, 0.0, cfg.lr_decay_steps))
+    bounds.append(max(steps - cfg.lr_decay_steps, bounds[-1] if bounds else 0))
+  return optax.join_schedules(parts, bounds) if bounds else parts[0]
+
+
+def optimizer(cfg: TrainConfig, steps: int):
+  """The optax transformation :func:`train` uses: clipping, then Adam on the schedule."""
+  optax = require("optax", feature="jaxlens.sae.train", extra="sae")
+  adam = optax.adam(_schedule(cfg, steps), b1=cfg.adam_beta1, b2=cfg.adam_beta2)
+  if cfg.grad_clip is None:
+    return adam
+  return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adam)
+
+
+def _coefficient(cfg: TrainConfig, step):
+  base = cfg.l1_coefficient if cfg.architecture == "relu" else cfg.l0_coefficient
+  if cfg.coefficient_warm_up_steps <= 0:
+    return jnp.asarray(base, jnp.float32)
+  return base * jnp.minimum(step.astype(jnp.float32) / cfg.coefficient_warm_up_steps, 1.0)
+
+
+def _normalise_rows(w):
+  return w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+
+
+def make_step(cfg: TrainConfig, tx):
+  """The train step ``(state, x, target) -> (state, metrics)`` (not jitted)."""
+  optax = require("optax", feature="jaxlens.sae.train", extra="sae")
+
+  def step_fn(state: State, x, target):
+    d = state.sae
+    if cfg.architecture == "jumprelu":
+      d = d.replace(threshold=jnp.maximum(d.threshold, 0.0))
+    dead = state.since_fired > cfg.dead_feature_window
+    coefficient = _coefficient(cfg, state.step).astype(d.dtype)
+
+    def loss_fn(d):
+      total, terms, aux = loss_terms(d, cfg, x, target=target, dead=dead, coefficient=coefficient)
+      return total, (terms, aux)
+
+    (total, (terms, (acts, pre, out))), grads = jax.value_and_grad(loss_fn, has_aux=True)(d)
+    # optax's Adam mixes its int32 step count with floats (bias correction), which strict
+    # dtype promotion refuses: the update is traced under standard promotion.
+    with jax.numpy_dtype_promotion("standard"):
+      updates, opt_state = tx.update(grads, state.opt_state, d)
+      new = optax.apply_updates(d, updates)
+    if cfg.normalize_decoder:
+      new = new.replace(W_dec=_normalise_rows(new.W_dec))
+    fired = (acts != 0).reshape(-1, acts.shape[-1]).any(0)
+    since = jnp.where(fired, 0, state.since_fired + 1)
+    threshold = state.topk_threshold
+    if cfg.architecture == "batchtopk":
+      positive = acts > 0
+      smallest = jnp.min(jnp.where(positive, acts, jnp.inf)).astype(jnp.float32)
+      threshold = jnp.where(
+        positive.any(),
+        (1 - cfg.topk_threshold_lr) * threshold + cfg.topk_threshold_lr * smallest,
+        threshold,
+      )
+    tgt = x if target is None else target
+    metrics = {
+      "loss": total,
+      **terms,
+      "explained_variance": explained_variance(tgt, out),
+      "l0": jnp.mean(jnp.sum(acts != 0, axis=-1).astype(jnp.float32)),
+      "dead_fraction": jnp.mean(dead.astype(jnp.float32)),
+    }
+    return State(new, opt_state, state.step + 1, since, threshold), metrics
+
+  return step_fn
+
+
+# --------------------------------------------------------------------------------------------
+# Initialisation, checkpoints and the loop.
+
+
+def init_dictionary(key, cfg: TrainConfig, first_x, first_y=None):
+  """A dictionary to train: SAELens's initialisation, ``b_dec`` from the data."""
+  d_in = int(first_x.shape[-1])
+  dtype = jnp.dtype(cfg.dtype)
+  activation = {"relu": "relu"}.get(cfg.architecture, cfg.architecture)
+  common = dict(dtype=dtype, decoder_init_norm=cfg.decoder_init_norm)
+  if cfg.transcoder:
+    d_out = int(first_y.shape[-1])
+    d = Transcoder.init(
+      key,
+      d_in,
+      cfg.d_sae,
+      activation=activation,
+      k=cfg.k,
+      d_out=d_out,
+      skip=cfg.skip,
+      threshold=cfg.jumprelu_init_threshold,
+      **common,
+    )
+    data_for_bias = first_y
+  else:
+    d = SAE.init(
+      key,
+      d_in,
+      cfg.d_sae,
+      activation=activation,
+      k=cfg.k,
+      threshold=cfg.jumprelu_init_threshold,
+      apply_b_dec_to_input=cfg.apply_b_dec_to_input,
+      rescale_acts_by_decoder_norm=cfg.rescale_acts_by_decoder_norm
+      and cfg.architecture in ("topk", "batchtopk"),
+      **common,
+    )
+    data_for_bias = first_x
+  if cfg.b_dec_init == "mean":
+    mean = jnp.asarray(data_for_bias).reshape(-1, d.d_out).astype(jnp.float32).mean(0)
+    d = d.replace(b_dec=mean.astype(dtype))
+  return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+  """What :func:`train` returns.
+
+  Attributes:
+    sae: the trained dictionary (the training form: a BatchTopK SAE is still BatchTopK).
+    state: the final :class:`State` (optimizer state, counters).
+    metrics: ``{name: np.ndarray over logged steps}`` and ``"step"``.
+    config: the :class:`TrainConfig`.
+  """
+
+  sae: Any
+  state: State
+  metrics: dict
+  config: TrainConfig
+
+  def inference(self):
+    """The dictionary for inference: a BatchTopK SAE becomes the JumpReLU one with its
+    running threshold (decoder norms folded in, as SAELens saves it); others as trained."""
+    d = self.sae
+    if self.config.architecture != "batchtopk":
+      return d
+    return d.to_jumprelu(self.state.topk_threshold)
+
+  @property
+  def dead_fraction(self) -> float:
+    dead = np.asarray(self.state.since_fired) > self.config.dead_feature_window
+    return float(dead.mean())
+
+
+def _flat_leaves(tree):
+  leaves, treedef = jax.tree.flatten(tree)
+  return {f"leaf_{i:05d}": np.asarray(leaf) for i, leaf in enumerate(leaves)}, treedef
+
+
+def _save_checkpoint(path: Path, state: State, consumed: int, metrics: dict):
+  require("safetensors", feature="jaxlens.sae.train checkpoints", extra="sae")
+  from safetensors.numpy import save_file
+
+  arrays, treedef = _flat_leaves(state)
+  path.mkdir(parents=True, exist_ok=True)
+  tmp = path / "state.safetensors.tmp"
+  save_file(arrays, str(tmp))
+  meta = {
+    "consumed": consumed,
+    "treedef": str(treedef),
+    "metrics": {k: [float(v) for v in vs] for k, vs in metrics.items()},
+  }
+  (path / "meta.json.tmp").write_text(json.dumps(meta))
+  # The state file is renamed last: its presence means a complete checkpoint.
+  os.replace(path / "meta.json.tmp", path / "meta.json")
+  os.replace(tmp, path / "state.safetensors")
+
+
+def _load_checkpoint(path: Path, template: State):
+  from safetensors.numpy import load_file
+
+  meta = json.loads((path / "meta.json").read_text())
+  leaves, treedef = jax.tree.flatten(template)
+  if meta["treedef"] != str(treedef):
+    raise SAEError(
+      f"the checkpoint in {path} is of another configuration (its state has another structure)",
+      code="sae_checkpoint_mismatch",
+      field="checkpoint_dir",
+      fix="a new checkpoint_dir, or the TrainConfig the checkpoint was written with",
+    )
+  arrays = load_file(str(path / "state.safetensors"))
+  restored = [
+    jnp.asarray(arrays[f"leaf_{i:05d}"]).astype(jnp.result_type(leaf))
+    for i, leaf in enumerate(leaves)
+  ]
+  return jax.tree.unflatten(treedef, restored), meta["consumed"], meta["metrics"]
+
+
+def _split_batch(batch, transcoder: bool):
+  if transcoder:
+    if isinstance(batch, dict) and len(batch) == 2:
+      x, y = list(batch.values())
+    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+      x, y = batch
+    else:
+      raise SAEError(
+        f"a transcoder trains on (x, y) pairs, got a {type(batch).__name__}",
+        code="sae_batch_invalid",
+        field="data",
+        fix="store.batches([in_site, out_site], ...) or an iterator of (x, y)",
+      )
+    return x, y
+  if isinstance(batch, (tuple, list, dict)):
+    raise SAEError(
+      f"an SAE trains on arrays of (rows, d_in), got a {type(batch).__name__}",
+      code="sae_batch_invalid",
+      field="data",
+      fix="store.batches(site, batch_size=4096, flatten=True)",
+    )
+  return batch, None
+
+
+def _rows(a):
+  a = jnp.asarray(a)
+  return a.reshape(-1, a.shape[-1])
+
+
+def train(
+  data: Iterable,
+  config: TrainConfig,
+  *,
+  steps: int,
+  init: Any = None,
+  mesh=None,
+  data_axis: str | None = None,
+  checkpoint_dir=None,
+  checkpoint_every: int = 1000,
+  log_every: int = 10,
+  progress: bool = True,
+  callback: Callable | None = None,
+) -> Trained:
+  """Trains a dictionary on batches of activations.
+
+  Args:
+    data: an iterable of ``(rows, d_in)`` arrays (leading axes are merged into rows), or of
+      ``(x, y)`` pairs / two-entry dicts for a transcoder; for example
+      ``jaxlens.store.open(path).batches(site, batch_size=4096, flatten=True, shuffle=True)``.
+      Every batch must have the first batch's row count (a shorter last batch is skipped).
+    config: a :class:`TrainConfig`.
+    steps: the number of steps (batches); fewer if ``data`` ends first.
+    init: a dictionary to start from (default: SAELens's initialisation, ``b_dec`` from
+      the first batch).
+    mesh: a ``jax.sharding.Mesh`` (Auto or Explicit axes): the rows of each batch are split
+      over ``data_axis`` (default: the mesh's first axis), the dictionary is replicated;
+      each process passes its own rows (``jax.make_array_from_process_local_data``).
+    checkpoint_dir: a directory for checkpoints (every ``checkpoint_every`` steps and at the
+      end). If it holds one, training resumes from it: the batches it had consumed are
+      skipped (``data`` must yield the same batches in the same order), and the result is
+      the one an uninterrupted run gives, bit for bit.
+    log_every: the metrics (every step's) are read back to the host every this many steps.
+    progress: a tqdm progress bar (MSE, L0, explained variance).
+    callback: called as ``callback(step, metrics)`` at every logged step.
+
+  Returns:
+    A :class:`Trained`.
+
+  Raises:
+    SAEError: ``sae_batch_invalid`` (no batches, or batches of the wrong kind),
+      ``sae_checkpoint_mismatch``, ``sae_config_invalid``.
+  """
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    raise SAEError(
+      f"steps must be a positive int, got {steps!r}",
+      code="sae_config_invalid",
+      field="steps",
+      fix="steps=1000",
+    )
+  iterator = iter(data)
+  try:
+    first = next(iterator)
+  except StopIteration:
+    raise SAEError(
+      "train: the data yields no batch",
+      code="sae_batch_invalid",
+      field="data",
+      fix="an iterator of (rows, d_in) arrays",
+    ) from None
+  fx, fy = _split_batch(first, config.transcoder)
+  fx = _rows(fx)
+  fy = None if fy is None else _rows(fy)
+  rows = fx.shape[0]
+  d = init if init is not None else init_dictionary(jax.random.key(config.seed), config, fx, fy)
+  tx = optimizer(config, steps)
+  with jax.numpy_dtype_promotion("standard"):
+    opt_state = tx.init(d)
+  state = State(
+    d,
+    opt_state,
+    jnp.asarray(0, jnp.int32),
+    jnp.zeros((d.d_sae,), jnp.int32),
+    jnp.asarray(0.0, jnp.float32),
+  )
+  step_fn = make_step(config, tx)
+  if mesh is not None:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    axis = data_axis or mesh.axis_names[0]
+    # The step is partitioned by XLA from the batch's sharding (Auto axes): top_k over a
+    # batch sharded in an Explicit mesh's types has no sharding rule.
+    mesh = jax.sharding.Mesh(
+      mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    )
+    replicated = NamedSharding(mesh, P())
+    sharded = NamedSharding(mesh, P(axis))
+    state = jax.device_put(state, replicated)
+    jitted = jax.jit(step_fn, out_shardings=(replicated, replicated))
+
+    def put(a):
+      return None if a is None else jax.make_array_from_process_local_data(sharded, np.asarray(a))
+  else:
+    jitted = jax.jit(step_fn)
+
+    def put(a):
+      return a
+
+  history: dict[str, list] = {}
+  consumed = 0
+  ckpt = None if checkpoint_dir is None else Path(checkpoint_dir)
+  if ckpt is not None and (ckpt / "state.safetensors").is_file():
+    state, consumed, history = _load_checkpoint(ckpt, state)
+    if mesh is not None:
+      state = jax.device_put(state, replicated)
+
+  def batches():
+    yield first
+    yield from iterator
+
+  bar = None
+  if progress:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=steps, initial=consumed, desc="sae.train", unit="step", leave=False)
+  pending = []
+  done = int(state.step)
+  position = consumed
+  try:
+    for i, batch in enumerate(batches()):
+      if i < consumed:
+        continue  # resumed: already trained on
+      if done >= steps:
+        break
+      x, y = _split_batch(batch, config.transcoder)
+      x = _rows(x)
+      y = None if y is None else _rows(y)
+      position = i + 1
+      if x.shape[0] != rows:
+        continue  # a short last batch would recompile the step and change BatchTopK's k
+      state, metrics = jitted(state, put(x), put(y))
+      done += 1
+      pending.append((done, metrics))
+      if done % log_every == 0 or done == steps:
+        _flush(pending, history, bar, callback)
+      if ckpt is not None and done % checkpoint_every == 0:
+        _flush(pending, history, bar, callback)
+        _save_checkpoint(ckpt, state, position, history)
+  finally:
+    if bar is not None:
+      bar.close()
+  _flush(pending, history, bar, callback)
+  if ckpt is not None:
+    _save_checkpoint(ckpt, state, position, history)
+  metrics = {k: np.asarray(v) for k, v in history.items()}
+  return Trained(state.sae, state, metrics, config)
+
+
+def _flush(pending, history, bar, callback):
+  if not pending:
+    return
+  read = jax.device_get([m for _, m in pending])
+  for (step, _), m in zip(pending, read):
+    history.setdefault("step", []).append(step)
+    for k, v in m.items():
+      history.setdefault(k, []).append(float(v))
+    if callback is not None:
+      callback(step, m)
+  if bar is not None:
+    last = read[-1]
+    bar.update(pending[-1][0] - bar.n)
+    bar.set_postfix(
+      mse=f"{float(last['mse_loss']):.4g}",
+      l0=f"{float(last['l0']):.1f}",
+      ev=f"{float(last['explained_variance']):.3f}",
+    )
+  pending.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation by splicing.
+
+
+def ce_loss_recovered(model, variables, tokens, site, dictionary, *, method=None):
+  """Cross-entropy loss recovered by splicing ``dictionary`` at ``site`` (without its error).
+
+  ``(ce_zero - ce_spliced) / (ce_zero - ce_clean)`` with the next-token cross-entropy of
+  the model as it is (``ce_clean``), with the site replaced by the dictionary's
+  reconstruction (``ce_spliced``) and with the site zero-ablated (``ce_zero``).
+
+  Returns:
+    ``{"ce_clean", "ce_spliced", "ce_zero", "loss_recovered"}`` (floats).
+  """
+  import jaxlens as jl
+  from jaxlens.sae._splice import splice
+
+  def ce(logits):
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return float(-picked.mean())
+
+  clean = ce(model.apply(variables, tokens))
+  spliced = ce(splice(model, site, dictionary, keep_error=False).apply(variables, tokens))
+  zero = ce(jl.when(jl.module(site), jl.zero_ablate()).bind(model)(variables, tokens))
+  recovered = (zero - spliced) / (zero - clean) if zero != clean else math.nan
+  return {
+    "ce_clean": clean,
+    "ce_spliced": spliced,
+    "ce_zero": zero,
+    "loss_recovered": recovered,
+  }
