@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
   import torchlens as tl
 
   from torch_bridge import from_torch
-  from torch_bridge._convert import TinyGPT
+  from torch_bridge.convert import TinyGPT
 
   if tl.__version__ != PIN:
     raise SystemExit(

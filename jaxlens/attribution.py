@@ -39,9 +39,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxlens._src import tracing as _tracing
-from jaxlens._src.errors import InvalidArgumentError, ShapeError, SiteError
-from jaxlens._src.tracebacks import api_boundary
+from jaxlens import core as jl
+from jaxlens import intervention as ji
+from jaxlens.core import InvalidArgumentError, ShapeError, SiteError, Trace
+from jaxlens.internal import api_boundary, as_selector, as_spec, capture
 
 __all__ = ["SiteGrad", "SiteGrads", "attribution_patching", "site_grads"]
 
@@ -87,7 +88,6 @@ class SiteGrads:
 
 
 def _selectors(sites) -> list:
-  import jaxlens as jl
 
   if sites is None:
     raise InvalidArgumentError(
@@ -171,7 +171,6 @@ def site_grads(
       ``unknown_site`` (a selector that matches nothing); :class:`ShapeError`
       ``metric_not_scalar``.
   """
-  import jaxlens as jl
 
   def run_trace(spec, save):
     return jl.trace(
@@ -190,7 +189,6 @@ def site_grads(
 
 def grads_at_sites(run_trace, metric, sites, intervene=None) -> SiteGrads:
   """:func:`site_grads` over ``run_trace(spec list, save selectors) -> Trace``, a model call."""
-  import jaxlens as jl
 
   selectors = _selectors(sites)
   edits = (
@@ -201,7 +199,7 @@ def grads_at_sites(run_trace, metric, sites, intervene=None) -> SiteGrads:
   shapes = _resolve(lambda spec, save: run_trace(edits + spec, save), selectors)
 
   def run(deltas):
-    spec = edits + [jl.when(jl.label(k), jl.add(d)) for k, d in deltas.items()]
+    spec = edits + [jl.when(jl.label(k), ji.add(d)) for k, d in deltas.items()]
     t = run_trace(spec, [jl.label(k) for k in deltas])
     value = jnp.asarray(metric(t.output))
     if value.shape != ():
@@ -247,7 +245,6 @@ def attribution_patching(
     ``patching_sweep(model, variables, clean, corrupt, metric, sites=sites)``
     minus ``metric`` on the corrupt run.
   """
-  import jaxlens as jl
 
   if jnp.shape(clean) != jnp.shape(corrupt):
     raise ShapeError(
@@ -298,14 +295,14 @@ def _trace_grad(self, metric, *, sites):
   def run_trace(spec, save):
     selector = None
     for s in save:
-      one = _tracing.as_selector(s)
+      one = as_selector(s)
       selector = one if selector is None else selector | one
-    return _tracing._capture(
+    return capture(
       self._module,
       variables,
       inputs,
       dict(kwargs),
-      _tracing.as_spec(spec),
+      as_spec(spec),
       selector,
       save_given=True,
       method=method,
@@ -319,4 +316,4 @@ def _trace_grad(self, metric, *, sites):
 # trace.grad(metric, sites=...): attached here, above the core (which does not import this
 # module), as the nnsight/torchlens spelling of site_grads.
 _trace_grad.__name__ = "grad"
-_tracing.Trace.grad = _trace_grad
+Trace.grad = _trace_grad

@@ -32,9 +32,9 @@ import numpy as np
 
 import jaxlens as jl
 from jaxlens import intervention as ji
-from jaxlens._src.edit import Donor
-from jaxlens._src.edit import takes_hook_keyword as _takes_hook_keyword
-from jaxlens._src.errors import reset_warnings as _reset_warnings
+from jaxlens.internal import Donor
+from jaxlens.internal import reset_warnings as _reset_warnings
+from jaxlens.internal import takes_hook_keyword as _takes_hook_keyword
 
 __all__ = [
   "SITE",

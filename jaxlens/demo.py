@@ -33,6 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxlens as jl
+from jaxlens import plot
+from jaxlens.internal import require
+from jaxlens.models import GPT
+
 __all__ = ["DemoResult", "main", "run_demo"]
 
 MARKER = 0
@@ -139,11 +144,6 @@ def run_demo(
   ``False`` for none. The heatmap is drawn with :func:`jaxlens.plot.patching_heatmap`.
   """
   import optax  # a test dependency; imported here so that `import jaxlens.demo` never needs it
-
-  import jaxlens as jl
-  from jaxlens import plot
-  from jaxlens._optional import require
-  from jaxlens.models import GPT
 
   # Fail before training, not after, when matplotlib is missing.
   require("matplotlib.figure", feature="the demo's heatmap", extra="plot", package="matplotlib")

@@ -30,10 +30,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlens._src.edit import split_over_processes
-from jaxlens._src.errors import JaxlensError
-from jaxlens._src.doors import load_spec as _load_spec
-from jaxlens._src.doors import save_spec as _save_spec
+from jaxlens.core import JaxlensError
+from jaxlens.core import load_spec as _load_spec
+from jaxlens.core import save_spec as _save_spec
+from jaxlens.internal import split_over_processes
 
 __all__ = [
   "DistributedError",

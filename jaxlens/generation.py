@@ -41,11 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._src.doors import Spec, as_spec, when
-from jaxlens._src.errors import InvalidArgumentError, ShapeError
-from jaxlens._src.sites import as_selector
-from jaxlens._src.verbs import hook
-from jaxlens._src.tracebacks import api_boundary
+from jaxlens.core import InvalidArgumentError, ShapeError, Spec, when
+from jaxlens.internal import api_boundary, as_selector, as_spec
+from jaxlens.intervention import hook
 
 __all__ = ["Generation", "generate", "left_pad"]
 

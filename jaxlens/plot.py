@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxlens._optional import require
-from jaxlens._src.errors import InvalidArgumentError, ShapeError
+from jaxlens.core import InvalidArgumentError, ShapeError
+from jaxlens.internal import require
 
 __all__ = ["attention_pattern", "logit_lens", "patching_heatmap", "top_sites"]
 

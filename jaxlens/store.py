@@ -66,9 +66,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxlens._src.edit import split_over_processes
-from jaxlens._src.errors import JaxlensError
-from jaxlens._src.tracebacks import api_boundary
+from jaxlens import core as jl
+from jaxlens.core import InvalidArgumentError, JaxlensError
+from jaxlens.internal import api_boundary, split_over_processes
 
 __all__ = ["ActivationStore", "StoreError", "collect", "open"]
 
@@ -237,14 +237,11 @@ class _Writer(threading.Thread):
 
 
 def _selectors(sites):
-  import jaxlens as jl
 
   if isinstance(sites, (str, jl.Site)):
     sites = [sites]
   sites = list(sites or ())
   if not sites:
-    from jaxlens._src.errors import InvalidArgumentError
-
     raise InvalidArgumentError(
       "collect needs the sites to store",
       code="invalid_argument",
@@ -255,7 +252,6 @@ def _selectors(sites):
 
 def _runner(model, selectors: tuple, method, apply_kwargs: dict):
   """The jitted forward that returns the sites' values; one per model and sites."""
-  import jaxlens as jl
 
   def make():
     return jax.jit(
@@ -542,8 +538,6 @@ class ActivationStore:
     for name in names:
       self._check(name)
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-      from jaxlens._src.errors import InvalidArgumentError
-
       raise InvalidArgumentError(
         f"batch_size must be a positive int, got {batch_size!r}",
         code="invalid_argument",

@@ -19,7 +19,6 @@ were not saved.
 
 Usage::
 
-  import jaxlens as jl
   from jaxlens import views
   views.show(trace)                 # in a notebook (treescope.show)
   views.to_html(trace, "trace.html")  # a file to open in a browser
@@ -37,11 +36,13 @@ import html
 from pathlib import Path
 from typing import Any
 
-from jaxlens._optional import require
-from jaxlens._src.doors import Spec as _Spec
-from jaxlens._src.edit import Edit as _Edit
-from jaxlens._src.sites import Site as _Site
-from jaxlens._src.tracing import Trace as _Trace
+from jaxlens import core as jl
+from jaxlens.core import Site as _Site
+from jaxlens.core import Spec as _Spec
+from jaxlens.core import Trace as _Trace
+from jaxlens.internal import hits, require
+from jaxlens.intervention import Edit
+from jaxlens.intervention import Edit as _Edit
 
 __all__ = ["register", "render", "show", "to_html", "view"]
 
@@ -74,12 +75,7 @@ def _rules(trace) -> tuple:
 
 
 def _hits(selector, info) -> bool:
-  try:
-    from jaxlens._src.sites import hits
-
-    return bool(hits(selector, info))
-  except (ImportError, AttributeError):  # a later layout of the core
-    return bool(selector.matches(info))
+  return bool(hits(selector, info))
 
 
 def _fired(rules, infos) -> list[list[str]]:
@@ -277,10 +273,8 @@ def view(obj, *, trace=None) -> Any:
     trace: for a selector or a spec, a trace whose sites they are matched against:
       the view then says which sites each selects (``# matches ...``, ``# fired at ...``).
   """
-  import jaxlens as jl
 
   register()
-  from jaxlens._src.edit import Edit
 
   if isinstance(obj, (TraceView, SpecView, EditView, SelectorView, ModuleView, SiteView)):
     return obj
@@ -546,8 +540,6 @@ def _render_trace(tv: TraceView, path, subtree_renderer):
 
 def _handler(node, path, subtree_renderer):
   """treescope's handler for jaxlens objects and their views."""
-  import jaxlens as jl
-  from jaxlens._src.edit import Edit
 
   if isinstance(node, (jl.Trace, jl.Spec, Edit, jl.Site)):
     node = view(node)
@@ -581,8 +573,6 @@ def register() -> None:
   global _registered
   if _registered:
     return
-  import jaxlens as jl
-  from jaxlens._src.edit import Edit
 
   registry = _treescope().type_registries.TREESCOPE_HANDLER_REGISTRY
   for cls in (

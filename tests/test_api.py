@@ -18,8 +18,24 @@ def test_the_root_is_a_superset_of_intervention():
     assert getattr(jl, name) is getattr(ji, name), name
 
 
+def test_the_root_is_what_its_rule_says():
+  """The core, every edit builder, each tool once as a module and the tools' listed entry
+  points (the rule in jaxlens/__init__.py's docstring); nothing else."""
+  import types
+
+  tools = {n for n in jl.__all__ if isinstance(getattr(jl, n), types.ModuleType)}
+  assert tools == {"core", "intervention", *jl._TOOLS}
+  assert set(jl.__all__) == {*jl.core.__all__, *ji.__all__, *tools, *jl._ENTRY_POINTS}
+  for name in jl.core.__all__:
+    assert getattr(jl, name) is getattr(jl.core, name), name
+  for name in jl._ENTRY_POINTS:
+    assert any(getattr(jl, name) is getattr(getattr(jl, t), name, None) for t in jl._TOOLS)
+
+
 def test_all_lists_are_unique_and_resolve():
-  for module in (jl, ji, jl.sweep):
+  from jaxlens import internal
+
+  for module in (jl, ji, jl.sweep, jl.core, internal):
     assert len(module.__all__) == len(set(module.__all__)), module.__name__
     for name in module.__all__:
       assert hasattr(module, name), f"{module.__name__}.{name}"

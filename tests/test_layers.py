@@ -1,8 +1,16 @@
-"""The layering of ``jaxlens/_src``, checked from the source.
+"""The layering of jaxlens and torch_bridge, checked from the source.
 
-Every module sits on a floor and imports only modules of lower floors, at module
-level: no import cycle, and no import inside a function to dodge one. A new module
-must be given a floor here; an upward import fails this test.
+* ``jaxlens/_src`` (the core) is built in floors: each module imports only modules of lower
+  floors. A new core module must be given a floor here.
+* Outside the core, only three facades import ``jaxlens._src``: ``jaxlens.core`` (the core's
+  public names), ``jaxlens.intervention`` (every edit builder) and ``jaxlens.internal`` (the
+  semi-public helpers tools build on). Every tool, the zoo, the subpackages and torch_bridge
+  import those (or other public modules), and a private module (``_name``) only from inside
+  its own package.
+* Imports of jaxlens and torch_bridge modules are at module level (a command-line entry point,
+  ``__main__.py``, may import a subcommand's modules when it runs), and the module-level import
+  graph of both packages has no cycle: root -> tools -> core -> ``_src``.
+Third-party imports may be deferred into functions (optional dependencies load where used).
 """
 
 import ast
@@ -10,7 +18,10 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parent.parent / "jaxlens" / "_src"
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "jaxlens" / "_src"
+FACADES = {"jaxlens.core", "jaxlens.intervention", "jaxlens.internal"}
+OURS = ("jaxlens", "torch_bridge")
 
 FLOORS = {
   # -1: jaxlens's frames left out of tracebacks (api_boundary; imports only jax).
@@ -19,15 +30,19 @@ FLOORS = {
   "errors": 0,
   "dependence": 0,
   # 1: site infos and selectors; how a door calls a linen or NNX model; named values
-  # (identity modules whose call is a site).
+  # (identity modules whose call is a site); optional dependencies; the compilation cache.
   "sites": 1,
   "model_calls": 1,
   "named": 1,
+  "optional": 1,
+  "compile_cache": 1,
   # 2: the edit type, firing, the keep_grad check, donors, the verb registry.
   "edit": 2,
-  # 3: forward verbs (and gate, keep_grad, compose, hook); backward verbs.
+  # 3: forward verbs (and gate, at_steps, keep_grad, compose, hook); backward verbs; trained
+  # interventions (DAS, ReFT).
   "verbs": 3,
   "backward": 3,
+  "trained": 3,
   # 4: selections: units, subspace and the subspace_* edits.
   "selections": 4,
   # 5: the one rule-firing loop and no_grad; rules <-> saved spec files.
@@ -45,57 +60,103 @@ FLOORS = {
 }
 
 
-def _modules():
-  return sorted(p.stem for p in SRC.glob("*.py") if p.stem != "__init__")
+def _module_name(path: Path) -> str:
+  parts = list(path.relative_to(ROOT).with_suffix("").parts)
+  if parts[-1] == "__init__":
+    parts.pop()
+  return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for package in OURS for p in sorted((ROOT / package).rglob("*.py"))}
 
 
 def _imports(tree):
-  """``(imported _src module or "jaxlens", line, at module level)`` for each jaxlens import."""
+  """``(imported module, line, at module level)`` for each import of jaxlens or torch_bridge;
+  ``from a import b`` names the module ``a.b`` when it is one."""
   top = set(map(id, tree.body))
   for node in ast.walk(tree):
-    names = []
+    targets = []
     if isinstance(node, ast.Import):
-      names = [a.name for a in node.names]
-    elif isinstance(node, ast.ImportFrom) and node.module:
-      if node.module == "jaxlens._src":
-        names = [f"jaxlens._src.{a.name}" for a in node.names]
-      else:
-        names = [node.module]
-    for name in names:
-      if name == "jaxlens" or name.startswith("jaxlens."):
-        parts = name.split(".")
-        target = parts[2] if len(parts) > 2 and parts[1] == "_src" else "jaxlens"
+      targets = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      targets = [
+        f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+        for a in node.names
+      ]
+    for target in targets:
+      if target.split(".")[0] in OURS:
         yield target, node.lineno, id(node) in top
 
 
-def test_every_module_has_a_floor():
-  assert set(_modules()) == set(FLOORS), "give each jaxlens/_src module a floor in FLOORS"
+def _core_floor(module: str):
+  parts = module.split(".")
+  return parts[2] if len(parts) > 2 and parts[:2] == ["jaxlens", "_src"] else None
 
 
-@pytest.mark.parametrize("name", _modules())
-def test_imports_go_down(name):
-  tree = ast.parse((SRC / f"{name}.py").read_text())
-  for target, line, top in _imports(tree):
-    where = f"jaxlens/_src/{name}.py:{line}"
-    assert top, f"{where}: imports {target} inside a function (move it to module level)"
-    assert target != "jaxlens", f"{where}: _src imports the public package"
-    assert FLOORS[target] < FLOORS[name], (
-      f"{where}: {name} (floor {FLOORS[name]}) imports {target} (floor {FLOORS[target]})"
+def test_every_core_module_has_a_floor():
+  core = {_core_floor(m) for m in MODULES} - {None}
+  assert core == set(FLOORS), "give each jaxlens/_src module a floor in FLOORS"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if _core_floor(n)))
+def test_core_imports_go_down(name):
+  for target, line, top in _imports(ast.parse(MODULES[name].read_text())):
+    where = f"{MODULES[name].relative_to(ROOT)}:{line}"
+    floor = _core_floor(target)
+    assert top, f"{where}: imports {target} inside a function"
+    assert floor is not None, f"{where}: the core imports {target}, above it"
+    assert FLOORS[floor] < FLOORS[_core_floor(name)], f"{where}: imports {target}, a floor up"
+
+
+def _private_outside_its_package(name: str, target: str) -> bool:
+  """Whether ``target`` has a private part (``_x``) that ``name`` is not inside of."""
+  parts = target.split(".")
+  for i, part in enumerate(parts):
+    if part.startswith("_") and not part.startswith("__"):
+      owner = ".".join(parts[:i])
+      return not (name == owner or name.startswith(owner + "."))
+  return False
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if not _core_floor(n)))
+def test_tools_use_the_public_api_at_module_level(name):
+  path = MODULES[name]
+  for target, line, top in _imports(ast.parse(path.read_text())):
+    where = f"{path.relative_to(ROOT)}:{line}"
+    if _core_floor(target):
+      assert name in FACADES, f"{where}: imports {target}; use jaxlens.core/.internal"
+    else:
+      assert not _private_outside_its_package(name, target), f"{where}: imports {target}"
+    assert top or path.name == "__main__.py", f"{where}: imports {target} inside a function"
+
+
+def test_the_import_graph_has_no_cycle():
+  graph = {
+    name: sorted(
+      {t for t, _, top in _imports(ast.parse(path.read_text())) if top and t in MODULES} - {name}
     )
+    for name, path in MODULES.items()
+  }
+  state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+  def visit(name, path):
+    state[name] = 1
+    for nxt in graph[name]:
+      if state.get(nxt) == 1:
+        cycle = path[path.index(nxt) :] + [nxt]
+        raise AssertionError("import cycle: " + " -> ".join(cycle))
+      if nxt not in state:
+        visit(nxt, path + [nxt])
+    state[name] = 2
+
+  for name in sorted(graph):
+    if name not in state:
+      visit(name, [name])
 
 
-@pytest.mark.parametrize("name", _modules())
-def test_no_function_level_imports(name):
-  tree = ast.parse((SRC / f"{name}.py").read_text())
-  for node in ast.walk(tree):
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-      for inner in ast.walk(node):
-        assert not isinstance(inner, (ast.Import, ast.ImportFrom)), (
-          f"jaxlens/_src/{name}.py:{inner.lineno}: an import inside {node.name}()"
-        )
-
-
-def test_the_checker_sees_an_upward_import():
-  tree = ast.parse("from jaxlens._src import tracing\ndef f():\n  from jaxlens._src import doors\n")
+def test_the_checker_sees_a_private_import_and_a_function_level_one():
+  tree = ast.parse("from jaxlens._src import tracing\ndef f():\n  from jaxlens import store\n")
   found = list(_imports(tree))
-  assert [(t, top) for t, _, top in found] == [("tracing", True), ("doors", False)]
+  assert found == [("jaxlens._src.tracing", 1, True), ("jaxlens.store", 3, False)]
+  assert _private_outside_its_package("jaxlens.sweep", "jaxlens.models._layers")
+  assert not _private_outside_its_package("jaxlens.sweep", "jaxlens.sweep._cone")

@@ -10,7 +10,7 @@ import jaxlens as jl
 
 pytest.importorskip("matplotlib")
 from jaxlens import plot
-from jaxlens._optional import MissingDependencyError
+from jaxlens import MissingDependencyError
 
 
 def _ticks(labels):

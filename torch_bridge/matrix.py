@@ -19,6 +19,7 @@ import sys
 
 import jax
 
+from torch_bridge import _matrix
 from torch_bridge._matrix import SITE as SITE
 from torch_bridge._matrix import TOL as TOL
 from torch_bridge._matrix import door_table as door_table
@@ -50,8 +51,6 @@ def main(argv=None) -> int:
   group.add_argument("--check", metavar="FILE", help="fail if FILE's matrix block is stale")
   args = parser.parse_args(argv)
   jax.config.update("jax_enable_x64", True)
-  from torch_bridge import _matrix  # noqa: F811
-
   table = _matrix.full_table()
   block = _matrix.render_block(table)
   agree, spec, total = _matrix.summary(table)

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._src.errors import InvalidArgumentError, ShapeError
-from jaxlens._src.named import named
+from jaxlens.core import InvalidArgumentError, ShapeError, named
 
 
 def softmax_dtype(dtype) -> Any:

@@ -17,8 +17,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxlens._src.errors import InvalidArgumentError
-from jaxlens._src.named import named
+from jaxlens.core import InvalidArgumentError, named
 from jaxlens.models._layers import (
   LayerSites,
   attend,

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._src.errors import InvalidArgumentError
+from jaxlens.core import InvalidArgumentError
 from jaxlens.models.bert import Bert, BertConfig
 from jaxlens.models.gemma3 import Gemma3, Gemma3Config
 from jaxlens.models.gpt2 import GPT2, GPT2Config

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._src.errors import InvalidArgumentError
+from jaxlens.core import InvalidArgumentError
 
 __all__ = ["SAE", "Transcoder", "CrossLayerTranscoder", "SAEError", "ACTIVATIONS"]
 

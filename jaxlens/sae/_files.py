@@ -18,7 +18,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._optional import require
+from jaxlens.internal import require
 from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder
 
 __all__ = ["load_saelens", "save_saelens", "load_gemma_scope"]

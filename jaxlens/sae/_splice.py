@@ -31,10 +31,9 @@ import flax.linen as nn
 import jax
 from flax.core.scope import Scope
 
-from jaxlens._src.errors import SiteError
-from jaxlens._src.named import Named
-from jaxlens._src.sites import Site, SiteInfo, module as module_selector, unmatched_error
-from jaxlens._src.tracebacks import api_boundary
+from jaxlens.core import Named, Site, SiteError
+from jaxlens.core import module as module_selector
+from jaxlens.internal import SiteInfo, api_boundary, unmatched_error
 from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder
 
 __all__ = ["splice", "SUFFIXES"]

@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens import InvalidArgumentError, ShapeError, module, trace
-from jaxlens._src.tracebacks import api_boundary
+from jaxlens.core import InvalidArgumentError, ShapeError, module, trace
+from jaxlens.internal import api_boundary
 from jaxlens.protocol import Decoder
 
 __all__ = ["cone_sweep"]

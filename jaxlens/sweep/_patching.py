@@ -26,15 +26,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlens import (
-  InvalidArgumentError,
-  ShapeError,
-  at_positions,
-  module,
-  patch_from,
-  trace,
-)
-from jaxlens._src.tracebacks import api_boundary
+from jaxlens.core import InvalidArgumentError, ShapeError, module, trace
+from jaxlens.internal import api_boundary
+from jaxlens.intervention import at_positions, patch_from
 from jaxlens.protocol import LayeredModel
 
 __all__ = ["layer_sites", "patching_sweep"]

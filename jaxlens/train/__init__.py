@@ -16,8 +16,8 @@ that applies them (``jl.das``, ``jl.boundless_das``, ``jl.low_rank_das``, ``jl.l
 ['base', 'raw']
 """
 
-from jaxlens._src.trained import boundary_mask as boundary_mask
-from jaxlens._src.trained import orthogonal as orthogonal
+from jaxlens.internal import boundary_mask as boundary_mask
+from jaxlens.internal import orthogonal as orthogonal
 from jaxlens.train._loops import TrainResult as TrainResult
 from jaxlens.train._loops import answer_batch as answer_batch
 from jaxlens.train._loops import iia as iia

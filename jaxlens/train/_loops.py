@@ -19,13 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens import _optional
-from jaxlens._src import tracing
-from jaxlens._src.dependence import depends_on
-from jaxlens._src.doors import when
-from jaxlens._src.errors import GradientContractError, InvalidArgumentError
-from jaxlens._src.sites import as_selector
-from jaxlens._src.verbs import at_positions
+from jaxlens import internal as _optional
+from jaxlens.core import GradientContractError, InvalidArgumentError, depends_on, trace, when
+from jaxlens.internal import as_selector
+from jaxlens.intervention import at_positions
 from jaxlens.train._methods import frozen_leaves
 
 
@@ -291,7 +288,7 @@ def intervened_output(
         code="invalid_argument",
         fix="intervened_output(..., base, source)",
       )
-    donor = tracing.trace(model, variables, source, save=selector, keep_inputs=False)
+    donor = trace(model, variables, source, save=selector, keep_inputs=False)
   edit = method.edit(params, donor, temperature)
   return _run_edited(model, selector, edit, positions)(variables, base)
 

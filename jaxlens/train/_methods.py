@@ -14,8 +14,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxlens._src import trained
-from jaxlens._src.errors import InvalidArgumentError
+from jaxlens import intervention as trained
+from jaxlens.core import InvalidArgumentError
 
 
 def init_rotation(key, d: int, k: int | None = None, dtype=jnp.float32) -> dict:

@@ -1,4 +1,4 @@
-"""Tests for the torch -> Flax converter (torch_bridge._convert).
+"""Tests for the torch -> Flax converter (torch_bridge.convert).
 
 Every converted model is checked three ways against torch, in float64
 (tolerance 1e-12) and float32 (1e-5):
@@ -25,15 +25,15 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from torch_bridge._convert import (  # noqa: E402
+from torch_bridge.convert import (  # noqa: E402
   ConversionError,
-  FlaxLayerNorm,
   GPTBlock,
   TinyGPT,
   from_torch,
   to_jax,
   to_torch,
 )
+from torch_bridge.convert._layers import FlaxLayerNorm  # noqa: E402
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 tnn = torch.nn

@@ -26,7 +26,7 @@ from torch.utils import _pytree as tree
 
 import jaxlens as jl
 from torch_bridge import reference as ref
-from torch_bridge.convert import _zoo
+from torch_bridge.convert import _zoo, convert
 from torch_bridge.convert._arrays import to_jax
 
 __all__ = ["EDITS", "Result", "check", "first_leaf"]
@@ -122,8 +122,6 @@ def check(
   name: str, dtype: torch.dtype = torch.float64, edits: tuple = EDITS, attention_probs: bool = False
 ) -> Result:
   """Converts zoo model ``name`` and measures its parity (see the module docstring)."""
-  from torch_bridge.convert import convert
-
   model, inputs, site = _zoo.build(name, dtype)
   t0 = time.perf_counter()
   fmodel, variables, site_map, program = convert(model, *inputs, attention_probs=attention_probs)
