@@ -50,7 +50,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxlens._src.named import named
+from jaxlens.core import named
 from jaxlens.models._layers import (
   LayerSites,
   cached_attention,

@@ -34,7 +34,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxlens._src.named import named
+from jaxlens.core import named
 from jaxlens.models._layers import (
   LayerNorm,
   LayerSites,

@@ -43,8 +43,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._optional import require
+from jaxlens import core as jl
+from jaxlens.internal import require
+from jaxlens.intervention import zero_ablate
 from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder, batch_topk_relu, topk_relu
+from jaxlens.sae._splice import splice
 
 __all__ = [
   "TrainConfig",
@@ -715,8 +718,6 @@ def ce_loss_recovered(model, variables, tokens, site, dictionary, *, method=None
   Returns:
     ``{"ce_clean", "ce_spliced", "ce_zero", "loss_recovered"}`` (floats).
   """
-  import jaxlens as jl
-  from jaxlens.sae._splice import splice
 
   def ce(logits):
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
@@ -725,7 +726,7 @@ def ce_loss_recovered(model, variables, tokens, site, dictionary, *, method=None
 
   clean = ce(model.apply(variables, tokens))
   spliced = ce(splice(model, site, dictionary, keep_error=False).apply(variables, tokens))
-  zero = ce(jl.when(jl.module(site), jl.zero_ablate()).bind(model)(variables, tokens))
+  zero = ce(jl.when(jl.module(site), zero_ablate()).bind(model)(variables, tokens))
   recovered = (zero - spliced) / (zero - clean) if zero != clean else math.nan
   return {
     "ce_clean": clean,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens import internal as _optional
+from jaxlens import internal
 from jaxlens.core import GradientContractError, InvalidArgumentError, depends_on, trace, when
 from jaxlens.internal import as_selector
 from jaxlens.intervention import at_positions
@@ -54,7 +54,7 @@ def last_position(out):
 
 
 def _optax():
-  return _optional.require("optax", feature="jaxlens.train", extra="train")
+  return internal.require("optax", feature="jaxlens.train", extra="train")
 
 
 def _optimizer(optimizer, params):
@@ -88,7 +88,7 @@ class _Checkpoints:
   """An orbax ``CheckpointManager`` of ``{"params", "variables", "opt_state", "step"}``."""
 
   def __init__(self, directory, every):
-    self.ocp = _optional.require(
+    self.ocp = internal.require(
       "orbax.checkpoint", feature="checkpoints", extra="train", package="orbax-checkpoint"
     )
     options = self.ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
@@ -116,7 +116,7 @@ class _Checkpoints:
 def _progress(total, initial, enabled, desc):
   if not enabled:
     return None
-  tqdm = _optional.require("tqdm", feature="progress bars", extra="train").tqdm
+  tqdm = internal.require("tqdm", feature="progress bars", extra="train").tqdm
   return tqdm(total=total, initial=initial, desc=desc, leave=False)
 
 
