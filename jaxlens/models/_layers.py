@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlens.models.compact import Dense, Embed
 from jaxlens.core import InvalidArgumentError, ShapeError, named
 
 
@@ -365,7 +366,7 @@ def unembed_after(norm: nn.Module, config, params, x):
   x = norm.apply({"params": params["ln_final"]}, x)
   dense = {"dtype": config.dtype, "param_dtype": config.dtype}
   if config.tie_embeddings:
-    embed = nn.Embed(config.vocab_size, config.d_model, **dense)
+    embed = Embed(config.vocab_size, config.d_model, **dense)
     return embed.apply({"params": params["embed"]}, x, method="attend")
-  head = nn.Dense(config.vocab_size, use_bias=False, **dense)
+  head = Dense(config.vocab_size, use_bias=False, **dense)
   return head.apply({"params": params["lm_head"]}, x)

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxlens.core import named
+from jaxlens.models.compact import Dense, Embed
 from jaxlens.models._layers import (
   LayerSites,
   attend,
@@ -65,7 +66,7 @@ class GPT2Config:
 
 
 def _dense(cfg, n, name):
-  return nn.Dense(n, dtype=cfg.dtype, param_dtype=cfg.dtype, kernel_init=_INIT, name=name)
+  return Dense(n, dtype=cfg.dtype, param_dtype=cfg.dtype, kernel_init=_INIT, name=name)
 
 
 def _norm(cfg, name):
@@ -172,7 +173,7 @@ class GPT2(LayerSites, nn.Module):
         index.value = cache_index + seq
     if positions is None:
       positions = jnp.arange(seq)
-    embed = nn.Embed(
+    embed = Embed(
       cfg.vocab_size,
       cfg.d_model,
       dtype=cfg.dtype,
@@ -180,7 +181,7 @@ class GPT2(LayerSites, nn.Module):
       embedding_init=_INIT,
       name="embed",
     )
-    x = embed(lookup_ids(tokens)) + nn.Embed(
+    x = embed(lookup_ids(tokens)) + Embed(
       cfg.max_len,
       cfg.d_model,
       dtype=cfg.dtype,
@@ -194,7 +195,7 @@ class GPT2(LayerSites, nn.Module):
     if cfg.tie_embeddings:
       logits = embed.attend(x)
     else:
-      logits = nn.Dense(
+      logits = Dense(
         cfg.vocab_size,
         use_bias=False,
         dtype=cfg.dtype,

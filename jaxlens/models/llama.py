@@ -36,6 +36,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxlens.core import named
+from jaxlens.models.compact import Dense, Embed
 from jaxlens.models._layers import (
   LayerSites,
   RMSNorm,
@@ -144,7 +145,7 @@ class LlamaAttention(nn.Module):
     batch, seq, _ = x.shape
 
     def proj(n, name):
-      y = nn.Dense(
+      y = Dense(
         n * cfg.d_head,
         use_bias=cfg.qkv_bias,
         dtype=cfg.dtype,
@@ -174,7 +175,7 @@ class LlamaAttention(nn.Module):
       window=self.window,
       dtype=cfg.dtype,
     )
-    return nn.Dense(
+    return Dense(
       cfg.d_model,
       use_bias=cfg.o_bias,
       dtype=cfg.dtype,
@@ -194,7 +195,7 @@ class LlamaMLP(nn.Module):
     cfg = self.config
 
     def dense(n, name):
-      return nn.Dense(
+      return Dense(
         n, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype, kernel_init=_INIT, name=name
       )
 
@@ -269,7 +270,7 @@ class Llama(LayerSites, nn.Module):
         index.value = cache_index + seq
     if positions is None:
       positions = jnp.arange(seq)
-    embed = nn.Embed(
+    embed = Embed(
       cfg.vocab_size,
       cfg.d_model,
       dtype=cfg.dtype,
@@ -286,7 +287,7 @@ class Llama(LayerSites, nn.Module):
     if cfg.tie_embeddings:
       logits = embed.attend(x)
     else:
-      logits = nn.Dense(
+      logits = Dense(
         cfg.vocab_size,
         use_bias=False,
         dtype=cfg.dtype,

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlens.core import InvalidArgumentError
+from jaxlens.models import compact
 from jaxlens.models.bert import Bert, BertConfig
 from jaxlens.models.gemma3 import Gemma3, Gemma3Config
 from jaxlens.models.gpt2 import GPT2, GPT2Config
@@ -702,7 +703,9 @@ _GGUF_LLAMA = {
 }
 
 
-def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True) -> Pretrained:
+def load_gguf(
+  path, dtype=jnp.float32, tokenizer: bool = True, weights: str = "float32"
+) -> Pretrained:
   """Loads a Llama-architecture GGUF file (SmolLM2, Llama, Mistral), dequantising every
   tensor with ``gguf.quants.dequantize``.
 
@@ -710,8 +713,22 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True) -> Pretrained:
     path: the ``.gguf`` file.
     dtype: the zoo model's dtype.
     tokenizer: also build the tokenizer from the file's vocabulary and merges.
+    weights: how the dense kernels and the token embedding are kept (``jaxlens.models.compact``):
+      ``"float32"`` (dequantised, in ``dtype``), ``"gguf"`` (the file's own Q8_0 / Q4_1 blocks,
+      dequantised inside each product to the same values), ``"int8"`` (a scale per output
+      channel) or ``"bfloat16"``.
   """
   import gguf
+
+  if weights not in compact.WEIGHTS:
+    raise LoadError(
+      f"unknown weights={weights!r}",
+      code="invalid_argument",
+      tensor=None,
+      expected=list(compact.WEIGHTS),
+      received=weights,
+      fix='weights="gguf", "int8", "bfloat16" or "float32"',
+    )
 
   reader = _gguf_reader(path)
   arch = _field(reader, "general.architecture")
@@ -794,7 +811,12 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True) -> Pretrained:
       fix="a complete llama GGUF file",
     )
   tok = tokenizer_from_gguf(reader) if tokenizer else None
-  return Pretrained(Llama(config), params_from_hf(config, hf), tok, config)
+  variables = params_from_hf(config, hf)
+  if weights == "gguf":
+    variables = {"params": compact.gguf_params(variables["params"], tensors, config)}
+  else:
+    variables = {"params": compact.compact_params(variables["params"], weights)}
+  return Pretrained(Llama(config), variables, tok, config)
 
 
 def tokenizer_from_gguf(reader_or_path):

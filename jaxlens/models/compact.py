@@ -1,0 +1,367 @@
+"""Compact weights: matrices kept as int8 (or the GGUF file's own blocks) and dequantised inside
+the matmul, and the ``Dense`` / ``Embed`` layers of the zoo that read them.
+
+Decoding one token reads every weight once, so its speed is bounded by memory bandwidth and the
+bytes of the weights: float32 reads 4 bytes a weight. A compact matrix reads fewer:
+
+* :class:`Int8Rows`: int8 values with one float32 scale per row (per output channel of a
+  kernel, per token of an embedding table): 1 byte a weight; ``weights="int8"`` at load.
+* :class:`Blocks`: a GGUF file's own quantisation kept as it is, blocks of 32 values along each
+  row with a scale (and for Q4_1 an offset) per block: Q8_0's int8 values, Q4_1's 4-bit values
+  unpacked to int8 (XLA on CPU handles 4-bit unpacking slowly), scales as float32: 1.125-1.25
+  bytes a weight; ``weights="gguf"`` at load. It dequantises to exactly the float32 weights the
+  default load gives (``gguf.quants.dequantize``'s arithmetic), so the model computes the same.
+
+Both are pytrees (``flax.struct`` dataclasses) stored where the float kernel or embedding would
+be (``params[...]["kernel"]``), so sites, edits, traces and ``jax.jit`` see the same model. The
+dequantisation happens in :class:`Dense` / :class:`Embed` right before each product, under
+``jit``: XLA writes one layer's float32 weight at a time (a few MiB, which stays in the CPU's
+cache) instead of reading four bytes a weight from memory. ``weights="bfloat16"`` needs no class:
+bfloat16 arrays in a float32 model are cast by flax's own ``Dense``.
+
+Matrices are stored as ``(rows, cols)`` with ``cols`` the contracted axis: a kernel ``(in, out)``
+is kept transposed (``(out, in)``, as GGUF and torch store it), an embedding table as is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.linen.dtypes import promote_dtype
+
+from jaxlens.core import InvalidArgumentError
+
+__all__ = [
+  "WEIGHTS",
+  "Blocks",
+  "Dense",
+  "Embed",
+  "Int8Rows",
+  "blocks_from_gguf",
+  "compact_params",
+  "dequantize",
+  "gguf_params",
+  "is_compact",
+]
+
+WEIGHTS = ("float32", "bfloat16", "int8", "gguf")
+
+
+@flax.struct.dataclass
+class Int8Rows:
+  """A ``(rows, cols)`` matrix as ``values * scale[:, None]``: int8 values, a float32 scale per
+  row."""
+
+  values: Any  # int8 (rows, cols)
+  scale: Any  # float32 (rows,)
+
+  @property
+  def shape(self):
+    return self.values.shape
+
+  def matrix(self, dtype=jnp.float32):
+    return self.values.astype(dtype) * self.scale[:, None].astype(dtype)
+
+  def rows(self, index, dtype=jnp.float32):
+    return jnp.take(self.values, index, axis=0).astype(dtype) * jnp.take(self.scale, index, axis=0)[
+      ..., None
+    ].astype(dtype)
+
+
+@flax.struct.dataclass
+class Blocks:
+  """A ``(rows, cols)`` matrix in blocks of ``block`` values along each row: ``values *
+  scale[..., None] + offset[..., None]`` per block (GGUF's Q8_0: no offset; Q4_1: with one)."""
+
+  values: Any  # int8 (rows, cols // block, block)
+  scale: Any  # float32 (rows, cols // block)
+  offset: Any = None  # float32 (rows, cols // block), or None
+
+  @property
+  def shape(self):
+    rows, n, block = self.values.shape
+    return (rows, n * block)
+
+  def _dequant(self, values, scale, offset, dtype):
+    w = values.astype(dtype) * scale[..., None].astype(dtype)
+    if offset is not None:
+      w = w + offset[..., None].astype(dtype)
+    return w.reshape(w.shape[:-2] + (-1,))
+
+  def matrix(self, dtype=jnp.float32):
+    return self._dequant(self.values, self.scale, self.offset, dtype)
+
+  def rows(self, index, dtype=jnp.float32):
+    def take(a):
+      return None if a is None else jnp.take(a, index, axis=0)
+
+    return self._dequant(take(self.values), take(self.scale), take(self.offset), dtype)
+
+
+_COMPACT = (Int8Rows, Blocks)
+
+# Rows of a compact matrix dequantised at once: 4096 x 576 float32 values are 9 MiB.
+_CHUNK = 2**22
+
+
+def times_transpose(m, x, dtype):
+  """``x @ m.matrix(dtype).T`` for a compact matrix ``m``, dequantised right before the product.
+
+  The float copy is one layer's worth, written just before the product reads it: XLA on CPU
+  does not fuse the dequantisation into the product, so where the copy fits the cache, it is
+  read from the cache and only the compact bytes come from memory. The copy depends on ``x``
+  through an added zero (``0 * isnan(x[0])``, zero for every x): without it XLA schedules
+  every layer's dequantisation at the start of the program, all the float weights at once in
+  a temporary buffer that the call allocates and faults in (a 4-layer model ran 15x slower than
+  float32; XLA on CPU removes ``optimization_barrier`` before scheduling). A larger matrix
+  (the unembedding) is dequantised and multiplied in chunks of rows, one after the other.
+  """
+  rows, cols = m.shape
+  per = max(1, _CHUNK // cols)
+
+  def product(x, part):
+    # A zero that depends on x (0 even where x is NaN), added to the dequantised weight.
+    first = jax.lax.stop_gradient(x.reshape(-1)[:1])
+    zero = (first != first).astype(dtype)[0] * 0
+    w = part.matrix(dtype) + zero
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+  if rows <= per:
+    return product(x, m)
+  n = rows // per
+  head = jax.tree.map(lambda a: a[: n * per].reshape((n, per) + a.shape[1:]), m)
+  ys = jax.lax.map(lambda part: product(x, part), head)  # (n, ..., per)
+  y = jnp.moveaxis(ys, 0, -2).reshape(x.shape[:-1] + (n * per,))
+  if n * per < rows:
+    tail = jax.tree.map(lambda a: a[n * per :], m)
+    y = jnp.concatenate([y, product(x, tail)], axis=-1)
+  return y
+
+
+def is_compact(x) -> bool:
+  """Whether ``x`` is a compact matrix (:class:`Int8Rows` or :class:`Blocks`)."""
+  return isinstance(x, _COMPACT)
+
+
+def dequantize(params, dtype=jnp.float32):
+  """``params`` with every compact matrix replaced by the float array it stands for (a kernel
+  transposed back to ``(in, out)``). The float32 twin of a compact model, for checks."""
+
+  def one(path, x):
+    if not is_compact(x):
+      return x
+    w = x.matrix(dtype)
+    return w.T if getattr(path[-1], "key", None) == "kernel" else w
+
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_compact)
+
+
+class Dense(nn.Dense):
+  """``flax.linen.Dense`` that also takes a compact kernel (``params[...]["kernel"]`` an
+  :class:`Int8Rows` or :class:`Blocks` of shape ``(features, in)``). With a float kernel it
+  computes what ``nn.Dense`` computes."""
+
+  @nn.compact
+  def __call__(self, inputs):
+    stored = (
+      self.get_variable("params", "kernel") if self.has_variable("params", "kernel") else None
+    )
+    if is_compact(stored):
+      dtype = self.dtype or jnp.result_type(inputs)
+      (inputs,) = promote_dtype(inputs, dtype=dtype)
+      y = times_transpose(stored, inputs, dtype)
+    else:
+      kernel = self.param(
+        "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
+      )
+      inputs, kernel = promote_dtype(inputs, kernel, dtype=self.dtype)
+      y = jax.lax.dot_general(
+        inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision
+      )
+    if self.use_bias:
+      bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+      y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
+    return y
+
+
+class Embed(nn.Module):
+  """``flax.linen.Embed`` (the same parameter, ``embedding``, and the same ``__call__`` /
+  ``attend``) that also takes a compact table (:class:`Int8Rows` or :class:`Blocks` of shape
+  ``(num_embeddings, features)``)."""
+
+  num_embeddings: int
+  features: int
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  embedding_init: Any = nn.initializers.normal(stddev=1.0)
+
+  def setup(self):
+    stored = None
+    if self.has_variable("params", "embedding"):
+      stored = self.get_variable("params", "embedding")
+    if is_compact(stored):
+      self.embedding = stored
+    else:
+      self.embedding = self.param(
+        "embedding", self.embedding_init, (self.num_embeddings, self.features), self.param_dtype
+      )
+
+  def __call__(self, inputs):
+    if not jnp.issubdtype(jnp.result_type(inputs), jnp.integer):
+      raise ValueError("Input type must be an integer or unsigned integer.")
+    if is_compact(self.embedding):
+      return self.embedding.rows(inputs, self.dtype or jnp.float32)
+    (embedding,) = promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
+    return jnp.take(embedding, inputs, axis=0)
+
+  def attend(self, query):
+    """``query @ embedding.T``: the tied unembedding."""
+    if is_compact(self.embedding):
+      dtype = self.dtype or jnp.result_type(query)
+      (query,) = promote_dtype(query, dtype=dtype)
+      return times_transpose(self.embedding, query, dtype)
+    query, embedding = promote_dtype(query, self.embedding, dtype=self.dtype)
+    return jnp.dot(query, embedding.T)
+
+
+# ------------------------------------------------------------------------------ conversion
+
+
+def _int8_rows(matrix) -> Int8Rows:
+  m = np.asarray(matrix, np.float32)
+  scale = np.abs(m).max(axis=1) / 127.0
+  scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+  values = np.clip(np.rint(m / scale[:, None]), -127, 127).astype(np.int8)
+  return Int8Rows(jnp.asarray(values), jnp.asarray(scale))
+
+
+def _compactable(path) -> str | None:
+  """``"kernel"`` / ``"embedding"`` for the matrices a compact load converts (every dense
+  kernel and the token embedding; norms, biases and learned positions stay float)."""
+  name = getattr(path[-1], "key", None)
+  if name == "kernel":
+    return "kernel"
+  if name == "embedding" and getattr(path[-2], "key", None) == "embed":
+    return "embedding"
+  return None
+
+
+def compact_params(params, weights: str):
+  """``params`` with its dense kernels and token embedding converted to ``weights``.
+
+  Args:
+    params: a zoo model's float params (``variables["params"]``).
+    weights: ``"float32"`` (unchanged), ``"bfloat16"`` (bfloat16 arrays, cast back to the
+      model's dtype in each product), ``"int8"`` (:class:`Int8Rows`, a scale per output
+      channel / per token).
+
+  Raises:
+    InvalidArgumentError: ``invalid_argument`` for another ``weights``.
+  """
+  if weights not in ("float32", "bfloat16", "int8"):
+    raise InvalidArgumentError(
+      f"weights={weights!r} is not a compact form for float params",
+      code="invalid_argument",
+      expected=["float32", "bfloat16", "int8"],
+      received=weights,
+      fix='weights="int8" or "bfloat16" (weights="gguf" only when loading a GGUF file)',
+    )
+  if weights == "float32":
+    return params
+
+  def one(path, x):
+    kind = _compactable(path)
+    if kind is None or is_compact(x) or jnp.ndim(x) != 2:
+      return x
+    if weights == "bfloat16":
+      return jnp.asarray(x, jnp.bfloat16)
+    return _int8_rows(np.asarray(x, np.float32).T if kind == "kernel" else x)
+
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_compact)
+
+
+# GGUF block layouts (ggml's): bytes per block of 32 values.
+_Q8_0, _Q4_1 = 34, 20
+
+
+def blocks_from_gguf(data, kind: str, shape) -> Blocks:
+  """A :class:`Blocks` matrix from a GGUF tensor's raw bytes.
+
+  Args:
+    data: the tensor's bytes, ``uint8`` of shape ``(rows, bytes per row)`` (``t.data`` of a
+      ``gguf.GGUFReader`` tensor).
+    kind: ``"Q8_0"`` (per block: a float16 scale, 32 int8 values) or ``"Q4_1"`` (a float16
+      scale, a float16 minimum, 32 4-bit values packed low nibbles first).
+    shape: the matrix's ``(rows, cols)``.
+  """
+  rows, cols = (int(d) for d in shape)
+  raw = np.asarray(data, np.uint8).reshape(rows, cols // 32, -1)
+  if kind == "Q8_0" and raw.shape[-1] == _Q8_0:
+    scale = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    values = raw[..., 2:].copy().view(np.int8)
+    return Blocks(jnp.asarray(values), jnp.asarray(scale))
+  if kind == "Q4_1" and raw.shape[-1] == _Q4_1:
+    scale = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    offset = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = raw[..., 4:]
+    values = np.concatenate([packed & 0xF, packed >> 4], axis=-1).astype(np.int8)
+    return Blocks(jnp.asarray(values), jnp.asarray(scale), jnp.asarray(offset))
+  raise InvalidArgumentError(
+    f"GGUF blocks of type {kind} ({raw.shape[-1]} bytes per block) are not kept compact",
+    code="invalid_argument",
+    received=kind,
+    expected=["Q8_0", "Q4_1"],
+    fix='load with weights="int8" (from the dequantised weights) or the default float32',
+  )
+
+
+_GGUF_PATHS = {
+  "attn_q": ("attn", "q_proj"),
+  "attn_k": ("attn", "k_proj"),
+  "attn_v": ("attn", "v_proj"),
+  "attn_output": ("attn", "o_proj"),
+  "ffn_gate": ("mlp", "gate_proj"),
+  "ffn_up": ("mlp", "up_proj"),
+  "ffn_down": ("mlp", "down_proj"),
+}
+
+
+def _unpermute_rows(a, n_heads):
+  """llama.cpp's q/k row permutation undone (``loading._unpermute``) on the rows of any array."""
+  rows = a.shape[0]
+  return a.reshape(n_heads, rows // n_heads // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def gguf_params(params, tensors, config):
+  """``params`` (the float load of a Llama GGUF file) with each Q8_0 / Q4_1 matrix replaced by
+  its own blocks (:func:`blocks_from_gguf`); other tensors stay as loaded.
+
+  Args:
+    params: the zoo params the float load built from the same file.
+    tensors: GGUF tensor name -> ``gguf.ReaderTensor``.
+    config: the ``LlamaConfig``.
+  """
+  params = jax.tree.map(lambda x: x, params, is_leaf=is_compact)  # a copy of the dicts
+  targets = {"token_embd.weight": ("embed", "embedding"), "output.weight": ("lm_head", "kernel")}
+  for i in range(config.n_layers):
+    for g, path in _GGUF_PATHS.items():
+      targets[f"blk.{i}.{g}.weight"] = (f"blocks_{i}", *path, "kernel")
+  for name, path in targets.items():
+    t = tensors.get(name)
+    if t is None or t.tensor_type.name not in ("Q8_0", "Q4_1"):
+      continue
+    shape = tuple(int(d) for d in reversed(t.shape))  # (rows, cols): GGUF lists cols first
+    m = blocks_from_gguf(t.data, t.tensor_type.name, shape)
+    heads = {"attn_q": config.n_heads, "attn_k": config.n_kv_heads}.get(name.split(".")[-2])
+    if heads is not None:
+      m = jax.tree.map(lambda a, h=heads: jnp.asarray(_unpermute_rows(np.asarray(a), h)), m)
+    node = params
+    for p in path[:-1]:
+      node = node[p]
+    node[path[-1]] = m
+  return params
