@@ -247,3 +247,26 @@ def test_bad_dictionaries(tmp_path):
   assert info.value.fields["field"] == "W_dec[1]"
   with pytest.raises(jsae.SAEError, match=r"\[sae_config_invalid\]"):
     jsae.CrossLayerTranscoder(clt.W_enc, clt.b_enc, clt.W_dec, clt.b_dec, activation="jumprelu")
+
+
+def test_feature_view_page_and_figure(tmp_path):
+  d = _sae("relu")
+  acts = np.random.default_rng(4).normal(size=(3, 5, D_IN)).astype(np.float32)
+  tokens = [[f"t{s}{p}<" for p in range(5)] for s in range(3)]
+  unembed = np.random.default_rng(5).normal(size=(D_IN, 10)).astype(np.float32)
+  vocab = [f"v{i}" for i in range(10)]
+  encoded = np.asarray(d.encode(acts))
+  f = int(np.argmax((encoded > 0).mean((0, 1))))
+  view = jsae.feature_view(d, acts, tokens, features=[f], unembed=unembed, vocabulary=vocab,
+                           contexts=2, window=3, top_logits=3)
+  (feat,) = view.features
+  peak = np.unravel_index(np.argmax(encoded[..., f]), encoded.shape[:2])
+  assert feat.contexts[0][0] == pytest.approx(float(encoded[..., f].max()))
+  assert feat.contexts[0][1][-1][0] == tokens[peak[0]][peak[1]]
+  effect = np.asarray(d.W_dec[f]) @ unembed
+  assert [t for t, _ in feat.top_logits] == [vocab[i] for i in np.argsort(effect)[::-1][:3]]
+  page = view.to_html(tmp_path / "f.html").read_text()
+  assert f"feature {f}" in page and "&lt;" in page  # tokens are escaped
+  assert len(view.figure().axes) == 2
+  with pytest.raises(jsae.SAEError, match=r"\[sae_shape_mismatch\]"):
+    jsae.feature_view(d, acts[:2], tokens, features=[0])

@@ -34,3 +34,8 @@ __all__ = [
 from jaxlens.sae._splice import splice as splice  # noqa: E402
 
 __all__ += ["splice"]
+from jaxlens.sae._view import Feature as Feature  # noqa: E402
+from jaxlens.sae._view import FeatureView as FeatureView  # noqa: E402
+from jaxlens.sae._view import feature_view as feature_view  # noqa: E402
+
+__all__ += ["Feature", "FeatureView", "feature_view"]

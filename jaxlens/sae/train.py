@@ -329,6 +329,14 @@ def optimizer(cfg: TrainConfig, steps: int):
   return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adam)
 
 
+@functools.lru_cache(maxsize=16)
+def _compiled(cfg: TrainConfig, steps: int):
+  """The optimizer and the jitted step for one configuration (a second :func:`train` call
+  with the same configuration and shapes reuses the compiled step)."""
+  tx = optimizer(cfg, steps)
+  return tx, jax.jit(make_step(cfg, tx))
+
+
 def _coefficient(cfg: TrainConfig, step):
   base = cfg.l1_coefficient if cfg.architecture == "relu" else cfg.l0_coefficient
   if cfg.coefficient_warm_up_steps <= 0:
@@ -599,7 +607,10 @@ def train(
   fy = None if fy is None else _rows(fy)
   rows = fx.shape[0]
   d = init if init is not None else init_dictionary(jax.random.key(config.seed), config, fx, fy)
-  tx = optimizer(config, steps)
+  if mesh is None:
+    tx, jitted = _compiled(config, steps)
+  else:
+    tx = optimizer(config, steps)
   with jax.numpy_dtype_promotion("standard"):
     opt_state = tx.init(d)
   state = State(
@@ -609,8 +620,8 @@ def train(
     jnp.zeros((d.d_sae,), jnp.int32),
     jnp.asarray(0.0, jnp.float32),
   )
-  step_fn = make_step(config, tx)
   if mesh is not None:
+    step_fn = make_step(config, tx)
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -628,7 +639,6 @@ def train(
     def put(a):
       return None if a is None else jax.make_array_from_process_local_data(sharded, np.asarray(a))
   else:
-    jitted = jax.jit(step_fn)
 
     def put(a):
       return a
