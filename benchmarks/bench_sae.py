@@ -91,7 +91,10 @@ def training_speed(args, out):
   batches = [rng.normal(size=(args.batch, args.d_in)).astype(np.float32) for _ in range(8)]
   batches_t = [torch.from_numpy(b) for b in batches]
   config = sae_train.TrainConfig(
-    d_sae=args.d_sae, architecture="topk", k=args.k, rescale_acts_by_decoder_norm=True,
+    d_sae=args.d_sae,
+    architecture="topk",
+    k=args.k,
+    rescale_acts_by_decoder_norm=True,
     b_dec_init="zeros",
   )
 
@@ -104,9 +107,7 @@ def training_speed(args, out):
     import contextlib
     import io
 
-    _, trainer = _saelens_trainer(
-      args.d_in, args.d_sae, args.k, args.batch, args.steps, batches_t
-    )
+    _, trainer = _saelens_trainer(args.d_in, args.d_sae, args.k, args.batch, args.steps, batches_t)
     with contextlib.redirect_stderr(io.StringIO()):  # its tqdm bar
       trainer.fit()
     return None
@@ -128,7 +129,10 @@ def training_speed(args, out):
   d = sae_train.init_dictionary(jax.random.key(0), config, jnp.asarray(batches[0]))
   with jax.numpy_dtype_promotion("standard"):
     state = sae_train.State(
-      d, tx.init(d), jnp.asarray(0, jnp.int32), jnp.zeros((args.d_sae,), jnp.int32),
+      d,
+      tx.init(d),
+      jnp.asarray(0, jnp.int32),
+      jnp.zeros((args.d_sae,), jnp.int32),
       jnp.asarray(0.0, jnp.float32),
     )
   xs = [jnp.asarray(b) for b in batches]
@@ -157,8 +161,9 @@ def training_speed(args, out):
 def splice_overhead(args, out):
   from jaxlens.models import init_gpt
 
-  model, variables, tokens = init_gpt(0, n_layers=4, d_model=256, n_heads=4, max_len=64,
-                                      vocab_size=512, batch=8)
+  model, variables, tokens = init_gpt(
+    0, n_layers=4, d_model=256, n_heads=4, max_len=64, vocab_size=512, batch=8
+  )
   d = sae.SAE.init(jax.random.key(1), 256, 2048, activation="topk", k=32)
   spliced = jax.jit(sae.splice(model, "block_1", d).apply)
 
@@ -203,15 +208,17 @@ def feature_recovery(args, out):
   torch.manual_seed(0)
   n_true, hidden, batch = 256, 64, 1024
   fd = FeatureDictionary(n_true, hidden, seed=0)
-  gen = ActivationGenerator(n_true, firing_probabilities=0.02, std_firing_magnitudes=0.2,
-                            mean_firing_magnitudes=1.0)
+  gen = ActivationGenerator(
+    n_true, firing_probabilities=0.02, std_firing_magnitudes=0.2, mean_firing_magnitudes=1.0
+  )
   steps = args.recovery_steps
   with torch.no_grad():
     data_t = [fd(gen.sample(batch)) for _ in range(steps)]
   data = [t.numpy() for t in data_t]
   d_sae, k, lr = 384, 8, 3e-3
-  config = sae_train.TrainConfig(d_sae=d_sae, architecture="topk", k=k, lr=lr,
-                                 rescale_acts_by_decoder_norm=True)
+  config = sae_train.TrainConfig(
+    d_sae=d_sae, architecture="topk", k=k, lr=lr, rescale_acts_by_decoder_norm=True
+  )
   t0 = time.perf_counter()
   ours = sae_train.train(iter(data), config, steps=steps, progress=False, log_every=100)
   t_ours = time.perf_counter() - t0

@@ -51,8 +51,9 @@ class Trunk(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     cfg = self.config
-    x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype,
-                 name="embed")(tokens)
+    x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.dtype, name="embed")(
+      tokens
+    )
     positions = jnp.arange(tokens.shape[1])
     for i in range(self.n_blocks):
       x = LlamaBlock(cfg, name=f"blocks_{i}")(x, positions)
@@ -109,27 +110,38 @@ def main(argv=None):
       for i in range(0, len(order) - batch + 1, batch):
         yield rows[order[i : i + batch]]
 
-  config = sae_train.TrainConfig(d_sae=args.width * cfg.d_model, architecture="topk", k=32, lr=4e-4,
-                                 lr_warm_up_steps=50, lr_decay_steps=args.steps // 5,
-                                 dead_feature_window=200)
+  config = sae_train.TrainConfig(
+    d_sae=args.width * cfg.d_model,
+    architecture="topk",
+    k=32,
+    lr=4e-4,
+    lr_warm_up_steps=50,
+    lr_decay_steps=args.steps // 5,
+    dead_feature_window=200,
+  )
   clock = time.perf_counter()
   result = sae_train.train(epochs(), config, steps=args.steps, log_every=50)
   t_train = time.perf_counter() - clock
   d = result.inference()
-  print(f"trained {args.steps} steps of {args.batch} rows ({config.d_sae} features, k=32) in "
-        f"{t_train:.0f} s")
+  print(
+    f"trained {args.steps} steps of {args.batch} rows ({config.d_sae} features, k=32) in "
+    f"{t_train:.0f} s"
+  )
 
   held = np.asarray(jax.jit(trunk.apply)(trunk_vars, held_seqs))
   held_rows = held[:, 1:].reshape(-1, cfg.d_model)
   recon = np.asarray(jax.jit(d.__call__)(held_rows))
   ev = float(sae_train.explained_variance(held_rows, recon))
   l0 = float(np.mean(np.sum(np.asarray(d.encode(held_rows)) != 0, -1)))
-  print(f"held-out explained variance {ev:.3f}, L0 {l0:.1f}, dead fraction "
-        f"{result.dead_fraction:.3f}")
+  print(
+    f"held-out explained variance {ev:.3f}, L0 {l0:.1f}, dead fraction {result.dead_fraction:.3f}"
+  )
 
   ce = sae_train.ce_loss_recovered(lm.model, lm.variables, jnp.asarray(held_seqs[:16]), SITE, d)
-  print("CE clean {ce_clean:.3f}, spliced {ce_spliced:.3f}, zero-ablated {ce_zero:.3f}: "
-        "loss recovered {loss_recovered:.3f}".format(**ce))
+  print(
+    "CE clean {ce_clean:.3f}, spliced {ce_spliced:.3f}, zero-ablated {ce_zero:.3f}: "
+    "loss recovered {loss_recovered:.3f}".format(**ce)
+  )
 
   # The feature view: a few features that fire on 0.2-3% of held-out tokens.
   held_acts = np.asarray(d.encode(held_rows))
@@ -139,15 +151,24 @@ def main(argv=None):
   strings = [[lm.decode(int(t)) for t in row] for row in held_seqs]
   unembed = lm.variables["params"]["embed"]["embedding"].T  # SmolLM2 ties its embeddings
   vocabulary = [lm.decode(i) for i in range(cfg.vocab_size)]
-  view = sae.feature_view(d, held, strings, features=chosen, unembed=unembed,
-                          vocabulary=vocabulary, title=f"SmolLM2 {SITE} TopK SAE")
+  view = sae.feature_view(
+    d,
+    held,
+    strings,
+    features=chosen,
+    unembed=unembed,
+    vocabulary=vocabulary,
+    title=f"SmolLM2 {SITE} TopK SAE",
+  )
   page = view.to_html(out / "features.html")
   fig = view.figure()
   fig.savefig(out / "features.png", dpi=80)
   for f in view.features:
     best = "".join(t for t, _ in f.contexts[0][1]) if f.contexts else ""
-    print(f"feature {f.index}: fires on {100 * f.frequency:.2f}% of tokens; top context "
-          f"{best[-40:]!r}; raises {[t for t, _ in f.top_logits[:5]]}")
+    print(
+      f"feature {f.index}: fires on {100 * f.frequency:.2f}% of tokens; top context "
+      f"{best[-40:]!r}; raises {[t for t, _ in f.top_logits[:5]]}"
+    )
   print(f"feature view: {page} and {out / 'features.png'}")
 
   # Using a feature on the whole model, spliced.

@@ -257,8 +257,17 @@ def test_feature_view_page_and_figure(tmp_path):
   vocab = [f"v{i}" for i in range(10)]
   encoded = np.asarray(d.encode(acts))
   f = int(np.argmax((encoded > 0).mean((0, 1))))
-  view = jsae.feature_view(d, acts, tokens, features=[f], unembed=unembed, vocabulary=vocab,
-                           contexts=2, window=3, top_logits=3)
+  view = jsae.feature_view(
+    d,
+    acts,
+    tokens,
+    features=[f],
+    unembed=unembed,
+    vocabulary=vocab,
+    contexts=2,
+    window=3,
+    top_logits=3,
+  )
   (feat,) = view.features
   peak = np.unravel_index(np.argmax(encoded[..., f]), encoded.shape[:2])
   assert feat.contexts[0][0] == pytest.approx(float(encoded[..., f].max()))

@@ -17,6 +17,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlens.internal import require
 from jaxlens.sae._dictionaries import SAE, SAEError
 
 __all__ = ["FeatureView", "Feature", "feature_view"]
@@ -63,8 +64,9 @@ class FeatureView:
       f"<h1>{html.escape(self.title)}</h1>",
     ]
     for f in self.features:
-      rows.append(f"<h2>feature {f.index} <small>(fires on {100 * f.frequency:.2f}% of tokens)"
-                  "</small></h2>")
+      rows.append(
+        f"<h2>feature {f.index} <small>(fires on {100 * f.frequency:.2f}% of tokens)</small></h2>"
+      )
       up = ", ".join(f"{html.escape(repr(t))} {v:+.2f}" for t, v in f.top_logits)
       down = ", ".join(f"{html.escape(repr(t))} {v:+.2f}" for t, v in f.bottom_logits)
       rows.append(f"<p><b>raises</b> {up}<br><b>lowers</b> {down}</p><table>")
@@ -85,8 +87,6 @@ class FeatureView:
 
   def figure(self):
     """A matplotlib figure: per feature, its activation histogram and top logit effects."""
-    from jaxlens._optional import require
-
     require("matplotlib", feature="FeatureView.figure", extra="plot")
     from matplotlib.figure import Figure
 
@@ -95,8 +95,9 @@ class FeatureView:
     axes = fig.subplots(n, 2, squeeze=False)
     for row, f in zip(axes, self.features):
       row[0].hist(np.asarray(f.activations), bins=30, color="tab:orange")
-      row[0].set_title(f"feature {f.index}: activations ({100 * f.frequency:.2f}% of tokens)",
-                       fontsize=9)
+      row[0].set_title(
+        f"feature {f.index}: activations ({100 * f.frequency:.2f}% of tokens)", fontsize=9
+      )
       names = [repr(t) for t, _ in f.top_logits][::-1]
       values = [v for _, v in f.top_logits][::-1]
       row[1].barh(names, values, color="tab:blue")
@@ -149,10 +150,14 @@ def feature_view(
       if a[s, p] <= 0:
         break
       lo = max(0, p - window + 1)
-      ctx.append((float(a[s, p]), [(token_strings[s][q], float(a[s, q])) for q in range(lo, p + 1)]))
+      ctx.append(
+        (float(a[s, p]), [(token_strings[s][q], float(a[s, q])) for q in range(lo, p + 1)])
+      )
     up, down = [], []
     if unembed is not None:
-      effect = np.asarray(jnp.asarray(dictionary.W_dec[f], jnp.float32) @ jnp.asarray(unembed, jnp.float32))
+      effect = np.asarray(
+        jnp.asarray(dictionary.W_dec[f], jnp.float32) @ jnp.asarray(unembed, jnp.float32)
+      )
       order = np.argsort(effect)
       name = (lambda i: vocabulary[i]) if vocabulary is not None else str
       up = [(name(int(i)), float(effect[i])) for i in order[::-1][:top_logits]]
