@@ -7,7 +7,9 @@ One family per module: :mod:`jaxlens.models.gpt2`, :mod:`jaxlens.models.llama`,
 published as Python wheels in :mod:`jaxlens.models.hub`.
 """
 
+from jaxlens.models import compact as compact
 from jaxlens.models import demo as demo
+from jaxlens.models import scan as scan
 from jaxlens.models import hub as hub
 from jaxlens.models._demo_gpt import GPT as GPT
 from jaxlens.models._demo_gpt import MLP as MLP
@@ -55,7 +57,9 @@ __all__ = [
   "LoadError",
   "Pretrained",
   "config_from_hf",
+  "compact",
   "demo",
+  "scan",
   "from_state_dict",
   "gpt_config",
   "hub",

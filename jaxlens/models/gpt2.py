@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxlens.core import named
 from jaxlens.models.compact import Dense, Embed
+from jaxlens.models.scan import scan_blocks
 from jaxlens.models._layers import (
   LayerSites,
   attend,
@@ -47,6 +48,7 @@ class GPT2Config:
     activation: ``"gelu_new"`` (tanh approximation, GPT-2's) or ``"gelu"`` (exact).
     tie_embeddings: whether the unembedding is the token embedding's transpose (GPT-2: yes).
     dtype: computation and parameter dtype.
+    scan_layers: the blocks as one ``nn.scan`` over stacked parameters (``jaxlens.models.scan``).
   """
 
   vocab_size: int = 50257
@@ -59,6 +61,7 @@ class GPT2Config:
   activation: str = "gelu_new"
   tie_embeddings: bool = True
   dtype: Any = jnp.float32
+  scan_layers: bool = False
 
   @property
   def mlp_width(self) -> int:
@@ -189,7 +192,10 @@ class GPT2(LayerSites, nn.Module):
       embedding_init=_INIT,
       name="pos_embed",
     )(jnp.atleast_2d(lookup_ids(positions)))
-    for i in range(cfg.n_layers):
+    if cfg.scan_layers:
+      block = GPT2Block(cfg, name="blocks")
+      x = scan_blocks(block, cfg.n_layers, x, positions, attention_mask, decode, cache_index)
+    for i in range(0 if cfg.scan_layers else cfg.n_layers):
       x = GPT2Block(cfg, name=f"blocks_{i}")(x, positions, attention_mask, decode, cache_index)
     x = _norm(cfg, "ln_final")(x)
     if cfg.tie_embeddings:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from jaxlens.core import named
 from jaxlens.models.compact import Dense, Embed
+from jaxlens.models.scan import scan_blocks, uniform_window
 from jaxlens.models._layers import (
   LayerSites,
   RMSNorm,
@@ -74,6 +75,9 @@ class LlamaConfig:
     sliding_window: a query sees only itself and the ``sliding_window - 1`` tokens before it
       (Mistral), in the layers ``layer_types`` marks ``"sliding_attention"`` (every layer
       when ``layer_types`` is None).
+    scan_layers: the blocks as one ``nn.scan`` over stacked parameters (``params["blocks"]``,
+      sites ``jl.module("blocks/...", layer=k)``; ``jaxlens.models.scan``), compiled once
+      whatever the depth.
     layer_types: per layer ``"full_attention"`` or ``"sliding_attention"`` (Qwen2/3's
       ``max_window_layers``), or None.
   """
@@ -95,6 +99,7 @@ class LlamaConfig:
   qk_norm: bool = False
   sliding_window: int | None = None
   layer_types: tuple[str, ...] | None = None
+  scan_layers: bool = False
 
   @property
   def d_head(self) -> int:
@@ -279,7 +284,17 @@ class Llama(LayerSites, nn.Module):
       name="embed",
     )
     x = embed(lookup_ids(tokens))
-    for i in range(cfg.n_layers):
+    if cfg.scan_layers:
+      x = scan_blocks(
+        LlamaBlock(cfg, uniform_window(cfg), name="blocks"),
+        cfg.n_layers,
+        x,
+        positions,
+        attention_mask,
+        decode,
+        cache_index,
+      )
+    for i in range(0 if cfg.scan_layers else cfg.n_layers):
       x = LlamaBlock(cfg, cfg.window(i), name=f"blocks_{i}")(
         x, positions, attention_mask, decode, cache_index
       )

@@ -1,0 +1,117 @@
+"""The scanned form of the zoo's decoders: one block traced and compiled once, run over stacked
+parameters with ``nn.scan``.
+
+``LlamaConfig(..., scan_layers=True)`` (or ``GPT2Config``) builds the same model with its blocks
+in one ``nn.scan``: one block is traced and compiled whatever the depth, so the first call of a
+30-layer model compiles one block instead of thirty. The parameters of block ``k`` are slice
+``k`` of ``params["blocks"]`` (each leaf gains a leading layer axis), the KV cache likewise, and
+the sites keep their names with ``layer=``: ``jl.module("blocks/resid_post", layer=3)`` is the
+unrolled form's ``blocks_3/resid_post`` (``docs/models.md``). A trace saving
+``jl.module("blocks/resid_post")`` holds all layers stacked, ``(n_layers, batch, seq, d)``.
+
+The two forms compute the same numbers; :func:`stack_blocks` and :func:`unstack_blocks` convert
+variables between them (``jm.smollm2()`` loads the unrolled form).
+
+Example:
+  >>> import dataclasses, jax, jax.numpy as jnp, jaxlens as jl
+  >>> from jaxlens.models import Llama, LlamaConfig, scan
+  >>> cfg = LlamaConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, n_kv_heads=1, d_mlp=24)
+  >>> tokens = jnp.arange(5)[None]
+  >>> unrolled = Llama(cfg).init(jax.random.key(0), tokens)
+  >>> scanned = Llama(dataclasses.replace(cfg, scan_layers=True))
+  >>> variables = scan.stack_blocks(unrolled, cfg.n_layers)
+  >>> t = jl.trace(scanned, variables, tokens, save=jl.module("blocks/resid_post", layer=1))
+  >>> t[jl.module("blocks/resid_post", layer=1)].out.shape
+  (1, 5, 16)
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxlens.core import InvalidArgumentError
+
+__all__ = ["scan_blocks", "stack_blocks", "uniform_window", "unstack_blocks"]
+
+
+def uniform_window(config):
+  """The one sliding window of every layer of ``config`` (None for full attention).
+
+  Raises:
+    InvalidArgumentError: ``invalid_argument`` when layers differ (a scan runs one block).
+  """
+  windows = {config.window(i) for i in range(config.n_layers)}
+  if len(windows) > 1:
+    raise InvalidArgumentError(
+      f"scan_layers runs one block for every layer, but the layers' sliding windows differ "
+      f"({sorted(windows, key=str)})",
+      code="invalid_argument",
+      fix="scan_layers=False for models that mix local and global layers",
+    )
+  return windows.pop()
+
+
+def scan_blocks(block: nn.Module, n_layers: int, x, *args):
+  """Runs ``block`` (a linen block named ``"blocks"``, called as ``block(x, *args) -> x``)
+  ``n_layers`` times over stacked ``params`` and ``cache``; ``args`` are the same for every
+  layer."""
+
+  def body(module, carry):
+    # The arguments are closed over (the same in every layer; ``decode`` stays a Python bool).
+    return module(carry, *args), None
+
+  stack = nn.scan(
+    body,
+    variable_axes={"params": 0, "cache": 0},
+    split_rngs={"params": True},
+    length=n_layers,
+  )
+  return stack(block, x)[0]
+
+
+def _layers_of(variables):
+  names = [k for k in variables.get("params", {}) if k.startswith("blocks_")]
+  return sorted(names, key=lambda k: int(k.split("_")[1]))
+
+
+def stack_blocks(variables, n_layers: int):
+  """The scanned form's variables from the unrolled form's: ``blocks_0 .. blocks_{n-1}`` of each
+  collection (``params``, ``cache``) stacked into ``blocks`` along a new leading axis.
+
+  Raises:
+    InvalidArgumentError: ``invalid_argument`` when the variables do not hold exactly the
+      blocks ``blocks_0 .. blocks_{n_layers - 1}``.
+  """
+  names = _layers_of(variables)
+  if names != [f"blocks_{i}" for i in range(n_layers)]:
+    raise InvalidArgumentError(
+      f"stack_blocks needs the params of blocks_0 .. blocks_{n_layers - 1}, found "
+      f"{names[:4]}{'...' if len(names) > 4 else ''}",
+      code="invalid_argument",
+      fix="pass the unrolled model's variables and its config.n_layers",
+    )
+  out = {}
+  for collection, tree in variables.items():
+    tree = dict(tree)
+    blocks = [tree.pop(f"blocks_{i}") for i in range(n_layers) if f"blocks_{i}" in tree]
+    if blocks:
+      tree["blocks"] = jax.tree.map(lambda *a: jnp.stack(a), *blocks)
+    out[collection] = tree
+  return out
+
+
+def unstack_blocks(variables):
+  """The unrolled form's variables from the scanned form's: slice ``k`` of ``blocks`` of each
+  collection becomes ``blocks_k``."""
+  out = {}
+  for collection, tree in variables.items():
+    tree = dict(tree)
+    stacked = tree.pop("blocks", None)
+    if stacked is not None:
+      n = jax.tree.leaves(stacked)[0].shape[0]
+      for i in range(n):
+        tree[f"blocks_{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
+    out[collection] = tree
+  return out
