@@ -16,6 +16,8 @@ transformers = pytest.importorskip("transformers")
 
 from pyvene.models.layers import LowRankRotateLayer  # noqa: E402
 
+import jaxlens as jl  # noqa: E402
+import torch_bridge  # noqa: E402
 from jaxlens import train as jt  # noqa: E402
 from torch_bridge.convert import from_torch  # noqa: E402
 
@@ -111,7 +113,7 @@ def test_losses_gradients_and_iia_agree_with_pyvene(models, name):
   )
   ivm = pv.IntervenableModel(config, _Wrapped(seq))
   ivm.disable_model_gradients()
-  steps = 12
+  steps = 6
   batches = _batches(steps, seed=2)
   opt_t = torch.optim.Adam(trained, lr=0.02)
 
@@ -209,3 +211,26 @@ def test_loreft_forward_and_gradients_equal_pyreft_formula():
   )
   np.testing.assert_allclose(g["W"], source.weight.grad.numpy(), atol=1e-12)
   np.testing.assert_allclose(g["b"], source.bias.grad.numpy(), atol=1e-12)
+
+
+def test_saved_trained_interventions_run_in_the_torch_reference(models, tmp_path):
+  """A spec holding each trained intervention, saved by jaxlens, loads as torch reference
+  hooks on the torch model (torch_bridge.load_spec) and computes the same output."""
+  seq, flax_model, variables, site = models
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(3, 2, D))
+  donor = jl.trace(flax_model, variables, jnp.asarray(rng.normal(size=(3, 2, D))))
+  _, _, site_map = from_torch(seq, dtype=torch.float64)
+
+  for method in (jt.DAS(3), jt.BoundlessDAS(), jt.LowRankDAS(3), jt.LoReFT(3), jt.DiReFT(3)):
+    params = method.init(jax.random.key(0), H, jnp.float64)
+    # Away from the init (bases stay orthogonal): the rotations are not their bases.
+    params = jax.tree_util.tree_map_with_path(
+      lambda path, a: a if "base" in jax.tree_util.keystr(path) else a + 0.1, params
+    )
+    spec = jl.when(site, method.edit(params, donor, 0.5))
+    want = spec.bind(flax_model)(variables, jnp.asarray(x))
+    path = tmp_path / type(method).__name__
+    spec.save(path)
+    got = torch_bridge.load_spec(path, site_map).bind(seq)(torch.from_numpy(x))
+    np.testing.assert_allclose(got.detach().numpy(), want, atol=1e-12, err_msg=repr(method))

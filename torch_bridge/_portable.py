@@ -89,6 +89,8 @@ class _Converter:
       return torch.from_numpy(np.array(v))
     if isinstance(v, tuple):
       return tuple(self.value(x, where) for x in v)
+    if isinstance(v, dict):  # a trained intervention's parameters
+      return {k: self.value(x, where) for k, x in v.items()}
     if isinstance(v, jl.Site):
       return self.site(v, where)
     raise TorchSpecError(

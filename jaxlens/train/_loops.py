@@ -123,8 +123,8 @@ def _progress(total, initial, enabled, desc):
 def _check_depends(loss_of, params, variables, frozen, *args):
   """The structural check: the loss depends on every trained leaf, and (frozen) on no
   model leaf."""
-  dep_p = depends_on(loss_of, params, variables, *args, argnums=0)
-  dep_v = depends_on(loss_of, params, variables, *args, argnums=1)
+  # One structural analysis for both (it traces the loss's forward-mode derivative once).
+  dep_p, dep_v = depends_on(lambda both, *a: loss_of(*both, *a), (params, variables), *args)
   flat_dep, _ = jax.tree_util.tree_flatten_with_path(dep_p)
   flat_frozen = jax.tree.leaves(frozen_leaves(params))
   detached = [

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from jaxlens import InvalidArgumentError
+from torch_bridge.reference import _trained
 from torch_bridge.reference._edit import (
   Edit,
   Population,
@@ -286,4 +287,9 @@ VERBS = {
   "set_affine_coordinates": set_affine_coordinates,
   "units": _units_edit,
   "subspace": _subspace_edit,
+  "das": _trained.das,
+  "boundless_das": _trained.boundless_das,
+  "low_rank_das": _trained.low_rank_das,
+  "loreft": _trained.loreft,
+  "direft": _trained.direft,
 }

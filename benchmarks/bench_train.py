@@ -1,0 +1,241 @@
+"""Trained interventions: jaxlens.train against pyvene 0.1.8 on the same GPT-2, in one process.
+
+The model is a random GPT-2 (Hugging Face ``GPT2LMHeadModel``; default 4 layers, d_model 256,
+vocabulary 512), saved with ``save_pretrained`` and loaded into jaxlens's zoo ``GPT2`` with
+``jaxlens.models.load_hf``: the same weights on both sides. Three figures, each the ratio of
+medians of interleaved calls (the order flips every round):
+
+* a DAS training step (interchange dim d/4 at the last position of ``blocks_{L/2}``'s output,
+  cross-entropy on the last token, one adam step): pyvene's ``RotatedSpaceIntervention`` with
+  ``loss.backward()`` and ``torch.optim.Adam`` / a jitted jaxlens step (target >= 1.5x);
+* a LoReFT training step (rank 4 at every position of the same site, loss on the last half of
+  the tokens): pyvene with pyreft's ``LoreftIntervention`` formula as a pyvene intervention /
+  jaxlens (reported as tokens per second, and the ratio);
+* ``jl.generate`` of 32 tokens with the trained LoReFT live / without an edit (target <= 1.05).
+
+Usage::
+
+  python benchmarks/bench_train.py [--layers 4 --d-model 256 --seq 32 --batch 8 --repeats 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+  sys.path.insert(0, str(_ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jaxlens as jl  # noqa: E402
+import jaxlens.models as jm  # noqa: E402
+from benchmarks._timing import interleaved, median  # noqa: E402
+from jaxlens import train as jt  # noqa: E402
+
+
+def _models(layers, d_model, vocab, seq):
+  import torch
+  import transformers
+
+  torch.manual_seed(0)
+  cfg = transformers.GPT2Config(
+    n_layer=layers,
+    n_embd=d_model,
+    n_head=max(d_model // 64, 1),
+    vocab_size=vocab,
+    n_positions=max(seq * 2, 64),
+    use_cache=False,
+  )
+  model = transformers.GPT2LMHeadModel(cfg).eval()
+  path = Path(tempfile.mkdtemp()) / "gpt2"
+  model.save_pretrained(path)
+  lm = jm.load_hf(path)
+  for p in model.parameters():
+    p.requires_grad_(False)
+  return model, lm
+
+
+def _loreft_class(pv, torch):
+  """pyreft's LoreftIntervention (pyreft is not installed), on pyvene's classes."""
+  from pyvene.models.layers import LowRankRotateLayer
+
+  class LoreftIntervention(
+    pv.SourcelessIntervention, pv.TrainableIntervention, pv.DistributedRepresentationIntervention
+  ):
+    def __init__(self, **kwargs):
+      super().__init__(**kwargs, keep_last_dim=True)
+      rotate = LowRankRotateLayer(self.embed_dim, kwargs["low_rank_dimension"], init_orth=True)
+      self.rotate_layer = torch.nn.utils.parametrizations.orthogonal(rotate)
+      self.learned_source = torch.nn.Linear(self.embed_dim, kwargs["low_rank_dimension"])
+
+    def forward(self, base, source=None, subspaces=None):
+      rotated = self.rotate_layer(base)
+      return base + torch.matmul(self.learned_source(base) - rotated, self.rotate_layer.weight.T)
+
+  return LoreftIntervention
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--layers", type=int, default=4)
+  parser.add_argument("--d-model", type=int, default=256)
+  parser.add_argument("--vocab", type=int, default=512)
+  parser.add_argument("--seq", type=int, default=32)
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--new-tokens", type=int, default=32)
+  parser.add_argument("--threads", type=int, default=2)
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+
+  import pyvene as pv
+  import torch
+
+  torch.set_num_threads(args.threads)
+  tmodel, lm = _models(args.layers, args.d_model, args.vocab, args.seq)
+  d, layer, b, s = args.d_model, args.layers // 2, args.batch, args.seq
+  site = f"blocks_{layer}/resid_post"
+  rng = np.random.default_rng(0)
+  base = rng.integers(0, args.vocab, (b, s))
+  source = rng.integers(0, args.vocab, (b, s))
+  label = rng.integers(0, args.vocab, (b,))
+  out = {"config": vars(args)}
+
+  # -- DAS training step ------------------------------------------------------------------
+  das = pv.RotatedSpaceIntervention(embed_dim=d)
+  das.set_interchange_dim(d // 4)
+  cfg = pv.IntervenableConfig(
+    representations=[
+      pv.RepresentationConfig(layer, "block_output", "pos", 1, intervention=das),
+    ]
+  )
+  ivm = pv.IntervenableModel(cfg, tmodel)
+  ivm.disable_model_gradients()
+  opt_t = torch.optim.Adam([das.rotate_layer.parametrizations.weight.original], lr=1e-3)
+  tb, ts, tl = (torch.from_numpy(a) for a in (base, source, label))
+  where = [[[s - 1]] * b]
+
+  def pyvene_das():
+    _, o = ivm({"input_ids": tb}, [{"input_ids": ts}], {"sources->base": (where, where)})
+    loss = torch.nn.functional.cross_entropy(o.logits[:, -1], tl)
+    opt_t.zero_grad()
+    loss.backward()
+    opt_t.step()
+    return loss.detach()
+
+  method = jt.DAS(dim=d // 4)
+  params = {
+    "rotation": {
+      "raw": jnp.asarray(das.rotate_layer.parametrizations.weight.original.detach().numpy()),
+      "base": jnp.asarray(das.rotate_layer.parametrizations.weight[0].base.numpy()),
+    }
+  }
+  opt_j = optax.adam(1e-3)
+  state = {"p": params, "s": opt_j.init(params)}
+  jb, js, jlab = jnp.asarray(base), jnp.asarray(source), jnp.asarray(label)
+
+  @jax.jit
+  def jax_das_step(p, st):
+    def loss(p):
+      o = jt.intervened_output(lm.model, lm.variables, site, method, p, jb, js, positions=[s - 1])
+      logp = jax.nn.log_softmax(o[:, -1])
+      return -jnp.mean(jnp.take_along_axis(logp, jlab[:, None], 1))
+
+    value, g = jax.value_and_grad(loss)(p)
+    updates, st = opt_j.update(g, st, p)
+    return optax.apply_updates(p, updates), st, value
+
+  def jaxlens_das():
+    state["p"], state["s"], value = jax_das_step(state["p"], state["s"])
+    return value
+
+  first_t, first_j = float(pyvene_das()), float(jaxlens_das())
+  out["das_first_loss"] = {"pyvene": first_t, "jaxlens": first_j}
+  times = interleaved({"pyvene": pyvene_das, "jaxlens": jaxlens_das}, args.repeats)
+  out["das_step_s"] = {k: median(v) for k, v in times.items()}
+  out["das_speedup"] = out["das_step_s"]["pyvene"] / out["das_step_s"]["jaxlens"]
+
+  # -- LoReFT training step ----------------------------------------------------------------
+  loreft_cls = _loreft_class(pv, torch)
+  torch.manual_seed(1)
+  reft = loreft_cls(embed_dim=d, low_rank_dimension=4)
+  cfg = pv.IntervenableConfig(
+    representations=[pv.RepresentationConfig(layer, "block_output", "pos", s, intervention=reft)]
+  )
+  rvm = pv.IntervenableModel(cfg, tmodel)
+  rvm.disable_model_gradients()
+  opt_r = torch.optim.Adam([p for p in reft.parameters() if p.requires_grad], lr=1e-3)
+  targets = np.concatenate([base[:, 1:], base[:, :1]], 1)
+  weights = np.zeros((b, s), np.float32)
+  weights[:, s // 2 : -1] = 1.0
+  tt, tw = torch.from_numpy(targets), torch.from_numpy(weights)
+  everywhere = [[list(range(s))] * b]
+
+  def pyvene_reft():
+    _, o = rvm({"input_ids": tb}, unit_locations={"sources->base": (None, everywhere)})
+    ce = torch.nn.functional.cross_entropy(
+      o.logits.reshape(-1, args.vocab), tt.reshape(-1), reduction="none"
+    )
+    loss = (ce * tw.reshape(-1)).sum() / tw.sum()
+    opt_r.zero_grad()
+    loss.backward()
+    opt_r.step()
+    return loss.detach()
+
+  rparams = jt.LoReFT(4).init(jax.random.key(0), d)
+  rstate = {"p": rparams, "s": opt_j.init(rparams)}
+  jt_targets, jt_weights = jnp.asarray(targets), jnp.asarray(weights)
+
+  @jax.jit
+  def jax_reft_step(p, st):
+    def loss(p):
+      o = jl.when(site, jl.loreft(p)).bind(lm.model)(lm.variables, jb)
+      ce = -jnp.take_along_axis(jax.nn.log_softmax(o), jt_targets[..., None], -1)[..., 0]
+      return jnp.sum(ce * jt_weights) / jnp.sum(jt_weights)
+
+    value, g = jax.value_and_grad(loss)(p)
+    updates, st = opt_j.update(g, st, p)
+    return optax.apply_updates(p, updates), st, value
+
+  def jaxlens_reft():
+    rstate["p"], rstate["s"], value = jax_reft_step(rstate["p"], rstate["s"])
+    return value
+
+  pyvene_reft(), jaxlens_reft()
+  times = interleaved({"pyvene": pyvene_reft, "jaxlens": jaxlens_reft}, args.repeats)
+  step = {k: median(v) for k, v in times.items()}
+  out["reft_tokens_per_s"] = {k: b * s / v for k, v in step.items()}
+  out["reft_speedup"] = step["pyvene"] / step["jaxlens"]
+
+  # -- generation with a trained LoReFT ------------------------------------------------------
+  spec = jl.when(site, jl.loreft(rstate["p"]))
+  prompt = jb[:, : s // 2]
+
+  def plain():
+    return jl.generate(lm.model, lm.variables, prompt, args.new_tokens).tokens
+
+  def edited():
+    return jl.generate(lm.model, lm.variables, prompt, args.new_tokens, intervene=spec).tokens
+
+  plain(), edited()
+  times = interleaved({"plain": plain, "loreft": edited}, args.repeats)
+  gen = {k: median(v) for k, v in times.items()}
+  out["generate_s"] = gen
+  out["generate_overhead"] = gen["loreft"] / gen["plain"]
+  print(json.dumps(out, indent=2))
+  if args.out:
+    Path(args.out).write_text(json.dumps(out, indent=2))
+  return out
+
+
+if __name__ == "__main__":
+  with jax.numpy_dtype_promotion("standard"):
+    main()
