@@ -203,7 +203,7 @@ def _generate(
 
   # Padding is never attended to, but an id outside the vocabulary there would embed as NaN
   # (see jaxlens.models), and NaN times a zero attention weight is NaN: feed id 0 instead.
-  ids = jnp.where(mask != 0, prompt, jnp.zeros((), prompt.dtype))
+  ids = jnp.where(mask.astype(bool), prompt, jnp.zeros((), prompt.dtype))
   logits, cache, prefill_saved = _forward(
     module, variables, cache, ids, key_mask, positions, prefill_spec, save, 0
   )

@@ -78,6 +78,26 @@ def lookup_ids(ids):
   return ids.astype(jnp.int64 if wide else jnp.int32).astype(jnp.uint64 if wide else jnp.uint32)
 
 
+def real_tokens(mask):
+  """A padding mask as booleans: True where the entry is nonzero (a boolean mask as it is;
+  comparing it with the int 0 is refused under strict dtype promotion)."""
+  m = jnp.asarray(mask)
+  return m if m.dtype == jnp.bool_ else m != jnp.zeros((), m.dtype)
+
+
+def check_mask(mask, tokens) -> None:
+  """Refuses a padding mask of another shape than the tokens (it would broadcast, or fail
+  inside the attention with numpy's words)."""
+  if mask is not None and tuple(jnp.shape(mask)) != tuple(tokens.shape):
+    raise ShapeError(
+      f"attention_mask has shape {tuple(jnp.shape(mask))}, the tokens {tuple(tokens.shape)}",
+      code="shape_mismatch",
+      expected=tuple(tokens.shape),
+      received=tuple(jnp.shape(mask)),
+      fix="one mask entry per token: attention_mask.shape == tokens.shape",
+    )
+
+
 def check_length(seq: int, max_len: int, site: str) -> None:
   """Refuses a sequence (a static length) longer than the model's context."""
   if seq > max_len:
@@ -112,7 +132,7 @@ def attention_mask(q_positions, k_positions, *, causal: bool, key_mask=None, win
     mask = mask & (k_positions[:, None, :] > q_positions[:, :, None] - window)
   mask = mask[:, None]
   if key_mask is not None:
-    mask = mask & (jnp.asarray(key_mask) != 0)[:, None, None, :]
+    mask = mask & real_tokens(key_mask)[:, None, None, :]
   return mask
 
 

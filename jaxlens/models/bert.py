@@ -24,8 +24,10 @@ from jaxlens.models._layers import (
   attention_mask,
   check_ids,
   check_length,
+  check_mask,
   layer_norm_options,
   lookup_ids,
+  real_tokens,
 )
 
 __all__ = ["Bert", "BertAttention", "BertBlock", "BertConfig", "BertMLP", "mean_pool"]
@@ -154,6 +156,7 @@ class Bert(LayerSites, nn.Module):
     check_ids(tokens, cfg.vocab_size, "tokens", "embed")
     seq = tokens.shape[1]
     check_length(seq, cfg.max_len, "pos_embed")
+    check_mask(attention_mask, tokens)
     if token_types is None:
       token_types = jnp.zeros_like(tokens)
     check_ids(token_types, cfg.type_vocab_size, "token_types", "type_embed")
@@ -194,5 +197,5 @@ def mean_pool(hidden, attention_mask=None):
   """The mean of ``hidden`` (``(batch, seq, d)``) over the positions where the mask is nonzero."""
   if attention_mask is None:
     return hidden.mean(axis=1)
-  m = (jnp.asarray(attention_mask) != 0).astype(hidden.dtype)[..., None]
+  m = real_tokens(attention_mask).astype(hidden.dtype)[..., None]
   return (hidden * m).sum(axis=1) / jnp.maximum(m.sum(axis=1), 1e-9)

@@ -26,6 +26,7 @@ from jaxlens.models._layers import (
   cached_keys_values,
   check_ids,
   check_length,
+  check_mask,
   lookup_ids,
   layer_norm_options,
   run_block_after,
@@ -164,6 +165,8 @@ class GPT2(LayerSites, nn.Module):
     check_ids(tokens, cfg.vocab_size, "tokens", "embed")
     seq = tokens.shape[1]
     check_length(seq, cfg.max_len, "embed")
+    if not decode:  # (decoding, the mask covers the cache)
+      check_mask(attention_mask, tokens)
     if positions is not None:
       check_ids(positions, cfg.max_len, "positions", "pos_embed")
     cache_index = None

@@ -44,6 +44,7 @@ from jaxlens.models._layers import (
   cached_attention,
   check_ids,
   check_length,
+  check_mask,
   lookup_ids,
   run_block_after,
   softmax_dtype,
@@ -187,7 +188,7 @@ class LlamaAttention(nn.Module):
       param_dtype=cfg.dtype,
       kernel_init=_INIT,
       name="o_proj",
-    )(z.reshape(batch, seq, -1))
+    )(z.reshape(batch, seq, cfg.n_heads * cfg.d_head))
 
 
 class LlamaMLP(nn.Module):
@@ -261,6 +262,8 @@ class Llama(LayerSites, nn.Module):
     check_ids(tokens, cfg.vocab_size, "tokens", "embed")
     seq = tokens.shape[1]
     check_length(seq, cfg.max_len, "embed")
+    if not decode:  # (decoding, the mask covers the cache)
+      check_mask(attention_mask, tokens)
     cache_index = None
     if decode:
       index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
