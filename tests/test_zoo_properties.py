@@ -1,5 +1,5 @@
 """Property-based tests (hypothesis) of the real-model layer: tiny models of every family of
-``jaxlens.models`` (Llama, GPT-2, BERT) under hostile token arrays, masks, generation
+``jaxlens.models`` (Llama, GPT-2, BERT, GPT-NeoX, Gemma 3) under hostile token arrays, masks, generation
 arguments and site/edit pairs (issue 31, item 2).
 
 Each generated call either raises a typed jaxlens error whose code docs/errors.md lists, or
@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import jaxlens as jl
-from jaxlens.models import bert, gpt2, llama
+from jaxlens.models import bert, gemma3, gpt2, gpt_neox, llama
 
 pytestmark = pytest.mark.xdist_group("zoo_properties")
 
@@ -40,9 +40,11 @@ DOCUMENTED = set(
   re.findall(r"`([a-z0-9_]+)`", (pathlib.Path(__file__).parents[1] / "docs/errors.md").read_text())
 )
 VOCAB, MAX_LEN = 13, 6
-FAMILIES = ("llama", "gpt2", "bert")
-DECODERS = ("llama", "gpt2")
-INT_DTYPES = (jnp.int8, jnp.int16, jnp.int32, jnp.int64, jnp.uint8, jnp.uint16, jnp.uint32)
+FAMILIES = ("llama", "gpt2", "bert", "gpt_neox", "gemma3")
+DECODERS = ("llama", "gpt2", "gpt_neox", "gemma3")
+# The jitted forward compiles once per dtype and shape: four dtypes cover the casts (narrow
+# signed, unsigned, the default, wide).
+INT_DTYPES = (jnp.int8, jnp.int32, jnp.int64, jnp.uint8)
 
 
 def _settings(n):
@@ -63,6 +65,14 @@ def zoo(family):
     model = llama.Llama(llama.LlamaConfig(**sizes, n_kv_heads=1, d_mlp=12, tie_embeddings=True))
   elif family == "gpt2":
     model = gpt2.GPT2(gpt2.GPT2Config(**sizes))
+  elif family == "gpt_neox":
+    model = gpt_neox.GPTNeoX(gpt_neox.GPTNeoXConfig(**sizes, rotary_pct=0.5))
+  elif family == "gemma3":
+    model = gemma3.Gemma3(
+      gemma3.Gemma3Config(
+        **sizes, n_kv_heads=1, head_dim=4, d_mlp=12, query_pre_attn_scalar=4.0, sliding_window=3
+      )
+    )
   else:
     model = bert.Bert(bert.BertConfig(**sizes, d_mlp=12))
   tokens = jnp.asarray([[1, 2, 3, 4]])
@@ -108,7 +118,7 @@ def _outcome(call):
 def token_arrays(draw):
   dtype = draw(st.sampled_from(INT_DTYPES))
   # Few shapes (each compiles), hostile values: empty, longer than the context.
-  batch, seq = draw(st.sampled_from([(2, 4), (2, 4), (2, 4), (1, 0), (0, 4), (1, MAX_LEN + 1)]))
+  batch, seq = draw(st.sampled_from([(2, 4), (2, 4), (2, 4), (1, 0), (1, MAX_LEN + 1)]))
   info = jnp.iinfo(dtype)
   lo, hi = max(int(info.min), -3), min(int(info.max), VOCAB + 3)
   ids = draw(st.lists(st.integers(lo, hi), min_size=batch * seq, max_size=batch * seq))
@@ -116,28 +126,25 @@ def token_arrays(draw):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@_settings(6)
+@_settings(3)
+@example(tokens=np.asarray([[3, -1, 2, 1], [1, 2, 3, 4]], np.int8))  # -1 must not read row 255
 @given(tokens=token_arrays())
 def test_token_arrays_give_a_typed_error_or_the_int32_result(family, tokens):
   model, variables, _ = zoo(family)
   bad = (tokens.astype(np.int64) < 0) | (tokens.astype(np.int64) >= VOCAB)
   refused = tokens.shape[1] > MAX_LEN or bad.any()
-  calls = [lambda: model.apply(variables, jnp.asarray(tokens))]
-  if refused:  # (the trace door checks before it builds anything: cheap)
-    calls.append(lambda: jl.trace(model, variables, jnp.asarray(tokens)).output)
-  for call in calls:
-    out, error = _outcome(call)
-    if refused:
+  if refused:  # concrete ids: the call and the trace door refuse them before computing
+    for call in (
+      lambda: model.apply(variables, jnp.asarray(tokens)),
+      lambda: jl.trace(model, variables, jnp.asarray(tokens)).output,
+    ):
+      _, error = _outcome(call)
       assert error is not None, "a bad id or a too-long input was accepted"
       _typed(error, "index_out_of_range")
-      continue
-    assert error is None, repr(error)
-    np.testing.assert_allclose(out, forward(family, tokens.astype(np.int32)), rtol=1e-5, atol=1e-6)
-  if tokens.shape[1] > MAX_LEN or tokens.size == 0:
+  if tokens.shape[1] > MAX_LEN:
     return
-  if tokens.dtype not in (np.int8, np.int32, np.uint32):
-    return  # (each dtype compiles the forward again; these three cover the casts)
-  # Traced ids cannot raise: a row with a bad id is NaN, the others are the int32 result.
+  # Traced ids cannot raise: a row with a bad id is NaN, the others are the int32 result
+  # (the result of concrete ids too: the call is the same program).
   out = forward(family, tokens)
   rows = bad.any(axis=1)
   assert np.isnan(out[rows]).any(axis=tuple(range(1, out.ndim))).all()
@@ -167,7 +174,7 @@ def padded_batches(draw, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@_settings(4)
+@_settings(3)
 @given(data=st.data())
 def test_padding_either_side_gives_each_row_its_own_result(family, data):
   model, variables, _ = zoo(family)
@@ -223,7 +230,7 @@ def generation_arguments(draw):
 
 
 @pytest.mark.parametrize("family", DECODERS)
-@_settings(6)
+@_settings(3)
 @example(  # one greedy run with a stop token, whatever the draws give
   args={
     "rows": [[1, 2], [3]],
@@ -327,7 +334,7 @@ def _door(door, model, variables, tokens, site, edit):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@_settings(5)
+@_settings(3)
 @given(data=st.data())
 def test_site_edit_pairs_equal_the_edit_by_hand(family, data):
   model, variables, sites = zoo(family)

@@ -61,6 +61,7 @@ from jaxlens.models._layers import (
   LayerSites,
   cached_attention,
   check_ids,
+  check_mask,
   check_length,
   lookup_ids,
   run_block_after,
@@ -199,7 +200,7 @@ class Gemma3Attention(nn.Module):
       scale=cfg.query_pre_attn_scalar**-0.5,
       softcap=cfg.attn_softcap,
     )
-    return _dense(cfg, cfg.d_model, "o_proj")(z.reshape(batch, seq, -1))
+    return _dense(cfg, cfg.d_model, "o_proj")(z.reshape(batch, seq, cfg.n_heads * cfg.d_head))
 
 
 class Gemma3MLP(nn.Module):
@@ -254,6 +255,8 @@ class Gemma3(LayerSites, nn.Module):
     check_ids(tokens, cfg.vocab_size, "tokens", "embed")
     seq = tokens.shape[1]
     check_length(seq, cfg.max_len, "embed")
+    if not decode:  # (decoding, the mask covers the cache)
+      check_mask(attention_mask, tokens)
     cache_index = None
     if decode:
       index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))

@@ -40,6 +40,7 @@ from jaxlens.models._layers import (
   LayerSites,
   cached_attention,
   check_ids,
+  check_mask,
   check_length,
   lookup_ids,
   run_block_after,
@@ -142,7 +143,7 @@ class GPTNeoXAttention(nn.Module):
       window=None,
       dtype=cfg.dtype,
     )
-    return _dense(cfg, cfg.d_model, "dense", cfg.attention_bias)(z.reshape(batch, seq, -1))
+    return _dense(cfg, cfg.d_model, "dense", cfg.attention_bias)(z.reshape(batch, seq, cfg.n_heads * cfg.d_head))
 
 
 class GPTNeoXMLP(nn.Module):
@@ -194,6 +195,8 @@ class GPTNeoX(LayerSites, nn.Module):
     check_ids(tokens, cfg.vocab_size, "tokens", "embed")
     seq = tokens.shape[1]
     check_length(seq, cfg.max_len, "embed")
+    if not decode:  # (decoding, the mask covers the cache)
+      check_mask(attention_mask, tokens)
     cache_index = None
     if decode:
       index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
