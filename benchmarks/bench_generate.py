@@ -189,7 +189,7 @@ def measure_sweeps(lm, args) -> dict:
   sites = [f"blocks_{k}/resid_post" for k in layers]
 
   def cone():
-    return jl.sweep.cone_sweep(model, variables, clean, corrupt, last_logit_diff)
+    return jl.sweep.cone_sweep(model, variables, clean, corrupt, last_logit_diff, site="resid_post")
 
   def plain():
     return jl.sweep.patching_sweep(model, variables, clean, corrupt, last_logit_diff, sites=sites)

@@ -139,6 +139,9 @@ def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
       fix="a path in a writable directory",
     )
   if not (root / _META).exists():
+    # A process killed while creating the store leaves only its store.json.tmp: empty.
+    if all(p.name == _META + ".tmp" for p in root.iterdir()):
+      (root / (_META + ".tmp")).unlink(missing_ok=True)
     if any(root.iterdir()):
       raise StoreError(
         f"{root} is a non-empty directory that is not an activation store",
@@ -148,7 +151,7 @@ def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
       )
     _write_json(root / _META, meta)
     return 0
-  old = json.loads((root / _META).read_text())
+  old = _read_meta(root)
   if {k: old.get(k) for k in ("version", "sites")} != {k: meta[k] for k in ("version", "sites")}:
     raise StoreError(
       f"{root} holds other sites, shapes or dtypes ({old.get('sites')}) than this "
@@ -162,10 +165,46 @@ def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
   return _committed(root)
 
 
+def _read_meta(root: Path) -> dict:
+  """``store.json``, checked: a truncated or altered one is ``store_corrupt``."""
+  try:
+    meta = json.loads((root / _META).read_text())
+    sites = meta["sites"]
+    ok = isinstance(sites, dict) and all(
+      isinstance(v, dict)
+      and isinstance(v.get("shape"), list)
+      and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v["shape"])
+      and isinstance(v.get("dtype"), str)
+      for v in sites.values()
+    )
+    if ok:
+      for v in sites.values():
+        np.dtype(v["dtype"])
+  except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+    ok, why = False, f"{type(error).__name__}: {error}"
+  else:
+    why = "its sites are malformed"
+  if not ok:
+    raise StoreError(
+      f"{root / _META} cannot be read ({why})",
+      code="store_corrupt",
+      path=root / _META,
+      fix="the store's metadata is damaged: collect(..., overwrite=True) to rebuild it",
+    )
+  return meta
+
+
 def _write_json(path: Path, obj) -> None:
+  """Writes ``path`` atomically; a failed write leaves nothing (a full disk is ``disk_full``)."""
   tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text(json.dumps(obj, indent=1))
-  os.replace(tmp, path)
+  try:
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+  except OSError as error:
+    tmp.unlink(missing_ok=True)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+      raise _disk_full(path.parent, error) from error
+    raise
 
 
 def _save_shard(arrays: dict, path: Path) -> None:
@@ -390,7 +429,13 @@ def collect(
     bar.close()
   if writer.error is not None:
     raise writer.error
-  (root / _DONE).write_text(f"{index}\n")
+  try:
+    (root / _DONE).write_text(f"{index}\n")
+  except OSError as error:
+    (root / _DONE).unlink(missing_ok=True)  # (a half-written marker would still say complete)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+      raise _disk_full(root, error) from error
+    raise
   return ActivationStore(root)
 
 
@@ -422,7 +467,7 @@ class ActivationStore:
         fix="jaxlens.store.collect(..., path) first",
       )
     self.path = root
-    self._meta = json.loads((root / _META).read_text())
+    self._meta = _read_meta(root)
     self.labels = tuple(self._meta["sites"])
     self.num_batches = _committed(root)
     self.complete = (root / _DONE).exists()
@@ -469,6 +514,40 @@ class ActivationStore:
         fix="delete that shard and the ones after it, then collect() again to recompute them",
       ) from error
 
+  def _tensor(self, f, i: int, label: str, *, shape_only: bool = False):
+    """Site ``label`` of open shard ``i``, checked against ``store.json`` (a shard of other
+    sites, shapes or dtypes is ``store_corrupt``, naming the shard and the site)."""
+    want_shape, want_dtype = self.shape(label), self.dtype(label)
+    try:
+      if shape_only:
+        sl = f.get_slice(label)
+        shape, value = tuple(sl.get_shape()), None
+      else:
+        value = f.get_tensor(label)
+        shape = tuple(value.shape)
+    except Exception as error:  # safetensors raises its own SafetensorError
+      raise StoreError(
+        f"shard {i} of {self.path} has no readable {label!r}: {error}",
+        code="store_corrupt",
+        path=_shard(self.path, i),
+        site=label,
+        fix="delete that shard and the ones after it, then collect() again to recompute them",
+      ) from error
+    bad = len(shape) != len(want_shape) + 1 or shape[1:] != want_shape
+    if value is not None and value.dtype != want_dtype:
+      bad = True
+    if bad:
+      got = f"{shape}" + ("" if value is None else f" {value.dtype}")
+      raise StoreError(
+        f"shard {i} of {self.path} holds {label!r} as {got}; store.json says rows of "
+        f"{want_shape} {want_dtype}",
+        code="store_corrupt",
+        path=_shard(self.path, i),
+        site=label,
+        fix="delete that shard and the ones after it, then collect() again to recompute them",
+      )
+    return shape[0] if value is None else value
+
   @property
   def rows_per_batch(self) -> list[int]:
     if self._rows is None:
@@ -476,7 +555,7 @@ class ActivationStore:
       rows = []
       for i in range(self.num_batches):
         with self._open(i) as f:
-          rows.append(f.get_slice(label).get_shape()[0])
+          rows.append(self._tensor(f, i, label, shape_only=True))
       self._rows = rows
     return self._rows
 
@@ -498,7 +577,7 @@ class ActivationStore:
         fix=f"0 <= i < {self.num_batches}",
       )
     with self._open(i) as f:
-      return f.get_tensor(label)
+      return self._tensor(f, i, label)
 
   def array(self, label: str, *, as_jax: bool = False):
     """Every stored row of a site, ``(num_rows, *shape)``, in memory."""
@@ -555,7 +634,7 @@ class ActivationStore:
     held = 0
     for i in order:
       with self._open(int(i)) as f:
-        parts = {k: f.get_tensor(k) for k in names}
+        parts = {k: self._tensor(f, int(i), k) for k in names}
       if flatten:
         parts = {k: v.reshape(-1, v.shape[-1]) if v.ndim > 1 else v for k, v in parts.items()}
       n = len(next(iter(parts.values())))

@@ -85,11 +85,13 @@ def test_cone_sweep_equals_the_plain_sweep(family):
   metric = whole_output if family in ("gpt2", "gemma3") else logit_diff
   site = "resid_pre" if family in ("gpt2", "gemma3") else "resid_post"
   layers, positions = (0, 1, 2), (0, 2, 3, 6)
-  cone = cone_sweep(model, variables, clean, corrupt, metric, positions=positions, site=site)
+  by_default = {} if site == "resid_pre" else {"site": site}
+  cone = cone_sweep(model, variables, clean, corrupt, metric, positions=positions, **by_default)
   sites = tuple(f"blocks_{k}/{site}" for k in layers)
   # A zoo model's default sites are the residual stream entering each block: GPT-2's sweep
   # runs without sites=.
   assert model.layer_sites() == tuple(f"blocks_{k}/resid_pre" for k in layers)
+  # Both sweeps default to these sites (issue 31: cone_sweep defaulted to resid_post).
   by_default = {} if site == "resid_pre" else {"sites": sites}
   plain = jl.sweep.patching_sweep(
     model, variables, clean, corrupt, metric, positions=positions, **by_default

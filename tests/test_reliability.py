@@ -233,3 +233,42 @@ def test_a_spec_naming_an_unknown_verb_says_so(tmp_path):
   with pytest.raises(jl.InvalidArgumentError, match=r"\[unknown_verb\].*'scale_v2'") as e:
     jl.load_spec(path)
   assert "scale" in e.value.fields["candidates"]
+
+
+# -- sweeps ------------------------------------------------------------------------------
+
+
+def _last_logit(logits):
+  return logits[:, -1, 3].mean()
+
+
+def test_the_two_sweeps_default_to_the_same_sites(decoders):
+  model, variables = decoders["llama"]
+  clean, corrupt = TOKENS, TOKENS.at[:, 1].set(9)
+  cone = jl.sweep.cone_sweep(model, variables, clean, corrupt, _last_logit)
+  plain = jl.sweep.patching_sweep(model, variables, clean, corrupt, _last_logit)
+  # cone_sweep defaulted to resid_post: its row i was patching_sweep's row i + 1
+  np.testing.assert_allclose(cone, plain, rtol=1e-5, atol=1e-6)
+  assert float(jnp.abs(plain).max()) > 0
+
+
+def test_a_gate_with_a_non_scalar_flag_is_a_typed_error(decoders):
+  model, variables = decoders["llama"]
+  edit = jl.gate(jnp.asarray([True, False]), jl.zero_ablate())
+  with pytest.raises(jl.ShapeError, match=r"\[shape_mismatch\].*gate.*scalar"):
+    jl.when(jl.module("blocks_0/resid_post"), edit).bind(model)(variables, TOKENS)
+
+
+def test_an_unhashable_metric_is_a_typed_error(decoders):
+  model, variables = decoders["llama"]
+
+  class Metric:
+    def __eq__(self, other):
+      return isinstance(other, Metric)
+
+    def __call__(self, out):
+      return out[:, -1, 0].mean()
+
+  for sweep in (jl.sweep.patching_sweep, jl.sweep.cone_sweep):
+    with pytest.raises(jl.InvalidArgumentError, match=r"\[invalid_argument\].*not hashable"):
+      sweep(model, variables, TOKENS, TOKENS, Metric())

@@ -556,6 +556,14 @@ register("at_positions", _at_positions, at_positions)
 def _gate(x, p, s, ctx):
   # The inner edit runs on every firing (its shape checks apply either way); its
   # value is written only where the flag is on.
+  if jnp.ndim(p["flag"]) != 0:
+    # (Under jax.vmap over a batch of flags each firing sees one: a scalar.)
+    fail_shape(
+      f"the flag must be a boolean scalar, got shape {jnp.shape(p['flag'])}",
+      ctx,
+      "gate",
+      fix="jl.gate(True, edit); for a batch of flags, jax.vmap over them",
+    )
   edited = fire(p["edit"], x, ctx)
   return jnp.where(p["flag"], edited, x)
 

@@ -143,7 +143,9 @@ class GPTNeoXAttention(nn.Module):
       window=None,
       dtype=cfg.dtype,
     )
-    return _dense(cfg, cfg.d_model, "dense", cfg.attention_bias)(z.reshape(batch, seq, cfg.n_heads * cfg.d_head))
+    return _dense(cfg, cfg.d_model, "dense", cfg.attention_bias)(
+      z.reshape(batch, seq, cfg.n_heads * cfg.d_head)
+    )
 
 
 class GPTNeoXMLP(nn.Module):

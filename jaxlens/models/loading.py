@@ -196,7 +196,85 @@ def _gemma_config(config, dtype) -> Gemma3Config:
 def config_from_hf(config: Mapping[str, Any], dtype=jnp.float32):
   """A zoo config from a Hugging Face ``config.json`` dict (``model_type`` picks the family:
   ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gpt_neox``, ``gemma3_text``, ``gemma2``,
-  ``gpt2``, ``bert``)."""
+  ``gpt2``, ``bert``).
+
+  Raises:
+    LoadError: ``unknown_architecture``; ``config_invalid`` (a field missing, or a size that
+      is not a positive int, a number that is not finite), naming the field.
+  """
+  if not isinstance(config, Mapping):
+    raise LoadError(
+      f"config.json holds a {type(config).__name__}, not an object",
+      code="config_invalid",
+      tensor="config.json",
+      fix="a Hugging Face config.json",
+    )
+  try:
+    out = _config_from_hf(config, dtype)
+  except LoadError:
+    raise
+  except KeyError as e:
+    raise LoadError(
+      f"config.json has no field {e.args[0]!r}, which a {config.get('model_type')!r} needs",
+      code="config_invalid",
+      tensor="config.json",
+      field=str(e.args[0]),
+      fix="a complete Hugging Face config.json of this architecture",
+    ) from None
+  except (TypeError, ValueError, AttributeError) as e:
+    raise LoadError(
+      f"config.json has a field of the wrong type ({type(e).__name__}: {e})",
+      code="config_invalid",
+      tensor="config.json",
+      fix="a Hugging Face config.json of this architecture",
+    ) from None
+  _check_config(out)
+  return out
+
+
+_SIZES = (
+  "vocab_size",
+  "d_model",
+  "n_layers",
+  "n_heads",
+  "n_kv_heads",
+  "d_mlp",
+  "head_dim",
+  "max_len",
+  "type_vocab_size",
+  "sliding_window",
+)
+
+
+def _check_config(config) -> None:
+  """Refuses sizes that are not positive ints and numbers that are not finite (a string or a
+  float from a hand-edited or damaged config.json would fail deep inside ``init``)."""
+  for f in dataclasses.fields(config):
+    value = getattr(config, f.name)
+    if f.name in _SIZES:
+      ok = value is None or (
+        isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0
+      )
+      if f.name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
+        ok = ok and value is not None
+      what = "a positive int"
+    elif isinstance(value, float) or f.name in ("rope_base", "norm_eps"):
+      ok = isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
+      what = "a finite number"
+    else:
+      continue
+    if not ok:
+      raise LoadError(
+        f"config.json gives {f.name} = {value!r:.40}, which must be {what}",
+        code="config_invalid",
+        tensor="config.json",
+        field=f.name,
+        received=repr(value)[:40],
+        fix="check config.json against the checkpoint",
+      )
+
+
+def _config_from_hf(config: Mapping[str, Any], dtype):
   kind = config.get("model_type")
   if kind in ("llama", "mistral", "qwen2", "qwen3"):
     heads = config["num_attention_heads"]
@@ -475,6 +553,29 @@ def _param_shapes(config):
   return shapes, shapes.pop("blocks_0")
 
 
+def _check_values(value, name: str) -> None:
+  """Refuses a weight that is not a real float array (an integer one is a quantised tensor
+  without its scales, cast silently it would be a wrong model) or holds NaN or infinity."""
+  dtype = np.asarray(value).dtype
+  if not (np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"):
+    raise LoadError(
+      f"tensor {name!r} has dtype {dtype}, not a float dtype",
+      code="tensor_dtype",
+      tensor=name,
+      received=str(dtype),
+      fix="a float checkpoint (dequantise a quantised one first)",
+    )
+  bad = ~np.isfinite(np.asarray(value, np.float32))
+  if bad.any():
+    raise LoadError(
+      f"tensor {name!r} holds {int(bad.sum())} NaN or infinite values (first at index "
+      f"{tuple(int(i) for i in np.argwhere(bad)[0])})",
+      code="tensor_not_finite",
+      tensor=name,
+      fix="download the checkpoint again; a damaged or diverged one cannot be loaded",
+    )
+
+
 def params_from_hf(config, tensors: Mapping[str, Any]):
   """The zoo ``variables`` of ``config`` from a Hugging Face-named tensor mapping.
 
@@ -485,7 +586,8 @@ def params_from_hf(config, tensors: Mapping[str, Any]):
       a pooler loads with a zero pooler.
 
   Raises:
-    LoadError: ``missing_tensor`` or ``tensor_shape``, naming the tensor.
+    LoadError: ``missing_tensor``, ``tensor_shape``, ``tensor_dtype`` (not a float array) or
+      ``tensor_not_finite`` (NaN or infinity), naming the tensor.
   """
   shapes, block = _param_shapes(config)
   params: dict = {}
@@ -506,6 +608,7 @@ def params_from_hf(config, tensors: Mapping[str, Any]):
         )
     else:
       value = fn(_as_numpy(raw))
+      _check_values(value, name)
     if tuple(value.shape) != tuple(expected.shape):
       raise LoadError(
         f"tensor {name!r} has shape {tuple(value.shape)} where {'/'.join(path)} needs "
@@ -544,13 +647,29 @@ class _Source:
         tensor=None,
         fix="pass a directory holding config.json",
       )
-    self.zip = zipfile.ZipFile(self.path) if self.path.is_file() else None
+    try:
+      self.zip = zipfile.ZipFile(self.path) if self.path.is_file() else None
+    except (zipfile.BadZipFile, OSError) as e:
+      raise LoadError(
+        f"{self.path.name} is not a readable zip archive (truncated or corrupt): {e}",
+        code="truncated_file",
+        tensor=self.path.name,
+        fix="download the file again",
+      ) from None
 
   def has(self, name):
     return (name in self.zip.namelist()) if self.zip else (self.path / name).exists()
 
   def read(self, name) -> bytes:
-    return self.zip.read(name) if self.zip else (self.path / name).read_bytes()
+    try:
+      return self.zip.read(name) if self.zip else (self.path / name).read_bytes()
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:  # (zlib.error: OSError)
+      raise LoadError(
+        f"{name} of {self.path} cannot be read (truncated or corrupt): {e}",
+        code="truncated_file",
+        tensor=name,
+        fix="download the file again",
+      ) from None
 
 
 def _safetensors(data: bytes, name: str) -> dict:
@@ -586,7 +705,16 @@ def load_hf(path, dtype=jnp.float32) -> Pretrained:
       tensor="config.json",
       fix="pass the directory that holds config.json and model.safetensors",
     )
-  config = config_from_hf(json.loads(src.read("config.json")), dtype)
+  try:
+    raw_config = json.loads(src.read("config.json"))
+  except (ValueError, UnicodeDecodeError) as e:
+    raise LoadError(
+      f"config.json of {path} is not valid JSON (truncated or corrupt): {e}",
+      code="config_invalid",
+      tensor="config.json",
+      fix="download config.json again",
+    ) from None
+  config = config_from_hf(raw_config, dtype)
   if src.has("model.safetensors"):
     tensors = _safetensors(src.read("model.safetensors"), "model.safetensors")
   elif src.has("pytorch_model.bin"):
@@ -606,7 +734,18 @@ def load_hf(path, dtype=jnp.float32) -> Pretrained:
   if src.has("tokenizer.json"):
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_str(src.read("tokenizer.json").decode())
+    try:
+      tokenizer = Tokenizer.from_str(src.read("tokenizer.json").decode())
+    except LoadError:
+      raise
+    except Exception as e:  # noqa: BLE001 (tokenizers raises its own Exception)
+      raise LoadError(
+        f"tokenizer.json of {path} cannot be read (truncated or corrupt): "
+        f"{type(e).__name__}: {str(e)[:200]}",
+        code="truncated_file",
+        tensor="tokenizer.json",
+        fix="download tokenizer.json again",
+      ) from None
   return Pretrained(model_for(config), params_from_hf(config, tensors), tokenizer, config)
 
 

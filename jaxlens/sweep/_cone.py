@@ -19,8 +19,8 @@ the earlier positions' keys and values included, is the corrupt run's.
 A cell at layer ``k`` thus costs ``(L - 1 - k) * (S - p)`` token-layers, where a sweep that
 replays the patched site's downstream cone (:func:`jaxlens.sweep.patching_sweep`) spends
 ``(L - 1 - k) * S``; on 16 positions that is 136 token-layers per layer instead of 256.
-Results equal :func:`jaxlens.sweep.patching_sweep` on the sites ``blocks_{k}/resid_post``
-(or ``resid_pre``), up to float rounding.
+Results equal :func:`jaxlens.sweep.patching_sweep` on the sites ``blocks_{k}/resid_pre`` (both
+sweeps' default) or ``blocks_{k}/resid_post``, up to float rounding.
 
 The sweep asks the model through :class:`jaxlens.protocol.Decoder`: its sites
 (``block_site``), and how to run one block after a given past (``run_block``) and to turn the
@@ -40,6 +40,7 @@ import numpy as np
 from jaxlens.core import InvalidArgumentError, ShapeError, module, trace
 from jaxlens.internal import api_boundary
 from jaxlens.protocol import Decoder
+from jaxlens.sweep._patching import check_metric
 
 __all__ = ["cone_sweep"]
 
@@ -182,7 +183,7 @@ def cone_sweep(
   *,
   layers: Sequence[int] | None = None,
   positions: Sequence[int] | None = None,
-  site: str = "resid_post",
+  site: str = "resid_pre",
   batch_size: int | None = 1,
 ):
   """Patches the clean residual stream into the corrupt run at every (layer, position).
@@ -202,7 +203,9 @@ def cone_sweep(
       module-level function avoids a recompile per call).
     layers: the layers (default: all).
     positions: the positions (default: all).
-    site: ``"resid_post"`` (a block's output) or ``"resid_pre"`` (its input).
+    site: ``"resid_pre"`` (a block's input, the default: the sites of
+      ``model.layer_sites()``, which :func:`patching_sweep` patches by default, so the two
+      sweeps' default grids are the same) or ``"resid_post"`` (a block's output).
     batch_size: how many layers' cells the unembedding and metric handle at once (default 1,
       which bounds the memory of the logits to one layer's cells; None: all).
 
@@ -215,6 +218,7 @@ def cone_sweep(
       :class:`ShapeError` ``shape_mismatch`` or ``metric_not_scalar``.
   """
   _check_decoder(model)
+  check_metric(metric, "cone_sweep")
   n_layers = len(model.layer_sites())
   if site not in _SITES:
     raise InvalidArgumentError(

@@ -40,6 +40,27 @@ def layer_sites(n_layers: int, pattern: str = "block_{}") -> tuple[str, ...]:
   return tuple(pattern.format(i) for i in range(n_layers))
 
 
+def check_metric(metric, sweep: str) -> None:
+  """A sweep's metric is a static argument of its jitted call: it must be callable and
+  hashable (jit's own error, "Non-hashable static arguments", names neither)."""
+  if not callable(metric):
+    raise InvalidArgumentError(
+      f"{sweep}: metric must be a function of the model output, got {type(metric).__name__}",
+      code="invalid_argument",
+      fix="metric=lambda out: out[:, -1, 0].mean()",
+    )
+  try:
+    hash(metric)
+  except TypeError:
+    raise InvalidArgumentError(
+      f"{sweep}: the metric {type(metric).__name__} is not hashable (it defines __eq__ without "
+      "__hash__); the sweep's compiled call is keyed by it",
+      code="invalid_argument",
+      fix="a module-level function, a lambda, or give the class a __hash__ (e.g. "
+      "@dataclasses.dataclass(frozen=True))",
+    ) from None
+
+
 def _check(clean, corrupt, sites, positions):
   if not sites:
     raise InvalidArgumentError(
@@ -163,7 +184,18 @@ def _on_mesh(
     cell_axes=cell_axes,
     batch_size=batch_size,
   )
-  return grid if len(padded) == len(positions) else grid[:, : len(positions)]
+  if len(padded) == len(positions):
+    return grid
+  explicit = {
+    name
+    for name, kind in zip(mesh.axis_names, mesh.axis_types)
+    if kind == jax.sharding.AxisType.Explicit
+  }
+  if explicit & set(cell_axes):
+    # Slicing an axis split over Explicit mesh axes is refused by JAX ("out sharding could
+    # not be resolved"): replicate the grid (one float per cell) first.
+    grid = jax.device_put(grid, NamedSharding(mesh, P()))
+  return grid[:, : len(positions)]
 
 
 def _default_sites(model) -> tuple[str, ...]:
@@ -254,6 +286,7 @@ def patching_sweep(
     >>> grid.shape
     (1, 3)
   """
+  check_metric(metric, "patching_sweep")
   if sites is None:
     sites = _default_sites(model)
   sites = tuple(sites)
