@@ -316,4 +316,4 @@ def _trace_grad(self, metric, *, sites):
 # trace.grad(metric, sites=...): attached here, above the core (which does not import this
 # module), as the nnsight/torchlens spelling of site_grads.
 _trace_grad.__name__ = "grad"
-Trace.grad = _trace_grad
+Trace.grad = _trace_grad  # type: ignore[attr-defined]  # attached from above the core

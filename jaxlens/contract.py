@@ -322,7 +322,7 @@ def case_constants() -> dict:
   torch_bridge's torch cases convert these same arrays, so both frameworks edit with
   bit-identical arguments.
   """
-  return dict(_constants(bool(jax.config.jax_enable_x64)))
+  return dict(_constants(bool(jax.config.read("jax_enable_x64"))))
 
 
 @functools.lru_cache(maxsize=None)
@@ -408,7 +408,7 @@ def run_cell(
 
 
 @functools.lru_cache(maxsize=None)
-def measured(door: str, row_name: str, keep: bool, weights: Callable = None) -> Cell:
+def measured(door: str, row_name: str, keep: bool, weights: Callable | None = None) -> Cell:
   """One cell on the specification's model, measured once per process.
 
   ``weights`` is a function returning what :func:`spec_model` returns (default
@@ -425,7 +425,7 @@ def _cached(weights: Callable):
   return weights()
 
 
-def run_matrix(doors_: tuple[str, ...] | None = None, weights: Callable = None) -> dict:
+def run_matrix(doors_: tuple[str, ...] | None = None, weights: Callable | None = None) -> dict:
   """Measures every cell: ``{(door, row name): (Cell without, Cell with keep_grad)}``."""
   table = {}
   for door in doors_ or tuple(DOORS):

@@ -59,7 +59,7 @@ import os
 import queue
 import shutil
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from pathlib import Path
 from typing import Any
 
@@ -358,7 +358,7 @@ def collect(
   """
   root = Path(path)
   selectors = _selectors(sites)
-  if num_batches is None and hasattr(batches, "__len__"):
+  if num_batches is None and isinstance(batches, Sized):
     num_batches = len(batches)
 
   run = _runner(model, tuple(selectors), method, apply_kwargs)
@@ -613,7 +613,7 @@ class ActivationStore:
       as_jax: yield JAX arrays instead of numpy arrays.
     """
     single = isinstance(labels, str)
-    names = [labels] if single else list(labels)
+    names: list[str] = [labels] if isinstance(labels, str) else list(labels)
     for name in names:
       self._check(name)
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):

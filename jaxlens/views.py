@@ -656,7 +656,7 @@ def _to_html(self, path=None, **kwargs) -> str:
 # The views attach themselves to the core's types: the core (jaxlens/_src) does not import
 # this tool (tests/test_layers.py); ``import jaxlens`` imports this module.
 for _cls in (_Trace, _Spec, _Edit, _Site):
-  _cls.__treescope_repr__ = _treescope_repr
+  _cls.__treescope_repr__ = _treescope_repr  # type: ignore[union-attr]  # attached from here
 _to_html.__name__ = "to_html"
-_Trace.to_html = _to_html
-_Spec.to_html = _to_html
+_Trace.to_html = _to_html  # type: ignore[attr-defined]
+_Spec.to_html = _to_html  # type: ignore[attr-defined]

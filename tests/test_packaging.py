@@ -7,9 +7,9 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Pinned in requirements-dev.txt without being a dependency of an extra: the linter, and jaxlib,
-# which jax needs at its own version.
-TOOLS = {"ruff", "jaxlib"}
+# Pinned in requirements-dev.txt without being a dependency of an extra: the linter, the type
+# checker, and jaxlib, which jax needs at its own version.
+TOOLS = {"ruff", "mypy", "jaxlib"}
 
 
 def _name(requirement: str) -> str:
