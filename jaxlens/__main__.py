@@ -55,9 +55,6 @@ def _parser() -> argparse.ArgumentParser:
     help="the demo's heatmap; .png, .svg or .pdf (default patching_heatmap.png)",
   )
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
-  # Earlier spellings, kept working.
-  p.add_argument("--matrix-only", action="store_true", dest="no_demo", help=argparse.SUPPRESS)
-  p.add_argument("--demo-out", dest="out", help=argparse.SUPPRESS)
   return p
 
 

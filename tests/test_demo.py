@@ -107,3 +107,7 @@ def test_python_m_jaxlens_summary_fits_100_columns(tmp_path, capsys, monkeypatch
     entry.main(["--help"])
   helptext = capsys.readouterr().out
   assert "``" not in helptext and "--no-demo" in helptext and "--matrix-only" not in helptext
+  for removed in (["--matrix-only"], ["--demo-out", "x.png"]):  # no hidden old spellings
+    with pytest.raises(SystemExit):
+      entry._parser().parse_args(removed)
+  assert "unrecognized arguments" in capsys.readouterr().err

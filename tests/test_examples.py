@@ -2,7 +2,7 @@
 
 They are not in ``python -m pytest``: run in this process they take about 180 s of CPU
 (look_and_collect.py alone 123 s on SmolLM2, train_through_edits.py 37 s, patching_sweep.py
-21 s, measured on the shared two-core machine), more than the suite's whole time budget allows.
+21 s, measured on the shared two-core machine; sae_smollm2.py trains an SAE on SmolLM2), more than the suite's whole time budget allows.
 """
 
 import re

@@ -33,7 +33,7 @@ from torch_bridge.convert import (  # noqa: E402
   to_jax,
   to_torch,
 )
-from torch_bridge.convert._layers import FlaxLayerNorm  # noqa: E402
+from torch_bridge.convert._flax_layers import FlaxLayerNorm  # noqa: E402
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 tnn = torch.nn
@@ -529,7 +529,12 @@ def test_unsupported_dtype_float64_without_x64():
     from_torch(tnn.Linear(2, 2).double(), dtype=jnp.float32)  # explicit float32 is fine
   finally:
     jax.config.update("jax_enable_x64", True)
-  assert fields == {"code": "unsupported_dtype", "module": "", "type": "Linear"}
+  assert fields == {
+    "code": "unsupported_dtype",
+    "module": "",
+    "type": "Linear",
+    "fix": 'enable it with jax.config.update("jax_enable_x64", True) or pass dtype=jnp.float32',
+  }
 
 
 def test_non_module_is_type_error():

@@ -2,7 +2,7 @@
 
 One entry point, :func:`from_torch`, two converters behind it:
 
-* the **fast path** (:mod:`torch_bridge.convert._layers`): readable hand-written Flax modules
+* the **fast path** (:mod:`torch_bridge.convert._modules`): readable hand-written Flax modules
   for ``Linear``, ``Conv1d/2d/3d``, ``LayerNorm``, ``Embedding``, activations, ``Sequential``
   and the reference :class:`TinyGPT`; used when every module of the model is one of these;
 * the **export path** (:mod:`torch_bridge.convert._export`): any model ``torch.export`` can
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
 import torch
 
-from torch_bridge.convert import _layers
-from torch_bridge.convert._arrays import jax_dtype, to_jax, to_torch
+from torch_bridge.convert import _modules
+from torch_bridge.convert._arrays import to_jax, to_torch
+from torch_bridge.convert._dtypes import dtype_argument
 from torch_bridge.convert._errors import ConversionError
 from torch_bridge.convert._export import ExportOptions, convert_exported, export_model
-from torch_bridge.convert._layers import GPTBlock, TinyGPT
+from torch_bridge.convert._gpt import GPTBlock, TinyGPT
 
 __all__ = [
   "ConversionError",
@@ -92,10 +92,10 @@ def from_torch(
     )
   has_example = bool(example_args) or bool(example_kwargs)
   if method == "modules" or (method == "auto" and not has_example):
-    return _layers.from_torch(module, dtype=dtype)
+    return _modules.from_torch(module, dtype=dtype)
   if method == "auto":
     try:
-      return _layers.from_torch(module, dtype=dtype)
+      return _modules.from_torch(module, dtype=dtype)
     except ConversionError:
       pass
   flax_module, variables, site_map, _ = convert(
@@ -127,22 +127,7 @@ def convert(
       module="",
       fix="from_torch(model, *example_inputs)",
     )
-  target = None
-  if dtype is not None:
-    try:
-      target = jax_dtype(dtype)
-    except TypeError:
-      target = None
-    if target is None or not jnp.issubdtype(target, jnp.floating):
-      raise ConversionError(
-        f"dtype={dtype!r} is not supported; supported: None (keep torch's) or a floating "
-        "dtype such as jnp.float32",
-        code="unsupported_dtype",
-        module="",
-        attribute="dtype",
-        value=dtype,
-        fix="dtype=jnp.float32",
-      )
+  target = dtype_argument(dtype)
   options = ExportOptions(
     dynamic_shapes=dynamic_shapes, attention_probs=attention_probs, eval_mode=eval_mode
   )

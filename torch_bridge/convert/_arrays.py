@@ -1,4 +1,4 @@
-"""Moving arrays between torch and JAX, and dtype conversion."""
+"""Moving arrays between torch and JAX (their dtypes: :mod:`torch_bridge.convert._dtypes`)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-__all__ = ["jax_dtype", "to_jax", "to_torch"]
-
-
-def jax_dtype(dtype: Any) -> np.dtype:
-  """A numpy/jax dtype from a torch dtype or anything ``jnp.dtype`` takes (TypeError if none)."""
-  if isinstance(dtype, torch.dtype):
-    dtype = str(dtype).removeprefix("torch.")
-  return jnp.dtype(dtype)
+__all__ = ["to_jax", "to_torch"]
 
 
 def to_jax(t: torch.Tensor) -> jax.Array:

@@ -37,6 +37,7 @@ import torch
 from torch.utils import _pytree as tree
 
 from torch_bridge.convert._aten import ATEN, HI, sdpa_logits
+from torch_bridge.convert._dtypes import JAX_LACKS, runtime_dtype
 from torch_bridge.convert._errors import ConversionError
 
 __all__ = ["ExportOptions", "convert_exported", "export_model"]
@@ -434,18 +435,9 @@ def _error(code: str, module: str, what: str, fix: str) -> ConversionError:
 # -- the Flax modules ----------------------------------------------------------------------
 
 
-def _torch_to_jax_dtype(dtype: torch.dtype):
-  name = str(dtype).removeprefix("torch.")
-  if name == "int64" and not jax.config.jax_enable_x64:
-    return jnp.int32
-  if name == "float64" and not jax.config.jax_enable_x64:
-    return jnp.float32
-  return jnp.dtype(name)
-
-
 def _arg(a):
   if isinstance(a, torch.dtype):
-    return _torch_to_jax_dtype(a)
+    return runtime_dtype(a)
   if isinstance(a, (torch.device, torch.layout, torch.memory_format)):
     return None
   return a
@@ -579,7 +571,7 @@ def _as_recorded(out, node, override=None):
   """Casts a tensor result to the dtype torch recorded for the node (floating: ``override``)."""
   val = node.meta.get("val")
   if isinstance(val, torch.Tensor) and isinstance(out, jax.Array):
-    want = _torch_to_jax_dtype(val.dtype)
+    want = runtime_dtype(val.dtype)
     if override is not None and val.dtype.is_floating_point:
       want = override
     if out.dtype != want:
@@ -650,14 +642,11 @@ def _state_dtype(program, node):
   value = program.values[node]
   if program.dtype_override is not None and value.is_floating_point():
     return program.dtype_override
-  return _torch_to_jax_dtype(value.dtype)
-
-
-_JAX_LACKS = {torch.complex32, torch.quint8, torch.qint8, torch.qint32, torch.quint4x2}
+  return runtime_dtype(value.dtype)
 
 
 def _check_dtypes(program) -> None:
-  x64 = jax.config.jax_enable_x64
+  x64 = jax.config.read("jax_enable_x64")
   for node in program.graph.nodes:
     val = node.meta.get("val")
     vals = val if isinstance(val, (list, tuple)) else [val]
@@ -670,8 +659,8 @@ def _check_dtypes(program) -> None:
         module = stack[-1][0]
       elif node in program.state:
         module = _owner(program.state[node][1])
-      if v.dtype in _JAX_LACKS or v.is_complex() or v.is_quantized:
-        lacks = "which JAX lacks" if v.dtype in _JAX_LACKS else "which the converter lacks"
+      if v.dtype in JAX_LACKS or v.is_complex() or v.is_quantized:
+        lacks = "which JAX lacks" if v.dtype in JAX_LACKS else "which the converter lacks"
         raise _error(
           "unsupported_dtype",
           module,
@@ -686,7 +675,7 @@ def _check_dtypes(program) -> None:
           'enable it with jax.config.update("jax_enable_x64", True) or pass dtype=jnp.float32',
         )
       try:
-        _torch_to_jax_dtype(v.dtype)
+        runtime_dtype(v.dtype)
       except TypeError:
         raise _error(
           "unsupported_dtype",

@@ -21,7 +21,7 @@ kept at the module boundary:
 * ``nn.Sequential`` becomes ``flax.linen.Sequential`` (children are named
   ``layers_0``, ``layers_1``, ... by Flax, whatever their torch names).
 * :class:`GPTBlock` and :class:`TinyGPT`, the reference torch transformer
-  defined below, become :class:`FlaxGPTBlock` and :class:`FlaxTinyGPT`.
+  of ``_gpt.py``, become :class:`FlaxGPTBlock` and :class:`FlaxTinyGPT` (``_flax_layers.py``).
 
 Matrix products and convolutions run at ``jax.lax.Precision.HIGHEST`` so that
 float32 results match torch's CPU results on accelerators too (no TF32).
@@ -39,7 +39,6 @@ Weight tying is not preserved either: each module gets its own copy.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,341 +47,22 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from flax import linen as nn
-from flax.linen.dtypes import promote_dtype
 
+from torch_bridge.convert._dtypes import jax_dtype, target_dtype
 from torch_bridge.convert._errors import ConversionError
+from torch_bridge.convert._flax_layers import (
+  _PRECISION,
+  FlaxActivation,
+  FlaxCausalSelfAttention,
+  FlaxConv,
+  FlaxGPTBlock,
+  FlaxIdentity,
+  FlaxLayerNorm,
+  FlaxTinyGPT,
+)
+from torch_bridge.convert._gpt import GPTBlock, TinyGPT
 
-__all__ = [
-  "ConversionError",
-  "FlaxActivation",
-  "FlaxCausalSelfAttention",
-  "FlaxConv",
-  "FlaxGPTBlock",
-  "FlaxIdentity",
-  "FlaxLayerNorm",
-  "FlaxTinyGPT",
-  "GPTBlock",
-  "TinyGPT",
-  "from_torch",
-]
-
-# Precision for every matmul/convolution of the converted modules: exact
-# float32 products (torch's CPU behaviour) rather than TF32/bf16 passes.
-_PRECISION = jax.lax.Precision.HIGHEST
-
-
-# --------------------------------------------------------------------------
-# Reference torch transformer (the GPT-style model the converter supports).
-# --------------------------------------------------------------------------
-
-
-class GPTBlock(torch.nn.Module):
-  """Pre-LayerNorm GPT block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``.
-
-  Attention is ``torch.nn.MultiheadAttention(batch_first=True)`` applied as
-  causal self-attention (boolean upper-triangular ``attn_mask``, True means
-  "may not attend"). The MLP is ``Linear, GELU, Linear``.
-
-  Args:
-    d_model: Width of the residual stream.
-    n_heads: Number of attention heads (must divide ``d_model``).
-    mlp_ratio: Hidden width of the MLP as a multiple of ``d_model``.
-  """
-
-  def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4) -> None:
-    super().__init__()
-    self.d_model = d_model
-    self.n_heads = n_heads
-    self.mlp_ratio = mlp_ratio
-    self.ln1 = torch.nn.LayerNorm(d_model)
-    self.attn = torch.nn.MultiheadAttention(d_model, n_heads, batch_first=True)
-    self.ln2 = torch.nn.LayerNorm(d_model)
-    self.mlp = torch.nn.Sequential(
-      torch.nn.Linear(d_model, mlp_ratio * d_model),
-      torch.nn.GELU(),
-      torch.nn.Linear(mlp_ratio * d_model, d_model),
-    )
-
-  def forward(self, x: torch.Tensor) -> torch.Tensor:
-    """Applies the block to ``x`` of shape ``(batch, seq, d_model)``."""
-    seq = x.shape[-2]
-    causal_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=x.device), diagonal=1)
-    h = self.ln1(x)
-    attn_out, _ = self.attn(h, h, h, attn_mask=causal_mask, need_weights=False)
-    x = x + attn_out
-    return x + self.mlp(self.ln2(x))
-
-
-class TinyGPT(torch.nn.Module):
-  """Small GPT: token + learned position embeddings, blocks, LayerNorm, head.
-
-  Args:
-    vocab: Vocabulary size (embedding rows and head outputs).
-    d_model: Width of the residual stream.
-    n_heads: Attention heads per block.
-    n_layers: Number of :class:`GPTBlock` in ``blocks``.
-    max_len: Longest supported sequence (rows of ``pos_emb``).
-    mlp_ratio: MLP width multiple passed to each block.
-  """
-
-  def __init__(
-    self,
-    vocab: int,
-    d_model: int,
-    n_heads: int,
-    n_layers: int,
-    max_len: int,
-    mlp_ratio: int = 4,
-  ) -> None:
-    super().__init__()
-    self.vocab = vocab
-    self.d_model = d_model
-    self.n_heads = n_heads
-    self.n_layers = n_layers
-    self.max_len = max_len
-    self.mlp_ratio = mlp_ratio
-    self.tok_emb = torch.nn.Embedding(vocab, d_model)
-    self.pos_emb = torch.nn.Embedding(max_len, d_model)
-    self.blocks = torch.nn.ModuleList(
-      [GPTBlock(d_model, n_heads, mlp_ratio) for _ in range(n_layers)]
-    )
-    self.ln_f = torch.nn.LayerNorm(d_model)
-    self.head = torch.nn.Linear(d_model, vocab)
-
-  def forward(self, idx: torch.Tensor) -> torch.Tensor:
-    """Maps token ids ``(batch, seq)`` to logits ``(batch, seq, vocab)``."""
-    pos = torch.arange(idx.shape[-1], device=idx.device)
-    x = self.tok_emb(idx) + self.pos_emb(pos)
-    for block in self.blocks:
-      x = block(x)
-    return self.head(self.ln_f(x))
-
-
-# --------------------------------------------------------------------------
-# Flax modules produced by the converters.
-# --------------------------------------------------------------------------
-
-# Elementwise functions, written to match torch's formulas.
-_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-  "relu": jax.nn.relu,
-  "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # erf form
-  "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # tanh form
-  "tanh": jnp.tanh,
-  "sigmoid": jax.nn.sigmoid,
-  "silu": jax.nn.silu,
-}
-
-
-class FlaxActivation(nn.Module):
-  """A parameterless elementwise activation (a module, so it is a site).
-
-  Attributes:
-    kind: Key of ``_ACTIVATIONS``: ``"relu"``, ``"gelu"`` (exact erf),
-      ``"gelu_tanh"``, ``"tanh"``, ``"sigmoid"`` or ``"silu"``.
-  """
-
-  kind: str
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return _ACTIVATIONS[self.kind](x)
-
-
-class FlaxIdentity(nn.Module):
-  """Returns its input (``nn.Identity``, eval-mode ``nn.Dropout``)."""
-
-  def __call__(self, x: Any) -> Any:
-    return x
-
-
-class FlaxLayerNorm(nn.Module):
-  """torch-style LayerNorm over the trailing ``normalized_shape`` dims.
-
-  Uses the biased variance of the centred input (as torch does), so
-  results match torch to rounding.
-
-  Attributes:
-    normalized_shape: Trailing dims to normalise; also the shape of
-      ``scale`` and ``bias``.
-    eps: Added to the variance before the square root.
-    use_scale: Whether a ``scale`` parameter exists (torch ``weight``).
-    use_bias: Whether a ``bias`` parameter exists.
-    param_dtype: dtype used when initialising parameters.
-  """
-
-  normalized_shape: tuple[int, ...]
-  eps: float = 1e-5
-  use_scale: bool = True
-  use_bias: bool = True
-  param_dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    n = len(self.normalized_shape)
-    if tuple(x.shape[x.ndim - n :]) != tuple(self.normalized_shape):
-      raise ValueError(
-        f"FlaxLayerNorm expects trailing dims {self.normalized_shape}, got input shape {x.shape}"
-      )
-    axes = tuple(range(x.ndim - n, x.ndim))
-    mean = jnp.mean(x, axis=axes, keepdims=True)
-    centered = x - mean
-    var = jnp.mean(jnp.square(centered), axis=axes, keepdims=True)
-    y = centered * jax.lax.rsqrt(var + self.eps)
-    if self.use_scale:
-      y = y * self.param("scale", nn.initializers.ones, self.normalized_shape, self.param_dtype)
-    if self.use_bias:
-      y = y + self.param("bias", nn.initializers.zeros, self.normalized_shape, self.param_dtype)
-    return y
-
-
-# Spatial dimension letters for lax dimension numbers, by spatial rank.
-_SPATIAL = {1: "H", 2: "HW", 3: "DHW"}
-
-
-class FlaxConv(nn.Module):
-  """Channels-first N-d convolution with torch semantics.
-
-  Input ``(N, C, *spatial)`` or unbatched ``(C, *spatial)``, output in the
-  same layout. Cross-correlation, like torch (and ``lax``).
-
-  Attributes:
-    features: Output channels.
-    kernel_size: Spatial kernel extent per dim.
-    strides: Stride per spatial dim.
-    padding: ``(low, high)`` zero padding per spatial dim.
-    dilation: Kernel dilation per spatial dim.
-    groups: torch ``groups`` (lax ``feature_group_count``).
-    use_bias: Whether a ``bias`` parameter exists.
-    param_dtype: dtype used when initialising parameters.
-  """
-
-  features: int
-  kernel_size: tuple[int, ...]
-  strides: tuple[int, ...]
-  padding: tuple[tuple[int, int], ...]
-  dilation: tuple[int, ...]
-  groups: int = 1
-  use_bias: bool = True
-  param_dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    n_spatial = len(self.kernel_size)
-    unbatched = x.ndim == n_spatial + 1
-    if unbatched:
-      x = x[None]
-    if x.ndim != n_spatial + 2:
-      raise ValueError(
-        f"FlaxConv expects (N, C, *{n_spatial} spatial) or unbatched input, got shape {x.shape}"
-      )
-    kernel = self.param(
-      "kernel",
-      nn.initializers.lecun_normal(),
-      (*self.kernel_size, x.shape[1] // self.groups, self.features),
-      self.param_dtype,
-    )
-    bias = (
-      self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype)
-      if self.use_bias
-      else None
-    )
-    x, kernel, bias = promote_dtype(x, kernel, bias)
-    sp = _SPATIAL[n_spatial]
-    # Keep activations channels-first (torch layout); kernel is Flax's.
-    dims = jax.lax.conv_dimension_numbers(x.shape, kernel.shape, ("NC" + sp, sp + "IO", "NC" + sp))
-    y = jax.lax.conv_general_dilated(
-      x,
-      kernel,
-      window_strides=self.strides,
-      padding=self.padding,
-      rhs_dilation=self.dilation,
-      dimension_numbers=dims,
-      feature_group_count=self.groups,
-      precision=_PRECISION,
-    )
-    if bias is not None:
-      y = y + bias.reshape((-1,) + (1,) * n_spatial)
-    return y[0] if unbatched else y
-
-
-class FlaxCausalSelfAttention(nn.Module):
-  """Multi-head causal self-attention (torch ``MultiheadAttention`` math).
-
-  ``softmax(q k^T / sqrt(head_dim) + causal mask) v``, heads concatenated,
-  then ``out_proj``. torch's packed ``in_proj`` is split into the three
-  projections so that queries, keys and values are separate sites.
-
-  Attributes:
-    num_heads: Number of heads; the model width must be divisible by it.
-    q_proj: Query projection (Dense).
-    k_proj: Key projection (Dense).
-    v_proj: Value projection (Dense).
-    out_proj: Output projection (Dense); torch's ``attn.out_proj``.
-  """
-
-  num_heads: int
-  q_proj: nn.Module
-  k_proj: nn.Module
-  v_proj: nn.Module
-  out_proj: nn.Module
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """Attends over ``x`` of shape ``(..., seq, width)`` causally."""
-    *lead, seq, width = x.shape
-    head_dim = width // self.num_heads
-
-    def split(h: jax.Array) -> jax.Array:
-      return h.reshape(*lead, seq, self.num_heads, head_dim)
-
-    q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
-    logits = jnp.einsum("...qhd,...khd->...hqk", q, k, precision=_PRECISION)
-    logits = logits / math.sqrt(head_dim)
-    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    weights = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
-    mixed = jnp.einsum("...hqk,...khd->...qhd", weights, v, precision=_PRECISION)
-    return self.out_proj(mixed.reshape(*lead, seq, width))
-
-
-class FlaxGPTBlock(nn.Module):
-  """Flax counterpart of :class:`GPTBlock` (same residual structure)."""
-
-  ln1: nn.Module
-  attn: nn.Module
-  ln2: nn.Module
-  mlp: nn.Module
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + self.attn(self.ln1(x))
-    return x + self.mlp(self.ln2(x))
-
-
-class FlaxTinyGPT(nn.Module):
-  """Flax counterpart of :class:`TinyGPT`; blocks are ``blocks_0``, ...
-
-  Attributes:
-    tok_emb: Token embedding.
-    pos_emb: Position embedding, called on ``arange(seq)``.
-    blocks: The transformer blocks, applied in order.
-    ln_f: Final LayerNorm.
-    head: Output projection to logits.
-    max_len: Longest accepted sequence (torch would index out of range).
-  """
-
-  tok_emb: nn.Module
-  pos_emb: nn.Module
-  blocks: Sequence[nn.Module]
-  ln_f: nn.Module
-  head: nn.Module
-  max_len: int
-
-  def __call__(self, idx: jax.Array) -> jax.Array:
-    """Maps integer token ids ``(..., seq)`` to logits ``(..., seq, vocab)``."""
-    seq = idx.shape[-1]
-    if seq > self.max_len:
-      raise ValueError(f"sequence length {seq} exceeds max_len {self.max_len}")
-    x = self.tok_emb(idx) + self.pos_emb(jnp.arange(seq))
-    for block in self.blocks:
-      x = block(x)
-    return self.head(self.ln_f(x))
+__all__ = ["from_torch"]
 
 
 # --------------------------------------------------------------------------
@@ -437,7 +117,7 @@ class _Context:
 
   def param_dtype(self, t: torch.Tensor) -> Any:
     """The jax dtype a copy of parameter ``t`` will have."""
-    return self.dtype if self.dtype is not None else _jax_dtype(t.dtype)
+    return self.dtype if self.dtype is not None else jax_dtype(t.dtype)
 
   def array(self, t: torch.Tensor, transpose: Sequence[int] | None = None) -> jax.Array:
     """Copies parameter ``t`` out of torch (optionally transposed).
@@ -821,47 +501,6 @@ _REGISTRY: dict[type, _Spec] = {
 }
 
 
-# --------------------------------------------------------------------------
-# dtypes and the public API.
-# --------------------------------------------------------------------------
-
-
-def _jax_dtype(dtype: Any) -> np.dtype:
-  """A numpy/jax dtype from a torch dtype or anything ``jnp.dtype`` takes."""
-  if isinstance(dtype, torch.dtype):
-    dtype = str(dtype).removeprefix("torch.")
-  return jnp.dtype(dtype)
-
-
-def _target_dtype(module: torch.nn.Module, dtype: Any) -> np.dtype | None:
-  """Validates the ``dtype`` argument and that jax can hold the result."""
-  ctx = _Context("", None, {})
-  if dtype is not None:
-    try:
-      target = _jax_dtype(dtype)
-    except TypeError:
-      target = None
-    if target is None or not jnp.issubdtype(target, jnp.floating):
-      raise ctx.error(
-        module,
-        "unsupported_dtype",
-        f"dtype={dtype!r} is not supported; supported: None (keep torch's) "
-        "or a floating dtype such as jnp.float32",
-        attribute="dtype",
-        value=dtype,
-      )
-    dtype = target
-  wanted = {dtype} if dtype is not None else {_jax_dtype(p.dtype) for p in module.parameters()}
-  if any(d.itemsize == 8 for d in wanted) and not jax.config.jax_enable_x64:
-    raise ctx.error(
-      module,
-      "unsupported_dtype",
-      "64-bit parameters need jax_enable_x64; supported: enable it with "
-      'jax.config.update("jax_enable_x64", True) or pass dtype=jnp.float32',
-    )
-  return dtype
-
-
 def from_torch(
   module: torch.nn.Module, *, dtype: Any = None
 ) -> tuple[nn.Module, dict[str, Any], dict[str, str]]:
@@ -902,6 +541,6 @@ def from_torch(
   """
   if not isinstance(module, torch.nn.Module):
     raise TypeError(f"from_torch expects a torch.nn.Module, got {type(module).__name__}")
-  ctx = _Context("", _target_dtype(module, dtype), {})
+  ctx = _Context("", target_dtype(module, dtype), {})
   converted = _convert(module, ctx)
   return converted.module, {"params": converted.params}, converted.sites
