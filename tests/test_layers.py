@@ -21,6 +21,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "jaxlens" / "_src"
 FACADES = {"jaxlens.core", "jaxlens.intervention", "jaxlens.internal"}
+# Deliberate function-level imports, each with its reason. jaxlens.models.gemma3 is also
+# callable (``jm.gemma3()`` loads the pretrained model through jaxlens.models.hub, which imports
+# the loaders, which import gemma3): the import in its __call__ closes that loop at call time.
+DEFERRED = {("jaxlens.models.gemma3", "jaxlens.models.hub")}
 OURS = ("jaxlens", "torch_bridge")
 
 FLOORS = {
@@ -127,7 +131,8 @@ def test_tools_use_the_public_api_at_module_level(name):
       assert name in FACADES, f"{where}: imports {target}; use jaxlens.core/.internal"
     else:
       assert not _private_outside_its_package(name, target), f"{where}: imports {target}"
-    assert top or path.name == "__main__.py", f"{where}: imports {target} inside a function"
+    deferred = path.name == "__main__.py" or (name, target) in DEFERRED
+    assert top or deferred, f"{where}: imports {target} inside a function"
 
 
 def test_the_import_graph_has_no_cycle():
