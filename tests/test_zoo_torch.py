@@ -67,7 +67,7 @@ def _hf_out(family, hf, tokens, mask=None):
 def _jl_fn(family, lm, mask=None):
   if family == "bert":
     return lambda v, x, spec=None: (spec.bind(lm.model) if spec else lm.model.apply)(
-      v, x, None, mask
+      v, x, attention_mask=mask
     )
   return lambda v, x, spec=None: (spec.bind(lm.model) if spec else lm.model.apply)(v, x, mask)
 
