@@ -54,10 +54,6 @@ from jaxlens._src.sites import Site, as_selector
 from jaxlens._src.tracebacks import api_boundary
 
 
-def _concrete(a) -> bool:
-  return not isinstance(a, jax.core.Tracer)
-
-
 def _host(a):
   """A numpy copy of a concrete argument (for checks on its values), else None.
 

@@ -86,10 +86,6 @@ class _Static:
   replayed_from: int | None = None
 
 
-def _id_eq(a, b):
-  return a is b
-
-
 @jax.tree_util.register_pytree_node_class
 class Trace(Donor):
   """The result of ``jl.trace``: the model output and the saved site values.
