@@ -143,9 +143,9 @@ def main(argv=None):
   jb, js, jlab = jnp.asarray(base), jnp.asarray(source), jnp.asarray(label)
 
   @jax.jit
-  def jax_das_step(p, st):
+  def jax_das_step(p, st, v):
     def loss(p):
-      o = jt.intervened_output(lm.model, lm.variables, site, method, p, jb, js, positions=[s - 1])
+      o = jt.intervened_output(lm.model, v, site, method, p, jb, js, positions=[s - 1])
       logp = jax.nn.log_softmax(o[:, -1])
       return -jnp.mean(jnp.take_along_axis(logp, jlab[:, None], 1))
 
@@ -154,7 +154,7 @@ def main(argv=None):
     return optax.apply_updates(p, updates), st, value
 
   def jaxlens_das():
-    state["p"], state["s"], value = jax_das_step(state["p"], state["s"])
+    state["p"], state["s"], value = jax_das_step(state["p"], state["s"], lm.variables)
     return value
 
   first_t, first_j = float(pyvene_das()), float(jaxlens_das())
@@ -195,9 +195,9 @@ def main(argv=None):
   jt_targets, jt_weights = jnp.asarray(targets), jnp.asarray(weights)
 
   @jax.jit
-  def jax_reft_step(p, st):
+  def jax_reft_step(p, st, v):
     def loss(p):
-      o = jl.when(site, jl.loreft(p)).bind(lm.model)(lm.variables, jb)
+      o = jl.when(site, jl.loreft(p)).bind(lm.model)(v, jb)
       ce = -jnp.take_along_axis(jax.nn.log_softmax(o), jt_targets[..., None], -1)[..., 0]
       return jnp.sum(ce * jt_weights) / jnp.sum(jt_weights)
 
@@ -206,7 +206,7 @@ def main(argv=None):
     return optax.apply_updates(p, updates), st, value
 
   def jaxlens_reft():
-    rstate["p"], rstate["s"], value = jax_reft_step(rstate["p"], rstate["s"])
+    rstate["p"], rstate["s"], value = jax_reft_step(rstate["p"], rstate["s"], lm.variables)
     return value
 
   pyvene_reft(), jaxlens_reft()

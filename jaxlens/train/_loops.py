@@ -406,8 +406,9 @@ def iia(
   """Interchange intervention accuracy: the fraction of examples whose intervened output
   predicts the counterfactual label (``argmax(readout(output)) == label``)."""
 
+  # The variables are an argument, not a closure constant (XLA would fold a model's weights).
   @jax.jit
-  def hits(p, batch):
+  def hits(p, variables, batch):
     out = intervened_output(
       model,
       variables,
@@ -426,7 +427,7 @@ def iia(
     batches = [batches]
   right = total = 0
   for batch in batches:
-    h, n = hits(params, batch)
+    h, n = hits(params, variables, batch)
     right += int(h)
     total += int(n)
   return right / max(total, 1)
