@@ -418,6 +418,12 @@ def render(
     ]
     for r in rs:
       lines += _details(r)
+  # The SmolLM2 figures of benchmarks/bench_speed.py (run on its own), kept from its results.
+  from benchmarks.bench_speed import render_saved
+
+  speed = render_saved()
+  if speed:
+    lines += ["", speed.rstrip("\n")]
   lines += ["", "## Method", ""] + _METHOD
   return "\n".join(lines) + "\n"
 
