@@ -83,8 +83,13 @@ def interchange_batch(key, emb, n):
   return {"base": xb, "source": xs, "label": (s1 == b2).astype(jnp.int32)}
 
 
-def run(model_steps=1500, das_steps=300, boundless_steps=600, seed=0, progress=False):
-  """Trains the model, DAS at two sites and Boundless DAS; returns the measured figures."""
+def run(
+  model_steps=1500, das_steps=300, boundless_steps=600, wrong_steps=None, seed=0, progress=False
+):
+  """Trains the model, DAS at two sites and Boundless DAS; returns the measured figures.
+
+  ``wrong_steps`` (default ``das_steps``) is the number of DAS steps at the logits.
+  """
   t0 = time.perf_counter()
   model, variables, emb, accuracy = train_model(model_steps, seed)
   train_batches = [
@@ -102,7 +107,7 @@ def run(model_steps=1500, das_steps=300, boundless_steps=600, seed=0, progress=F
       method,
       params,
       train_batches,
-      steps=das_steps,
+      steps=das_steps if site == "layers_0" or wrong_steps is None else wrong_steps,
       optimizer=optax.adam(1e-2),
       progress=progress,
     )

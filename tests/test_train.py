@@ -335,7 +335,7 @@ def test_das_finds_the_causal_variable_of_hierarchical_equality():
   task = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(task)
   with jax.numpy_dtype_promotion("standard"):
-    got = task.run(model_steps=600, das_steps=200, boundless_steps=300)
+    got = task.run(model_steps=600, das_steps=200, boundless_steps=300, wrong_steps=60)
   assert got["model_accuracy"] >= 0.98, got
   assert got["das_iia_layers_0"] >= 0.95, got
   assert abs(got["das_iia_layers_4"] - 0.5) <= 0.05
