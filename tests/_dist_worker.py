@@ -447,7 +447,7 @@ def _fault(args, out_dir):
 
   from jaxlens import distributed as jd
 
-  if args.scenario == "die-batch":
+  if args.scenario == "die":
     # The layout docs/scaling.md recommends: the batch split across processes, each
     # process's devices on a second axis. A dead peer makes gloo fail the collective at
     # once (a JaxRuntimeError), not hang.
@@ -470,7 +470,7 @@ def _fault(args, out_dir):
   jd.wait(total(a), timeout_s=args.step_timeout)  # compiled and run once by everyone
   report = {"process_index": jax.process_index()}
   if args.process_id == 1:
-    if args.scenario in ("die", "die-batch"):
+    if args.scenario == "die":
       os._exit(3)
     time.sleep(3600)  # hang: alive (heartbeats flow) but never reaches the collective
   start = time.monotonic()
@@ -511,9 +511,7 @@ def main(argv=None):
   parser.add_argument("--port", type=int, required=True)
   parser.add_argument("--devices", type=int, default=2, help="CPU devices per process")
   parser.add_argument("--out", type=Path, required=True)
-  parser.add_argument(
-    "--scenario", choices=("parity", "die", "die-batch", "hang"), default="parity"
-  )
+  parser.add_argument("--scenario", choices=("parity", "die", "hang"), default="parity")
   parser.add_argument("--init-timeout", type=int, default=60)
   parser.add_argument("--heartbeat-timeout", type=int, default=60)
   parser.add_argument("--step-timeout", type=float, default=120.0)

@@ -131,7 +131,7 @@ def jobs(tmp_path_factory):
   try:
     out = tmp_path_factory.mktemp("distributed")
     started["parity"] = (Workers(out, PROCESSES, "--scenario", "parity"), out, time.monotonic())
-    for name in ("die", "die-batch", "hang"):
+    for name in ("die", "hang"):
       out = tmp_path_factory.mktemp(name)
       started[name] = (
         Workers(
@@ -178,7 +178,7 @@ def parity_run(jobs, reference):
 def fault_runs(jobs):
   """The die and the hang drills: name -> (Workers, exit codes, seconds since start)."""
   runs = {}
-  for name in ("die", "die-batch", "hang"):
+  for name in ("die", "hang"):
     job, _, start = jobs[name]
     # Process 0 must finish on its own; process 1 dies by itself or hangs until killed.
     codes = job.wait(max(1.0, 240 - (time.monotonic() - start)), until=[0])
@@ -330,29 +330,21 @@ def test_a_spec_is_written_once_and_loaded_by_every_process(parity_run):
 
 
 def test_a_dead_process_gives_a_typed_error_in_bounded_time(fault_runs):
+  """The die drill runs docs/scaling.md's layout (the batch split across processes): gloo
+  fails the collective at once when the peer's connection closes, and jd.wait passed JAX's
+  raw JaxRuntimeError through (issue 31; the drill used a one-axis mesh, where the survivor
+  waits instead). The timeout path is the hang drill's."""
   job, codes, _ = fault_runs["die"]
   assert codes[1] == 3, job.log(1)  # it exited on its own, mid-run
   assert codes[0] == 0, job.log(0)
   report = job.meta(0)
   error = report["error"]
   assert error is not None, job.log(0)
-  assert (error["type"], error["code"]) == ("DistributedError", "process_timeout")
-  assert "has died or hangs" in error["message"] and "Fix:" in error["message"]
-  assert 3 <= report["seconds"] < 20  # the step timeout, well before jax's heartbeat (20 s)
-
-
-def test_a_dead_peer_of_a_batch_split_mesh_gives_the_typed_error(fault_runs):
-  """With the batch split across processes (docs/scaling.md's layout), gloo fails the
-  collective at once when the peer's connection closes; jd.wait passed JAX's raw
-  JaxRuntimeError through."""
-  job, codes, _ = fault_runs["die-batch"]
-  assert codes[1] == 3, job.log(1)
-  assert codes[0] == 0, job.log(0)
-  report = job.meta(0)
-  error = report["error"]
   assert (error["type"], error["code"]) == ("DistributedError", "process_timeout"), error
-  assert "has died or hangs" in error["message"] and error["fields"]["cause"]
+  assert "has died or hangs" in error["message"] and "Fix:" in error["message"]
+  # at once (the lost peer) or at the step timeout, well before jax's heartbeat (20 s)
   assert report["seconds"] < 20
+  assert report["seconds"] >= 3 or error["fields"]["cause"]
 
 
 def test_a_hung_process_gives_a_typed_error_and_is_killed(fault_runs):

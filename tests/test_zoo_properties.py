@@ -59,7 +59,7 @@ def _settings(n):
 
 @functools.lru_cache(maxsize=None)
 def zoo(family):
-  """(model, variables, canonical module sites) of a tiny float32 model of ``family``."""
+  """(model, variables) of a tiny float32 model of ``family``."""
   sizes = dict(vocab_size=VOCAB, d_model=8, n_layers=1, n_heads=2, max_len=MAX_LEN)
   if family == "llama":
     model = llama.Llama(llama.LlamaConfig(**sizes, n_kv_heads=1, d_mlp=12, tie_embeddings=True))
@@ -76,19 +76,25 @@ def zoo(family):
   else:
     model = bert.Bert(bert.BertConfig(**sizes, d_mlp=12))
   tokens = jnp.asarray([[1, 2, 3, 4]])
-  variables = model.init(jax.random.key(0), tokens)
-  sites = tuple(
+  return model, jax.jit(model.init)(jax.random.key(0), tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def canonical_sites(family):
+  """The labels of the family's module sites (first ``__call__`` of each module)."""
+  model, variables = zoo(family)
+  t = jax.jit(lambda v: jl.trace(model, v, jnp.asarray([[1, 2, 3, 4]])))(variables)
+  return tuple(
     s.label
-    for s in jl.trace(model, variables, tokens).sites
+    for s in t.sites
     if s.kind == "module" and s.method == "__call__" and s.call == 1 and s.output is None
   )
-  return model, variables, sites
 
 
 @functools.lru_cache(maxsize=None)
 def jitted(family):
   """The family's jitted forward (compiled once per input shape and dtype)."""
-  model, _, _ = zoo(family)
+  model, _ = zoo(family)
   return jax.jit(lambda v, t, kw: model.apply(v, t, **kw))
 
 
@@ -130,7 +136,7 @@ def token_arrays(draw):
 @example(tokens=np.asarray([[3, -1, 2, 1], [1, 2, 3, 4]], np.int8))  # -1 must not read row 255
 @given(tokens=token_arrays())
 def test_token_arrays_give_a_typed_error_or_the_int32_result(family, tokens):
-  model, variables, _ = zoo(family)
+  model, variables = zoo(family)
   bad = (tokens.astype(np.int64) < 0) | (tokens.astype(np.int64) >= VOCAB)
   refused = tokens.shape[1] > MAX_LEN or bad.any()
   if refused:  # concrete ids: the call and the trace door refuse them before computing
@@ -141,7 +147,9 @@ def test_token_arrays_give_a_typed_error_or_the_int32_result(family, tokens):
       _, error = _outcome(call)
       assert error is not None, "a bad id or a too-long input was accepted"
       _typed(error, "index_out_of_range")
-  if tokens.shape[1] > MAX_LEN:
+  if tokens.shape[1] > MAX_LEN or tokens.dtype not in (np.int8, np.int32):
+    return  # (each dtype and shape compiles the forward: int8 is the narrow case, -1 not 255)
+  if tokens.size == 0 and tokens.dtype != np.int32:
     return
   # Traced ids cannot raise: a row with a bad id is NaN, the others are the int32 result
   # (the result of concrete ids too: the call is the same program).
@@ -159,9 +167,9 @@ def test_token_arrays_give_a_typed_error_or_the_int32_result(family, tokens):
 def padded_batches(draw, family):
   batch, width = 2, 4
   side = "right" if family == "bert" else draw(st.sampled_from(["left", "right"]))
-  rows = [
-    draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=width)) for _ in range(batch)
-  ]
+  # Ragged rows of two lengths (each length compiles the row-alone forward once).
+  lengths = [draw(st.sampled_from([1, 3])) for _ in range(batch)]
+  rows = [draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n)) for n in lengths]
   real = draw(st.sampled_from([1, 2, True]))  # any nonzero entry marks a real token
   pad = draw(st.integers(0, VOCAB - 1))
   tokens = np.full((batch, width), pad, np.int32)
@@ -177,7 +185,7 @@ def padded_batches(draw, family):
 @_settings(3)
 @given(data=st.data())
 def test_padding_either_side_gives_each_row_its_own_result(family, data):
-  model, variables, _ = zoo(family)
+  model, variables = zoo(family)
   rows, tokens, mask, side = data.draw(padded_batches(family))
   kwargs = {"attention_mask": jnp.asarray(mask)}
   if side == "left":
@@ -230,7 +238,7 @@ def generation_arguments(draw):
 
 
 @pytest.mark.parametrize("family", DECODERS)
-@_settings(3)
+@_settings(2)
 @example(  # one greedy run with a stop token, whatever the draws give
   args={
     "rows": [[1, 2], [3]],
@@ -245,7 +253,7 @@ def generation_arguments(draw):
 )
 @given(args=generation_arguments())
 def test_generation_arguments_give_a_typed_error_or_the_hand_loop(family, args):
-  model, variables, _ = zoo(family)
+  model, variables = zoo(family)
   args = dict(args)
   rows = args.pop("rows")
   if any(len(r) == 0 for r in rows):
@@ -334,10 +342,11 @@ def _door(door, model, variables, tokens, site, edit):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@_settings(3)
+@_settings(2)
 @given(data=st.data())
 def test_site_edit_pairs_equal_the_edit_by_hand(family, data):
-  model, variables, sites = zoo(family)
+  model, variables = zoo(family)
+  sites = canonical_sites(family)
   tokens = jnp.asarray([[1, 5, 7, 2], [3, 3, 0, 12]], jnp.int32)
   site, edit, fn = data.draw(site_edits(sites))
   door = data.draw(st.sampled_from(DOORS))
