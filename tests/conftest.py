@@ -62,6 +62,9 @@ def _file_groups() -> dict[str, str]:
 # two-test file of 35 s last.)
 _SLOWEST_SCOPES = (
   "smollm2",  # ~105 s
+  "tests/test_gemma3_real.py",  # ~90 s (the Gemma 3 270M load, ~30 s, and its compiles)
+  "tests/test_zoo_converted.py",  # ~55 s
+  "tests/test_zoo_families.py",  # ~40 s
   "matrix",  # ~72 s
   "tests/test_distributed.py",  # ~44 s (its worker processes)
   "tests/test_scan.py",  # ~37 s

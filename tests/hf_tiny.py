@@ -137,8 +137,12 @@ def _f64_eager(original):
         module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, **kwargs
       )
     groups = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1)
-    value = value.repeat_interleave(groups, dim=1)
+
+    def repeat(x):  # expand + reshape, as transformers' repeat_kv (exportable)
+      b, h, s, d = x.shape
+      return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+
+    key, value = repeat(key), repeat(value)
     if scaling is None:
       scaling = query.shape[-1] ** -0.5
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling

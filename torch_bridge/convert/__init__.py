@@ -25,14 +25,18 @@ from torch_bridge.convert._dtypes import dtype_argument
 from torch_bridge.convert._errors import ConversionError
 from torch_bridge.convert._export import ExportOptions, convert_exported, export_model
 from torch_bridge.convert._gpt import GPTBlock, TinyGPT
+from torch_bridge.convert._hf_sites import HF_SITES, register_sites, sites_for
 
 __all__ = [
+  "HF_SITES",
   "ConversionError",
   "ExportOptions",
   "GPTBlock",
   "TinyGPT",
   "convert",
   "from_torch",
+  "register_sites",
+  "sites_for",
   "to_jax",
   "to_torch",
 ]
@@ -49,6 +53,7 @@ def from_torch(
   dynamic_shapes: Any = None,
   attention_probs: bool = False,
   eval_mode: bool = True,
+  canonical_sites: bool = True,
 ) -> tuple[Any, dict[str, Any], dict[str, str]]:
   """Converts a torch model into an equivalent Flax linen model, with a site map.
 
@@ -67,6 +72,12 @@ def from_torch(
       its probabilities in a child Flax module ``attn_probs``, a site of its own.
     eval_mode: export path: export in eval mode (BatchNorm running statistics, dropout off);
       each module's training flag is restored afterwards.
+    canonical_sites: export path, a Hugging Face model whose ``config.model_type`` has a table
+      in :data:`HF_SITES` (Llama, Mistral, Qwen2/3, Gemma 2/3, GPT-NeoX, GPT-2): the converted
+      model also answers to the zoo's site names (``blocks_{i}/resid_post``,
+      ``blocks_{i}/attn/pattern``, ``logits``, ...; the attention probabilities become sites).
+      A Hugging Face model's KV cache output (``use_cache``, on by default) is turned off for
+      the export and restored.
 
   Returns:
     ``(flax_module, variables, site_map)``. ``variables`` is ``{"params": ...}`` (plus
@@ -91,7 +102,22 @@ def from_torch(
       fix="method='auto'",
     )
   has_example = bool(example_args) or bool(example_kwargs)
-  if method == "modules" or (method == "auto" and not has_example):
+  if method == "auto" and not has_example:
+    try:
+      return _modules.from_torch(module, dtype=dtype)
+    except ConversionError as e:
+      if e.code != "unsupported_module":
+        raise
+      # The module-by-module converter does not know this model; the export path would
+      # convert it, given example inputs: the message says so (fields unchanged).
+      message = str(e).split("] ", 1)[-1]
+      raise ConversionError(
+        f"{message}. The export path converts any model torch.export can trace, on example "
+        "inputs: pass them, from_torch(model, *example_inputs) (a Hugging Face model: "
+        "from_torch(model, input_ids))",
+        **e.fields,
+      ) from None
+  if method == "modules":
     return _modules.from_torch(module, dtype=dtype)
   if method == "auto":
     try:
@@ -106,6 +132,7 @@ def from_torch(
     dynamic_shapes=dynamic_shapes,
     attention_probs=attention_probs,
     eval_mode=eval_mode,
+    canonical_sites=canonical_sites,
   )
   return flax_module, variables, site_map
 
@@ -118,6 +145,7 @@ def convert(
   dynamic_shapes: Any = None,
   attention_probs: bool = False,
   eval_mode: bool = True,
+  canonical_sites: bool = True,
 ):
   """The export path of :func:`from_torch`; also returns the :class:`Program` it built."""
   if not example_args and not example_kwargs:
@@ -128,8 +156,20 @@ def convert(
       fix="from_torch(model, *example_inputs)",
     )
   target = dtype_argument(dtype)
+  sites = sites_for(module) if canonical_sites else ()
   options = ExportOptions(
-    dynamic_shapes=dynamic_shapes, attention_probs=attention_probs, eval_mode=eval_mode
+    dynamic_shapes=dynamic_shapes,
+    attention_probs=attention_probs or bool(sites),
+    eval_mode=eval_mode,
+    sites=sites,
   )
-  ep = export_model(module, tuple(example_args), dict(example_kwargs or {}), options)
+  config = getattr(module, "config", None)
+  use_cache = getattr(config, "use_cache", None)
+  if use_cache:  # a Hugging Face model would return its KV cache object: export without it
+    config.use_cache = False
+  try:
+    ep = export_model(module, tuple(example_args), dict(example_kwargs or {}), options)
+  finally:
+    if use_cache:
+      config.use_cache = use_cache
   return convert_exported(ep, options, dtype=target)

@@ -64,6 +64,9 @@ class ExportOptions:
   dynamic_shapes: Any = None
   attention_probs: bool = False
   eval_mode: bool = True
+  # ((torch module path, "in" | "out" | "probs"), canonical site) pairs: extra sites naming a
+  # module's input, output or attention probabilities (torch_bridge.convert.hf_sites).
+  sites: tuple = ()
 
 
 # -- export ---------------------------------------------------------------------
@@ -201,6 +204,7 @@ class Program:
 
   def __init__(self, ep, options: ExportOptions):
     self.options = options
+    self.site_of = dict(options.sites)
     self.graph = ep.graph
     sig = ep.graph_signature
     self.user_inputs: list = []
@@ -465,6 +469,22 @@ class _Node(nn.Module):
     self.own = own
     if prog.options.attention_probs:
       self.probs = _Probs(name=PROBS)
+    if self.tpath == "" and prog.options.sites:
+      self.canon = _site_tree(self, [name for _, name in prog.options.sites])
+
+  def _tb_named(self, name: str, x):
+    """``x`` through the canonical site ``name`` (an identity module under the root)."""
+    root: Any = self
+    while root.tpath:
+      root = root.parent
+    node = root.canon
+    for part in name.split("/"):
+      if not hasattr(node, "__getitem__"):
+        node = node.kids
+      node = node[part]
+    if isinstance(x, tuple):  # a module returning (output, extras): the output is the site
+      return (node(x[0]),) + x[1:]
+    return node(x)
 
   def __call__(self, *args, **kwargs):
     prog = self.program
@@ -486,6 +506,9 @@ class _Node(nn.Module):
       outs = [
         env.get(n) if isinstance(n, torch.fx.Node) else n for n in _output_node(prog.graph).args[0]
       ]
+      name = prog.site_of.get(("", "out"))
+      if name is not None and outs:
+        outs[0] = self._tb_named(name, outs[0])
       return _unflatten(outs, prog.out_spec)
     outs = [env[n] for n in call.outputs]
     return outs[0] if len(outs) == 1 else tuple(outs)
@@ -524,7 +547,19 @@ class _Node(nn.Module):
     for item in call.items:
       if isinstance(item, _Call):
         module = self._tb_module(getattr(item, "path_alias", None) or item.path)
-        result = module(*[value(n) for n in item.inputs])
+        args = [value(n) for n in item.inputs]
+        name = prog.site_of.get((item.path, "in"))
+        if name is not None:
+          # The module's main input: the one shaped as its output (a decoder layer's hidden
+          # states, not its rotary tables or mask). Every later user of that value in this
+          # scope reads the site's value, so an edit there reaches the residual path too.
+          k = _main_input(item)
+          args[k] = self._tb_named(name, args[k])
+          env[item.inputs[k]] = args[k]
+        result = module(*args)
+        name = prog.site_of.get((item.path, "out"))
+        if name is not None:
+          result = self._tb_named(name, result)
         outs = item.outputs
         if len(outs) == 1:
           env[outs[0]] = result
@@ -533,14 +568,56 @@ class _Node(nn.Module):
         continue
       target = str(item.target)
       args, kwargs = value(item.args), value(item.kwargs)
+      probs_site = prog.site_of.get((self.tpath, "probs"))
       if prog.options.attention_probs and target in _SOFTMAX:
         out = self.probs(args[0], args[1])
+        if probs_site is not None:
+          out = self._tb_named(probs_site, out)
       elif prog.options.attention_probs and target == _SDPA:
         logits, v = sdpa_logits(*args, **kwargs)
-        out = jnp.matmul(self.probs(logits, -1), v, precision=HI)
+        probs = self.probs(logits, -1)
+        if probs_site is not None:
+          probs = self._tb_named(probs_site, probs)
+        out = jnp.matmul(probs, v, precision=HI)
       else:
         out = ATEN[target](*args, **kwargs)
       env[item] = _as_recorded(out, item, prog.dtype_override)
+
+
+def _main_input(call: _Call) -> int:
+  """The index of ``call``'s input shaped as its first output (else 0)."""
+  want = getattr(call.outputs[0].meta.get("val"), "shape", None) if call.outputs else None
+  for k, n in enumerate(call.inputs):
+    if isinstance(n, torch.fx.Node) and getattr(n.meta.get("val"), "shape", None) == want:
+      return k
+  return 0
+
+
+def _site_tree(root: nn.Module, names: list) -> dict:
+  """Identity modules for the "/"-separated site ``names``, as nested dicts of modules whose
+  paths are the names (``blocks_3/attn/pattern``)."""
+  from jaxlens import Named
+
+  class _Group(nn.Module):
+    names: tuple
+
+    def setup(self):
+      self.kids = _kids(self.names)
+
+  def _kids(names):
+    groups: dict = {}
+    leaves = []
+    for n in names:
+      head, _, rest = n.partition("/")
+      if rest:
+        groups.setdefault(head, []).append(rest)
+      elif head not in leaves:
+        leaves.append(head)
+    kids = {h: _Group(tuple(r), name=h) for h, r in groups.items()}
+    kids.update({h: Named(name=h) for h in leaves})
+    return kids
+
+  return _kids(names)
 
 
 class _Probs(nn.Module):
