@@ -597,3 +597,26 @@ def test_to_torch_numpy_and_type_errors():
   assert to_torch(tensor) is tensor
   with pytest.raises(TypeError, match="expects a torch.Tensor"):
     to_jax(np.ones(2))
+
+
+class _Doubler(tnn.Module):
+  def forward(self, x):
+    return 2 * x
+
+
+def test_auto_chooses_the_path_by_a_predicate(monkeypatch):
+  """method="auto" asks ``handles`` (the converters on shapes, nothing copied) and runs one
+  path; it no longer starts the fast path and falls back when it fails."""
+  from torch_bridge.convert import _modules
+
+  known = tnn.Sequential(tnn.Linear(3, 4), tnn.ReLU())
+  unknown = tnn.Sequential(tnn.Linear(3, 3), _Doubler())
+  assert _modules.handles(known) and not _modules.handles(unknown)
+  assert not _modules.handles(tnn.Sequential(tnn.GELU(approximate="tanh"), tnn.Dropout(0.5)))
+  real, fast = _modules.from_torch, []
+  monkeypatch.setattr(_modules, "from_torch", lambda m, **kw: fast.append(m) or real(m, **kw))
+  x = torch.randn(2, 3)
+  from_torch(known, x)
+  _, variables, _ = from_torch(unknown, x)
+  assert fast == [known]  # the unknown model went straight to the export path
+  assert variables["params"]

@@ -119,11 +119,8 @@ def from_torch(
       ) from None
   if method == "modules":
     return _modules.from_torch(module, dtype=dtype)
-  if method == "auto":
-    try:
-      return _modules.from_torch(module, dtype=dtype)
-    except ConversionError:
-      pass
+  if method == "auto" and _modules.handles(module, dtype=dtype):
+    return _modules.from_torch(module, dtype=dtype)
   flax_module, variables, site_map, _ = convert(
     module,
     *example_args,

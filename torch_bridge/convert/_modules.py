@@ -62,7 +62,7 @@ from torch_bridge.convert._flax_layers import (
 )
 from torch_bridge.convert._gpt import GPTBlock, TinyGPT
 
-__all__ = ["from_torch"]
+__all__ = ["from_torch", "handles"]
 
 
 # --------------------------------------------------------------------------
@@ -106,14 +106,17 @@ class _Context:
     dtype: Target parameter dtype, or None to keep each tensor's own.
     seen: ids of torch modules already converted -> their names (to
       detect module instances that are used at two places).
+    copy: whether parameters are copied out of torch; False (:func:`handles`) gives their
+      shapes and dtypes only.
   """
 
   name: str
   dtype: Any
   seen: dict[int, str]
+  copy: bool = True
 
   def child(self, name: str) -> _Context:
-    return _Context(_join(self.name, name, "."), self.dtype, self.seen)
+    return _Context(_join(self.name, name, "."), self.dtype, self.seen, self.copy)
 
   def param_dtype(self, t: torch.Tensor) -> Any:
     """The jax dtype a copy of parameter ``t`` will have."""
@@ -125,6 +128,9 @@ class _Context:
     The data is always copied into fresh memory, so later in-place
     updates of the torch weights do not change the Flax variables.
     """
+    if not self.copy:
+      shape = t.shape if transpose is None else tuple(t.shape[i] for i in transpose)
+      return jax.ShapeDtypeStruct(tuple(shape), self.param_dtype(t))
     t = t.detach().cpu()
     host = t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
     host = np.array(host if transpose is None else host.transpose(transpose), copy=True)
@@ -544,3 +550,14 @@ def from_torch(
   ctx = _Context("", target_dtype(module, dtype), {})
   converted = _convert(module, ctx)
   return converted.module, {"params": converted.params}, converted.sites
+
+
+def handles(module: torch.nn.Module, *, dtype: Any = None) -> bool:
+  """Whether the fast path converts ``module``: each module's type, state and attribute values
+  are ones its converters handle, no instance is used twice, the dtype is usable. The
+  converters run on shapes only: no parameter is copied."""
+  try:
+    _convert(module, _Context("", target_dtype(module, dtype), {}, copy=False))
+  except ConversionError:
+    return False
+  return True
