@@ -64,14 +64,6 @@ def _batches(n, seed):
   return out
 
 
-def _rotation(intervention):
-  param = intervention.rotate_layer.parametrizations.weight
-  return {
-    "raw": jnp.asarray(param.original.detach().numpy()),
-    "base": jnp.asarray(param[0].base.numpy()),
-  }
-
-
 CASES = {
   "das": (lambda: pv.RotatedSpaceIntervention(embed_dim=H), lambda: jt.DAS(dim=3)),
   "boundless_das": (
@@ -94,10 +86,10 @@ def test_losses_gradients_and_iia_agree_with_pyvene(models, name):
   if name == "das":
     intervention.set_interchange_dim(3)
   method = make_jt()
-  params = {"rotation": _rotation(intervention)}
+  params = torch_bridge.from_pyvene(intervention)
   trained = [intervention.rotate_layer.parametrizations.weight.original]
   if name == "boundless_das":
-    params["boundary"] = jnp.asarray(intervention.intervention_boundaries.detach().numpy())
+    assert params["boundary"].shape == (1,)
     trained.append(intervention.intervention_boundaries)
     # pyvene's population is int64, and int64 - 0.0 is float32 in torch: its mask would be
     # computed in float32 whatever the model's dtype. A float64 population keeps it float64.
@@ -194,14 +186,9 @@ def test_loreft_forward_and_gradients_equal_pyreft_formula():
   x = torch.randn(4, 5, D, dtype=torch.float64)
   out = x + torch.matmul(source(x) - rotate(x), rotate.weight.T)
   (out.sin().sum()).backward()
-  params = {
-    "rotation": {
-      "raw": jnp.asarray(rotate.parametrizations.weight.original.detach().numpy()),
-      "base": jnp.asarray(rotate.parametrizations.weight[0].base.numpy()),
-    },
-    "W": jnp.asarray(source.weight.detach().numpy()),
-    "b": jnp.asarray(source.bias.detach().numpy()),
-  }
+  holder = torch.nn.Module()  # as pyreft's LoreftIntervention holds them
+  holder.rotate_layer, holder.learned_source = rotate, source
+  params = torch_bridge.from_pyvene(holder)
   xj = jnp.asarray(x.numpy())
   f = jax.jit(lambda p: jt.LoReFT(3).edit(p)(xj))
   np.testing.assert_allclose(f(params), out.detach().numpy(), atol=1e-12, rtol=0)
@@ -234,3 +221,14 @@ def test_saved_trained_interventions_run_in_the_torch_reference(models, tmp_path
     spec.save(path)
     got = torch_bridge.load_spec(path, site_map).bind(seq)(torch.from_numpy(x))
     np.testing.assert_allclose(got.detach().numpy(), want, atol=1e-12, err_msg=repr(method))
+
+
+def test_from_pyvene_refuses_what_it_cannot_read():
+  with pytest.raises(jl.InvalidArgumentError, match="has no rotate_layer"):
+    torch_bridge.from_pyvene(torch.nn.Linear(2, 2))
+  holder = torch.nn.Module()
+  holder.rotate_layer = torch.nn.Linear(2, 2)
+  with pytest.raises(
+    jl.InvalidArgumentError, match="no torch.nn.utils.parametrizations.orthogonal"
+  ):
+    torch_bridge.from_pyvene(holder)

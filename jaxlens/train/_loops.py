@@ -490,7 +490,7 @@ def train_reft(
     pairs: a sequence of ``(prompt_tokens, answer_tokens)``.
     steps: optimiser steps.
     batch_size: examples per step (batches are drawn by a seeded permutation per epoch).
-    optimizer: an optax optimiser (default ``optax.adamw(4e-3, weight_decay=0.0)``).
+    optimizer: an optax optimiser (default ``optax.adam(4e-3)``).
     pad_token: the padding token.
     seed: the shuffling seed.
     mesh, data_axis, checkpoint, checkpoint_every, progress: as :func:`train_iit`.
