@@ -138,5 +138,15 @@ def run(
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--model-steps", type=int, default=1500)
+  parser.add_argument("--das-steps", type=int, default=300)
+  parser.add_argument("--boundless-steps", type=int, default=600)
   args = parser.parse_args()
-  print(json.dumps(run(seed=args.seed, progress=True), indent=2))
+  result = run(
+    model_steps=args.model_steps,
+    das_steps=args.das_steps,
+    boundless_steps=args.boundless_steps,
+    seed=args.seed,
+    progress=True,
+  )
+  print(json.dumps(result, indent=2))

@@ -12,6 +12,7 @@ held-out finding).
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -28,7 +29,10 @@ COUNTRIES = ["France", "Italy", "Germany", "Spain"]
 CAPITALS = [" Paris", " Rome", " Berlin", " Madrid"]
 
 
-def main():
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=30)
+  args = parser.parse_args(argv)
   lm = jm.smollm2()
   tokens = jnp.stack([lm.encode(f"The capital of {c} is")[0] for c in COUNTRIES])
   answers = jnp.asarray([lm.encode(c)[0, 0] for c in CAPITALS])
@@ -54,7 +58,7 @@ def main():
     "site": SITE,
     "position": POSITION,
     "rank": 4,
-    "steps": 30,
+    "steps": args.steps,
     "loss_first": round(result.losses[0], 3),
     "loss_last": round(result.losses[-1], 3),
     "train_seconds": round(seconds, 1),

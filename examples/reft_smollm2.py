@@ -64,7 +64,7 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=60)
   parser.add_argument("--rank", type=int, default=4)
   parser.add_argument("--lr", type=float, default=1e-2)
-  parser.add_argument("--out", default=None)
+  parser.add_argument("--out", default=None, help="a JSON file, or a directory to write one in")
   args = parser.parse_args(argv)
 
   lm = jm.smollm2()
@@ -119,7 +119,9 @@ def main(argv=None):
   }
   print(json.dumps(report, indent=2))
   if args.out:
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    out = Path(args.out)
+    out = out / "reft_smollm2.json" if out.is_dir() else out
+    out.write_text(json.dumps(report, indent=2))
   return report
 
 
