@@ -38,7 +38,7 @@ def test_python_m_jaxlens_shows_both_frameworks(capsys):
   from jaxlens import __main__ as entry
   from torch_bridge import _matrix
 
-  assert entry.main(["--matrix-only"]) == 0
+  assert entry.main(["--no-demo"]) == 0
   out = capsys.readouterr().out
   agree, _, total = _matrix.summary(_matrix.full_table())
   assert f"agreement: {agree} of {total} rows" in out and "torch reference" in out
@@ -59,7 +59,7 @@ def test_python_m_jaxlens_without_torch(monkeypatch, capsys):
   )
   monkeypatch.setattr(matrix, "DOORS", {"live_bind": matrix.DOORS["live_bind"]})
   monkeypatch.setattr(matrix, "spec_model", lambda: (None,) * 4 + ("jax.random",))
-  assert entry.main(["--matrix-only"]) == 0
+  assert entry.main(["--no-demo"]) == 0
   out = capsys.readouterr().out
   assert "torch is not installed" in out and "| torch reference |" not in out
   assert f"{len(cells)} of {len(cells)} rows agree" in out

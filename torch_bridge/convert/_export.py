@@ -37,6 +37,7 @@ import torch
 from torch.utils import _pytree as tree
 
 from torch_bridge.convert._aten import ATEN, HI, sdpa_logits
+from jaxlens.core import Named
 from torch_bridge.convert._dtypes import JAX_LACKS, runtime_dtype
 from torch_bridge.convert._errors import ConversionError
 
@@ -596,7 +597,6 @@ def _main_input(call: _Call) -> int:
 def _site_tree(root: nn.Module, names: list) -> dict:
   """Identity modules for the "/"-separated site ``names``, as nested dicts of modules whose
   paths are the names (``blocks_3/attn/pattern``)."""
-  from jaxlens import Named
 
   class _Group(nn.Module):
     names: tuple
