@@ -54,6 +54,7 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=100)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--recovery-steps", type=int, default=1500)
+  p.add_argument("--sections", default="train,splice,recovery")
   p.add_argument("--out", default=str(DEFAULT_OUT))
   return p.parse_args(argv)
 
@@ -256,12 +257,18 @@ def feature_recovery(args, out):
 def main(argv=None):
   args = parse_args(argv)
   out = {"env": env_info(), "args": vars(args)}
-  training_speed(args, out)
-  print(json.dumps(out["train_fit"], indent=1), json.dumps(out["train_step"], indent=1))
-  splice_overhead(args, out)
-  print(json.dumps(out["splice"], indent=1))
-  feature_recovery(args, out)
-  print(json.dumps(out["recovery"], indent=1))
+  sections = args.sections.split(",")
+  if "train" in sections:
+    training_speed(args, out)
+    print(
+      json.dumps(out["train_fit"], indent=1), json.dumps(out["train_step"], indent=1), flush=True
+    )
+  if "splice" in sections:
+    splice_overhead(args, out)
+    print(json.dumps(out["splice"], indent=1), flush=True)
+  if "recovery" in sections:
+    feature_recovery(args, out)
+    print(json.dumps(out["recovery"], indent=1), flush=True)
   if args.out:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))

@@ -116,7 +116,11 @@ def test_saved_by_saelens_loads_and_agrees(arch, cfg, x, tmp_path):
   _agree(ref, ours, x)
 
 
-@pytest.mark.parametrize("arch, cfg", CASES, ids=[f"{a}-{'-'.join(c)}" for a, c in CASES])
+# One case per architecture (the options are read and written by the same code).
+BACK = [c for i, c in enumerate(CASES) if i == 0 or CASES[i - 1][0] != c[0]]
+
+
+@pytest.mark.parametrize("arch, cfg", BACK, ids=[f"{a}-{'-'.join(c)}" for a, c in BACK])
 def test_saved_by_jaxlens_loads_in_saelens(arch, cfg, x, tmp_path):
   ours = jsae.load_saelens(_saved(arch, cfg, tmp_path / "ref"))
   jsae.save_saelens(ours, tmp_path / "ours")

@@ -202,22 +202,34 @@ def step_function(x, threshold, bandwidth: float):
 # The loss.
 
 
+def _sparse_decode(values, index, W_dec, norm=None):
+  """``sum_j values[..., j] * W_dec[index[..., j]]`` (divided by the row norms when given): a
+  TopK decode that reads only the ``k`` active rows (dense: a ``(rows, d_sae)`` matmul)."""
+  if norm is not None:
+    values = values / norm[index]
+  return jnp.einsum("...k,...kd->...d", values, W_dec[index])
+
+
 def _topk_aux(d, cfg, x, out, pre, dead):
   """SAELens's TopK auxiliary loss: the top dead pre-activations reconstruct the residual."""
   num_dead = dead.sum()
-  k_aux = x.shape[-1] // 2
-  scale = jnp.minimum(num_dead / k_aux, 1.0).astype(x.dtype)
-  masked = jnp.where(dead, pre, -jnp.inf)
-  # The top min(k_aux, num_dead) dead pre-activations (raw, not through ReLU, as SAELens):
-  # with fewer dead features than k_aux the k-th value is -inf and every dead one is kept.
-  kth = jax.lax.top_k(jax.lax.stop_gradient(masked), min(k_aux, d.d_sae))[0][..., -1:]
-  aux_acts = jnp.where(dead & (masked >= kth), pre, jnp.zeros((), pre.dtype))
-  if cfg.rescale_acts_by_decoder_norm:
-    aux_acts = aux_acts / jnp.linalg.norm(d.W_dec, axis=-1)
-  recons = aux_acts @ d.W_dec
-  residual = jax.lax.stop_gradient(x - out)
-  loss = jnp.mean(jnp.sum((recons - residual) ** 2, axis=-1))
-  return jnp.where(num_dead > 0, cfg.aux_loss_coefficient * scale * loss, 0.0)
+  k_aux = min(x.shape[-1] // 2, d.d_sae)
+  rescale = cfg.rescale_acts_by_decoder_norm
+
+  def aux():
+    scale = jnp.minimum(num_dead / (x.shape[-1] // 2), 1.0).astype(x.dtype)
+    # The top min(k_aux, num_dead) dead pre-activations (raw, not through ReLU, as SAELens):
+    # past the dead ones top_k returns -inf entries, which count as zero.
+    values, index = jax.lax.top_k(jnp.where(dead, pre, -jnp.inf), k_aux)
+    values = jnp.where(jnp.isfinite(values), values, jnp.zeros((), values.dtype))
+    norm = jnp.linalg.norm(d.W_dec, axis=-1) if rescale else None
+    recons = _sparse_decode(values, index, d.W_dec, norm)
+    residual = jax.lax.stop_gradient(x - out)
+    loss = jnp.mean(jnp.sum((recons - residual) ** 2, axis=-1))
+    return (cfg.aux_loss_coefficient * scale * loss).astype(x.dtype)
+
+  # Without dead features the term is zero and its gather is skipped.
+  return jax.lax.cond(num_dead > 0, aux, lambda: jnp.zeros((), x.dtype))
 
 
 def forward(d: SAE, cfg: TrainConfig, x):
@@ -236,10 +248,16 @@ def forward(d: SAE, cfg: TrainConfig, x):
   elif cfg.architecture == "jumprelu":
     acts = jumprelu(pre, d.threshold.astype(pre.dtype), cfg.jumprelu_bandwidth)
   elif cfg.architecture == "topk":
-    acts = topk_relu(pre, int(cfg.k))
+    # The loss decodes the k active features by a gather; the dense activations (for the
+    # metrics and the dead-feature counters) carry no gradient.
+    values, index = jax.lax.top_k(pre, int(cfg.k))
+    out = _sparse_decode(jax.nn.relu(values), index, d.W_dec, norm if rescale else None)
+    out = out + d.b_dec
+    acts = jax.lax.stop_gradient(topk_relu(pre, int(cfg.k)))
   else:
     acts = batch_topk_relu(pre, cfg.k)
-  out = (acts / norm if rescale else acts) @ d.W_dec + d.b_dec
+  if cfg.architecture != "topk":
+    out = (acts / norm if rescale else acts) @ d.W_dec + d.b_dec
   if isinstance(d, Transcoder) and d.W_skip is not None:
     out = out + x.astype(d.dtype) @ d.W_skip.T
   return acts, pre, out
