@@ -48,7 +48,7 @@ def main(argv=None):
     method,
     params,
     [batch],
-    steps=30,
+    steps=args.steps,
     optimizer=optax.adam(5e-2),
     positions=[POSITION],
   )
