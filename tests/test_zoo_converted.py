@@ -31,10 +31,12 @@ def analysis(model, variables, tokens):
   """An analysis written against the zoo's names: every block's residual stream and attention
   pattern, and the logits with one block's MLP output removed."""
   sites = jl.module("blocks_*/resid_post") | jl.module("blocks_*/attn/pattern")
-  t = jl.trace(model, variables, tokens, save=sites)
+  t = jl.trace(model, variables, tokens, save=sites, keep_inputs=False)
   ablate = jl.when(jl.module("blocks_1/mlp_out"), jl.zero_ablate())
   # the logits by their site name: the zoo returns an array, a converted HF model a dict
-  ablated = jl.trace(model, variables, tokens, intervene=ablate, save=jl.module("logits"))
+  ablated = jl.trace(
+    model, variables, tokens, intervene=ablate, save=jl.module("logits"), keep_inputs=False
+  )
   return {k: t[k].out for k in t.labels}, ablated["logits"].out
 
 
@@ -46,7 +48,8 @@ def test_a_converted_decoder_has_the_zoos_sites_and_values(family):
   module, variables, _ = from_torch(hf, torch.tensor(TOKENS))
   assert hf.config.use_cache  # restored
   x = jnp.asarray(TOKENS)
-  converted, zoo = jl.trace(module, variables, x), jl.trace(lm.model, lm.variables, x)
+  converted = jax.jit(lambda v: jl.trace(module, v, x, keep_inputs=False))(variables)
+  zoo = jax.jit(lambda v: jl.trace(lm.model, v, x, keep_inputs=False))(lm.variables)
   names = [f"blocks_{i}/{s}" for i in range(2) for s in CANONICAL] + ["ln_final", "logits"]
   if family == "gpt_neox":  # the parallel residual computes no resid_mid
     names = [n for n in names if not n.endswith("resid_mid")]
@@ -66,7 +69,7 @@ def test_a_converted_decoder_has_the_zoos_sites_and_values(family):
     for k in saved:
       assert _rel(saved[k], saved_zoo[k]) <= 1e-10, k
     assert _rel(logits, logits_zoo) <= 1e-10
-    assert not np.allclose(logits, zoo.output)  # the ablation changed the logits
+    assert not np.allclose(logits, zoo["logits"].out)  # the ablation changed the logits
 
 
 def test_without_example_inputs_the_message_says_to_pass_them():
