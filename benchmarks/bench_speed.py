@@ -469,10 +469,26 @@ def render(result: dict) -> str:
         f"{f['floor_tokens_per_s']:.1f} | {f['over_floor']:.2f} | "
         f"{f['speedup_vs_float32']:.2f} | {', '.join(map(str, f['greedy_tokens_differing_of_24']))} |"
       )
+    if d["forms"]["float32"]["over_floor"] < 1:
+      lines += [
+        "",
+        "float32 decoding faster than its floor means the bandwidth was measured low: the sum "
+        "and the generations run at different moments on a shared machine, so the floor column "
+        "is only as good as that one measurement.",
+      ]
     pc = d["position_cost"]["relative_to_16"]
     lines += [
       "",
-      f"A steer on every token / none: {d['steer_over_plain']:.3f} (target <= 1.03). A cached "
+      f"A steer on every token / none: {d['steer_over_plain']:.3f}"
+      + (
+        f" (a rerun with 9 calls each: {d['steer_rerun']['ratio']:.3f}; the calls of one "
+        f"function spread over {min(d['steer_rerun']['all']['plain']):.1f}-"
+        f"{max(d['steer_rerun']['all']['plain']):.1f} s, so neither ratio says more than the "
+        "machine's noise)"
+        if d.get("steer_rerun")
+        else ""
+      )
+      + " (target <= 1.03). A cached "
       "decode step (cache of 2,048 slots) at cache index "
       + ", ".join(f"{i}: {v:.2f}" for i, v in pc.items())
       + " of its cost at index 16 (the step attends over every slot, masked, so its cost does "

@@ -26,7 +26,10 @@ def pair(request):
   cls, cfg = CONFIGS[request.param]
   cfg = dataclasses.replace(cfg, dtype=jnp.float64)
   unrolled = cls(cfg)
-  variables = jax.jit(unrolled.init)(jax.random.key(0), TOKENS)
+  # Random values of the init's shapes (an init, traced and compiled, costs seconds here).
+  shapes = jax.eval_shape(unrolled.init, jax.random.key(0), TOKENS)
+  rng = np.random.default_rng(0)
+  variables = jax.tree.map(lambda s: jnp.asarray(0.2 * rng.normal(size=s.shape), s.dtype), shapes)
   return unrolled, variables, cls(dataclasses.replace(cfg, scan_layers=True))
 
 
@@ -46,14 +49,13 @@ def test_scanned_equals_unrolled_with_sites_and_edits_through_layer(pair):
     scanned_rule = jl.when(jl.module("blocks/resid_mid", layer=1), jl.steer(d, 2.0))
     t = jl.trace(unrolled, v, TOKENS, save=jl.module("blocks_*/resid_post"), intervene=flat)
     ts = jl.trace(scanned, sv, TOKENS, save=jl.module("blocks/resid_post"), intervene=scanned_rule)
-    return t.output, t.values, ts.output, ts.values
+    return t.output, t.values, ts.output, ts.values, unrolled.apply(v, TOKENS)
 
-  out, values, out_s, values_s = jax.jit(both)(variables, stacked)
+  out, values, out_s, values_s, plain = jax.jit(both)(variables, stacked)
   np.testing.assert_allclose(out_s, out, atol=1e-12)
   assert values_s["blocks/resid_post"].shape == (3,) + values["blocks_0/resid_post"].shape
   for k in range(3):
     np.testing.assert_allclose(values_s["blocks/resid_post"][k], values[f"blocks_{k}/resid_post"])
-  plain = jax.jit(unrolled.apply)(variables, TOKENS)
   assert np.abs(plain - out).max() > 1e-3  # the steer changed the output
   # One block in the scanned program, three in the unrolled: two blocks' products fewer.
   jaxprs = [
