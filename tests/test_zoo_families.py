@@ -144,3 +144,16 @@ def test_steered_greedy_generation_matches_transformers(family):
   np.testing.assert_array_equal(ours.tokens, out.sequences[:, PROMPT.shape[1] :].numpy())
   ref_logits = np.stack([s.numpy() for s in out.logits], axis=1)
   assert _rel(ours.logits, ref_logits) <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_a_saved_hugging_face_directory_loads(family, tmp_path):
+  from jaxlens.models import load_hf
+
+  hf, lm = _build(family, jnp.float32)
+  hf.save_pretrained(tmp_path, safe_serialization=True)
+  loaded = load_hf(tmp_path)
+  assert loaded.config == lm.config
+  with torch.no_grad():
+    ref = hf(torch.tensor(TOKENS)).logits.numpy()
+  assert _rel(jax.jit(loaded.model.apply)(loaded.variables, jnp.asarray(TOKENS)), ref) <= 1e-4
