@@ -42,7 +42,10 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 import pytest  # noqa: E402
 
 _ROOT = Path(__file__).resolve().parent.parent
-_GROUP_MARK = re.compile(r"""^pytestmark = pytest\.mark\.xdist_group\(["']([\w-]+)["']\)""", re.M)
+# `pytestmark = pytest.mark.xdist_group("g")`, alone or in a module-level list of marks.
+_GROUP_MARK = re.compile(
+  r"""^pytestmark = (?:\[[^\]]*?)?pytest\.mark\.xdist_group\(["']([\w-]+)["']\)""", re.M
+)
 
 
 def _file_groups() -> dict[str, str]:
@@ -61,20 +64,21 @@ def _file_groups() -> dict[str, str]:
 # with most tests first. (xdist alone orders scopes by their number of tests, which put a
 # two-test file of 35 s last.)
 _SLOWEST_SCOPES = (
-  "smollm2",  # ~105 s
-  "tests/test_gemma3_real.py",  # ~90 s (the Gemma 3 270M load, ~30 s, and its compiles)
-  "tests/test_zoo_converted.py",  # ~55 s
-  "tests/test_zoo_families.py",  # ~40 s
-  "matrix",  # ~72 s
-  "tests/test_distributed.py",  # ~44 s (its worker processes)
-  "tests/test_scan.py",  # ~37 s
-  "properties",  # ~37 s
-  "tests/test_zoo.py",  # ~32 s
-  "tests/torch_bridge/test_export.py",  # ~24 s
-  "tests/test_conformance.py",  # ~21 s
-  "tests/test_zoo_torch.py",  # ~20 s
-  "tests/test_generate.py",  # ~19 s
-  "tests/test_docstrings.py",  # ~18 s
+  "pretrained",  # ~95 s (SmolLM2 and Gemma 3 loaded once; the docs pages)
+  "matrix",  # ~56 s
+  "tests/test_zoo.py",  # ~27 s
+  "properties",  # ~27 s
+  "tests/test_train.py",  # ~25 s
+  "tests/test_docstrings.py",  # ~25 s
+  "tests/test_scan.py",  # ~24 s
+  "zoo_properties",  # ~23 s
+  "tests/test_sae_splice.py",  # ~22 s
+  "tests/test_zoo_window.py",  # ~20 s
+  "tests/torch_bridge/test_export.py",  # ~18 s
+  "tests/test_conformance.py",  # ~18 s
+  "tests/test_distributed.py",  # ~16 s (its worker processes)
+  "tests/test_zoo_torch.py",  # ~16 s
+  "tests/test_zoo_families.py",  # ~16 s
 )
 
 

@@ -22,8 +22,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-# The files that load SmolLM2 (a cached load of about 3 s) run in one xdist worker.
-pytestmark = pytest.mark.xdist_group("smollm2")
+# The files that load the pretrained wheels (SmolLM2, Gemma 3: one cached load each per
+# process) run in one xdist worker.
+pytestmark = pytest.mark.xdist_group("pretrained")
 CONTRACT = ROOT / "docs" / "gradient_contract.md"
 _EXPECTED = re.compile(r"^# docs-test: expected=(.*)$", re.M)
 # A page that needs optional packages (the model wheels) says so and is skipped without them.

