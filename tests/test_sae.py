@@ -107,6 +107,9 @@ def test_gemma_scope_npz_and_safetensors(tmp_path):
   save_file({k.lower(): v for k, v in params.items()}, str(tmp_path / "tc.safetensors"))
   again = jsae.load_gemma_scope(tmp_path / "tc.safetensors")
   np.testing.assert_allclose(again(X), want, rtol=1e-5)
+  np.savez(tmp_path / "nan.npz", **dict(params, threshold=np.full(D_SAE, np.nan, np.float32)))
+  with pytest.raises(jsae.SAEError, match=r"\[sae_weights_invalid\].*threshold holds 16 NaN"):
+    jsae.load_gemma_scope(tmp_path / "nan.npz")
   short = dict(params, W_dec=params["W_dec"][:, :5], b_dec=params["b_dec"][:5])
   np.savez(tmp_path / "t.npz", **short)
   assert isinstance(jsae.load_gemma_scope(tmp_path / "t.npz"), jsae.Transcoder)
@@ -167,6 +170,8 @@ def _dir(tmp_path, cfg=None, tensors=None):
     ({}, {"W_dec": None}, "sae_weights_invalid", "W_dec"),
     ({}, {"b_enc": np.zeros(3, np.float32)}, "sae_weights_invalid", "b_enc"),
     ({"architecture": "jumprelu"}, None, "sae_weights_invalid", "threshold"),
+    ({}, {"b_dec": np.full(D_IN, np.nan, np.float32)}, "sae_weights_invalid", "b_dec"),
+    ({}, {"W_enc": np.full((D_IN, D_SAE), np.inf, np.float32)}, "sae_weights_invalid", "W_enc"),
     ("{not json", None, "sae_config_invalid", "cfg.json"),
     ("[1, 2]", None, "sae_config_invalid", "cfg.json"),
   ],

@@ -64,6 +64,19 @@ def _dtype(name, field="dtype"):
   return _DTYPES[text]
 
 
+def _require_finite(path: Path, name: str, value) -> None:
+  """Refuses a tensor holding NaN or infinity (a damaged or diverged file), naming it."""
+  bad = ~np.isfinite(np.asarray(value, np.float32))
+  if bad.any():
+    raise SAEError(
+      f"{path}: {name} holds {int(bad.sum())} NaN or infinite values (first at index "
+      f"{tuple(int(i) for i in np.argwhere(bad)[0])})",
+      code="sae_weights_invalid",
+      field=name,
+      fix="save or download the dictionary again; a damaged or diverged one cannot be loaded",
+    )
+
+
 def _read_tensors(path: Path) -> dict:
   _safetensors()
   from safetensors import SafetensorError, safe_open
@@ -221,6 +234,7 @@ def load_saelens(path, *, dtype=None):
         received=str(tuple(value.shape)),
         fix="the config and the weights of one save",
       )
+    _require_finite(root / WEIGHTS, name, value)
     arrays[name] = value.astype(target)
   config = dict(
     activation=activation,
@@ -404,6 +418,9 @@ def load_gemma_scope(path, *, dtype=jnp.float32, apply_b_dec_to_input: bool = Fa
       field="W_enc",
       fix="a Gemma Scope params file",
     )
+  for name in ("W_enc", "W_dec", "b_enc", "b_dec", "threshold"):
+    if name in tensors:
+      _require_finite(path, name, tensors[name])
   arrays = {n: tensors[n].astype(dtype) for n in ("W_enc", "W_dec", "b_enc", "b_dec")}
   jump = "threshold" in tensors
   if jump:
