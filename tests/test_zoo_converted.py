@@ -40,7 +40,9 @@ def analysis(model, variables, tokens):
   return {k: t[k].out for k in t.labels}, ablated["logits"].out
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize(
+  "family", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "gpt_neox", "gpt2"]
+)
 def test_a_converted_decoder_has_the_zoos_sites_and_values(family):
   hf = exact_float64(tiny_hf(family, dtype=torch.float64))
   assert hf.config.use_cache  # transformers' default: the export returns no cache object
