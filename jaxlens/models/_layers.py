@@ -111,6 +111,37 @@ def check_length(seq: int, max_len: int, site: str) -> None:
     )
 
 
+def decoder_inputs(module, tokens, attention_mask, positions, decode: bool):
+  """What every decoder's ``__call__`` starts with: the token ids, length and mask checked
+  against ``module.config``, and the positions (``0..seq-1``, or the KV cache's next ones when
+  decoding, which also advances the cache's ``index``).
+
+  Returns:
+    ``(positions, cache_index)``; ``cache_index`` is None unless ``decode``.
+  """
+  cfg = module.config
+  check_ids(tokens, cfg.vocab_size, "tokens", "embed")
+  seq = tokens.shape[1]
+  check_length(seq, cfg.max_len, "embed")
+  if not decode:  # (decoding, the mask covers the cache)
+    check_mask(attention_mask, tokens)
+  cache_index = None
+  if decode:
+    index = module.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+    cache_index = index.value
+    if positions is None:
+      positions = cache_index + jnp.arange(seq, dtype=cache_index.dtype)
+    if (
+      module.is_mutable_collection("cache")
+      and module.has_variable("cache", "index")
+      and not module.is_initializing()
+    ):
+      index.value = cache_index + seq
+  if positions is None:
+    positions = jnp.arange(seq)
+  return positions, cache_index
+
+
 def attention_mask(q_positions, k_positions, *, causal: bool, key_mask=None, window=None):
   """A boolean ``(batch or 1, 1, q, k)`` mask: True where a query may attend to a key.
 

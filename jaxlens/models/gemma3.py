@@ -58,11 +58,9 @@ import jax.numpy as jnp
 
 from jaxlens.core import named
 from jaxlens.models._layers import (
+  decoder_inputs,
   LayerSites,
   cached_attention,
-  check_ids,
-  check_mask,
-  check_length,
   lookup_ids,
   run_block_after,
   softmax_dtype,
@@ -252,21 +250,7 @@ class Gemma3(LayerSites, nn.Module):
   @nn.compact
   def __call__(self, tokens, attention_mask=None, positions=None, decode: bool = False):
     cfg = self.config
-    check_ids(tokens, cfg.vocab_size, "tokens", "embed")
-    seq = tokens.shape[1]
-    check_length(seq, cfg.max_len, "embed")
-    if not decode:  # (decoding, the mask covers the cache)
-      check_mask(attention_mask, tokens)
-    cache_index = None
-    if decode:
-      index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-      cache_index = index.value
-      if positions is None:
-        positions = cache_index + jnp.arange(seq, dtype=cache_index.dtype)
-      if self.is_mutable_collection("cache") and not self.is_initializing():
-        index.value = cache_index + seq
-    if positions is None:
-      positions = jnp.arange(seq)
+    positions, cache_index = decoder_inputs(self, tokens, attention_mask, positions, decode)
     embed = nn.Embed(
       cfg.vocab_size,
       cfg.d_model,

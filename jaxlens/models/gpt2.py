@@ -20,13 +20,12 @@ from jaxlens.core import named
 from jaxlens.models.compact import Dense, Embed
 from jaxlens.models.scan import scan_blocks
 from jaxlens.models._layers import (
+  decoder_inputs,
   LayerSites,
   attend,
   attention_mask,
   cached_keys_values,
   check_ids,
-  check_length,
-  check_mask,
   lookup_ids,
   layer_norm_options,
   run_block_after,
@@ -162,23 +161,10 @@ class GPT2(LayerSites, nn.Module):
   @nn.compact
   def __call__(self, tokens, attention_mask=None, positions=None, decode: bool = False):
     cfg = self.config
-    check_ids(tokens, cfg.vocab_size, "tokens", "embed")
-    seq = tokens.shape[1]
-    check_length(seq, cfg.max_len, "embed")
-    if not decode:  # (decoding, the mask covers the cache)
-      check_mask(attention_mask, tokens)
-    if positions is not None:
-      check_ids(positions, cfg.max_len, "positions", "pos_embed")
-    cache_index = None
-    if decode:
-      index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-      cache_index = index.value
-      if positions is None:
-        positions = cache_index + jnp.arange(seq, dtype=cache_index.dtype)
-      if self.is_mutable_collection("cache") and not self.is_initializing():
-        index.value = cache_index + seq
-    if positions is None:
-      positions = jnp.arange(seq)
+    given = positions
+    positions, cache_index = decoder_inputs(self, tokens, attention_mask, positions, decode)
+    if given is not None:
+      check_ids(given, cfg.max_len, "positions", "pos_embed")
     embed = Embed(
       cfg.vocab_size,
       cfg.d_model,

@@ -39,12 +39,10 @@ from jaxlens.core import named
 from jaxlens.models.compact import Dense, Embed
 from jaxlens.models.scan import scan_blocks, uniform_window
 from jaxlens.models._layers import (
+  decoder_inputs,
   LayerSites,
   RMSNorm,
   cached_attention,
-  check_ids,
-  check_length,
-  check_mask,
   lookup_ids,
   run_block_after,
   softmax_dtype,
@@ -259,25 +257,7 @@ class Llama(LayerSites, nn.Module):
   @nn.compact
   def __call__(self, tokens, attention_mask=None, positions=None, decode: bool = False):
     cfg = self.config
-    check_ids(tokens, cfg.vocab_size, "tokens", "embed")
-    seq = tokens.shape[1]
-    check_length(seq, cfg.max_len, "embed")
-    if not decode:  # (decoding, the mask covers the cache)
-      check_mask(attention_mask, tokens)
-    cache_index = None
-    if decode:
-      index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-      cache_index = index.value
-      if positions is None:
-        positions = cache_index + jnp.arange(seq, dtype=cache_index.dtype)
-      if (
-        self.is_mutable_collection("cache")
-        and self.has_variable("cache", "index")
-        and not self.is_initializing()
-      ):
-        index.value = cache_index + seq
-    if positions is None:
-      positions = jnp.arange(seq)
+    positions, cache_index = decoder_inputs(self, tokens, attention_mask, positions, decode)
     embed = Embed(
       cfg.vocab_size,
       cfg.d_model,
