@@ -11,13 +11,17 @@ base class to inherit.
   (``jaxlens.models.Bert``, the demo ``GPT``).
 * :class:`Decoder`: a causal language model with a KV cache that can also run one block on
   its own (``jaxlens.models.Llama``, ``jaxlens.models.GPT2``).
+* :class:`Scannable`: a decoder that can also run its blocks as one loop over stacked
+  parameters, the layer index being data (``Llama``, ``GPT2``). Optional: the sweeps use it
+  when a model has it, so that their compiled program holds one block whatever the depth;
+  a :class:`Decoder` without it gets a program with one copy of each block.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Decoder", "LayeredModel"]
+__all__ = ["Decoder", "LayeredModel", "Scannable"]
 
 
 @runtime_checkable
@@ -82,4 +86,26 @@ class Decoder(LayeredModel, Protocol):
   def unembed(self, variables, x) -> Any:
     """The logits of the residual stream ``x`` leaving the last block (the final norm, then
     the unembedding)."""
+    ...
+
+
+@runtime_checkable
+class Scannable(Decoder, Protocol):
+  """A :class:`Decoder` whose blocks can run as one loop over stacked parameters.
+
+  :func:`jaxlens.sweep.patching_sweep` (on the residual stream) and
+  :func:`jaxlens.sweep.cone_sweep` convert such a model with :meth:`scanned`, trace it once,
+  and run its blocks in a ``lax`` loop whose counter is the layer: their compiled program
+  holds one block, not one per layer or per cell.
+  """
+
+  def scanned(self, variables) -> tuple[Any, Any] | None:
+    """This model in its scanned form and ``variables`` in that form (unchanged when it is
+    scanned already), or None when its blocks differ and cannot share one loop body. The
+    scanned model's :meth:`Decoder.run_block` accepts a traced int32 ``layer``."""
+    ...
+
+  def stack_site(self, name: str) -> str:
+    """In the scanned form, the label of the block site ``name`` of every layer at once (a
+    value stacked ``(n_layers, ...)``; the zoo: ``f"blocks/{name}"``)."""
     ...

@@ -98,6 +98,23 @@ def test_cone_sweep_equals_the_plain_sweep(family):
   )
   np.testing.assert_allclose(cone, plain, atol=1e-5, rtol=1e-5)
   assert float(jnp.abs(plain - plain[:, :1]).max()) > 1e-2  # the cells differ
+  if family not in ("llama", "gemma3"):
+    return
+  # Both sweeps run a decoder's residual stream through run_block (llama: one block loop over
+  # the scanned form; gemma3, whose layers differ: gated copies of each block); the generic
+  # path (a replay of the corrupt trace per site, every op of the model's own call) agrees.
+  replayed = jl.sweep._patching._sweep(
+    model,
+    variables,
+    clean,
+    corrupt,
+    metric=metric,
+    sites=sites,
+    positions=positions,
+    batch_size=None,
+    replay=True,
+  )
+  np.testing.assert_allclose(plain, replayed, atol=1e-5, rtol=1e-5)
   if family != "llama":
     return
   # a subset of layers, in another order, gives the same rows

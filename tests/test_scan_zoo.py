@@ -65,16 +65,30 @@ def test_scanned_equals_unrolled_with_sites_and_edits_through_layer(pair):
   assert jaxprs[1].count("scan[") == 1 and dots[1] < dots[0] and (dots[0] - dots[1]) % 2 == 0
 
 
+def _last_logit(logits):
+  return logits[:, -1, 3].mean()
+
+
 @pytest.mark.parametrize("pair", ["llama"], indirect=True)  # the scan is the same helper
-def test_generation_is_the_same_and_the_sweeps_ask_for_the_unrolled_form(pair):
+def test_generation_and_the_sweeps_are_the_same_in_both_forms(pair):
   unrolled, variables, scanned = pair
   stacked = scan.stack_blocks(variables, 3)
   a = jl.generate(unrolled, variables, TOKENS, 4)
   b = jl.generate(scanned, stacked, TOKENS, 4)
   np.testing.assert_array_equal(a.tokens, b.tokens)
   np.testing.assert_allclose(a.logits, b.logits, atol=1e-12)
-  with pytest.raises(jl.InvalidArgumentError, match="names its layers' sites with layer="):
-    jl.sweep.cone_sweep(scanned, stacked, TOKENS, TOKENS, lambda o: o.sum())
+  # The sweeps take either form (the unrolled one is converted inside the compiled call); the
+  # scanned form names its layers' sites blocks/resid_pre[k].
+  corrupt = TOKENS.at[:, 2].set(7)
+  assert scanned.layer_sites() == tuple(f"blocks/resid_pre[{k}]" for k in range(3))
+  grids = [
+    jl.sweep.patching_sweep(m, v, TOKENS, corrupt, _last_logit, positions=(0, 2, 5))
+    for m, v in ((unrolled, variables), (scanned, stacked))
+  ]
+  np.testing.assert_allclose(grids[1], grids[0], atol=1e-12, rtol=0)
+  assert float(jnp.abs(grids[0][:, 1] - grids[0][:, 0]).max()) > 1e-3  # the cells differ
+  cone = jl.sweep.cone_sweep(scanned, stacked, TOKENS, corrupt, _last_logit, positions=(0, 2, 5))
+  np.testing.assert_allclose(cone, grids[0], atol=1e-12, rtol=0)
   with pytest.raises(jl.InvalidArgumentError, match="needs the params of blocks_0 .. blocks_3"):
     scan.stack_blocks(variables, 4)
 

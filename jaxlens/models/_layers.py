@@ -353,15 +353,11 @@ class LayerSites:
 
   @nn.nowrap
   def block_site(self, layer: int, name: str) -> str:
-    """``f"blocks_{layer}/{name}"``. The scanned form (``config.scan_layers``) has no label
-    per layer (its sites are ``jl.module("blocks/...", layer=k)``) and refuses."""
+    """``f"blocks_{layer}/{name}"``; in the scanned form (``config.scan_layers``) the label of
+    that layer's slice of the stacked site, ``f"blocks/{name}[{layer}]"`` (``jl.label`` selects
+    it, as ``jl.module(f"blocks/{name}", layer=layer)`` does)."""
     if getattr(self.config, "scan_layers", False):
-      raise InvalidArgumentError(
-        f"{type(self).__name__} with scan_layers=True names its layers' sites with layer= "
-        f"(jl.module('blocks/{name}', layer={layer})); the sweeps take the unrolled form",
-        code="invalid_argument",
-        fix="variables = jm.scan.unstack_blocks(variables) and a config with scan_layers=False",
-      )
+      return f"blocks/{name}[{layer}]"
     return f"blocks_{layer}/{name}"
 
   @nn.nowrap

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxlens.core import named
 from jaxlens.models.compact import Dense, Embed
-from jaxlens.models.scan import scan_blocks
+from jaxlens.models.scan import ScanForm, scan_blocks
 from jaxlens.models._layers import (
   decoder_inputs,
   LayerSites,
@@ -151,7 +151,7 @@ class GPT2Block(nn.Module):
     return named(x + m, "resid_post")
 
 
-class GPT2(LayerSites, nn.Module):
+class GPT2(ScanForm, LayerSites, nn.Module):
   """GPT-2. Call: ``(tokens, attention_mask=None, positions=None, decode=False) -> logits``;
   the arguments are those of :class:`jaxlens.models.llama.Llama` (concrete positions must be
   in ``[0, max_len)``, traced ones outside give NaN). A :class:`jaxlens.protocol.Decoder`."""
@@ -209,7 +209,7 @@ class GPT2(LayerSites, nn.Module):
   def run_block(self, variables, layer, x, positions, *, past_keys, past_values, mask):
     """:meth:`jaxlens.protocol.Decoder.run_block`."""
     block = GPT2Block(self.config)
-    params = variables["params"][f"blocks_{layer}"]
+    params = self.block_params(variables, layer)
     return run_block_after(block, params, x, positions, past_keys, past_values, mask)
 
   @nn.nowrap

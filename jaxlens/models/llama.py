@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from jaxlens.core import named
 from jaxlens.models.compact import Dense, Embed
-from jaxlens.models.scan import scan_blocks, uniform_window
+from jaxlens.models.scan import ScanForm, scan_blocks, uniform_window
 from jaxlens.models._layers import (
   decoder_inputs,
   LayerSites,
@@ -233,7 +233,7 @@ class LlamaBlock(nn.Module):
     return named(x + m, "resid_post")
 
 
-class Llama(LayerSites, nn.Module):
+class Llama(ScanForm, LayerSites, nn.Module):
   """A Llama-family causal language model (a :class:`jaxlens.protocol.Decoder`).
 
   Call: ``model.apply(variables, tokens, attention_mask=None, positions=None, decode=False)``
@@ -305,8 +305,8 @@ class Llama(LayerSites, nn.Module):
     """:meth:`jaxlens.protocol.Decoder.run_block`."""
     # The block reads the whole past (window=None) and the mask keeps a local layer's window.
     block = LlamaBlock(self.config)
-    params = variables["params"][f"blocks_{layer}"]
-    mask = window_mask(mask, positions, past_keys.shape[1], self.config.window(layer))
+    params = self.block_params(variables, layer)
+    mask = window_mask(mask, positions, past_keys.shape[1], self.block_window(layer))
     return run_block_after(block, params, x, positions, past_keys, past_values, mask)
 
   @nn.nowrap

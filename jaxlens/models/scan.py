@@ -27,13 +27,15 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxlens.core import InvalidArgumentError
 
-__all__ = ["scan_blocks", "stack_blocks", "uniform_window", "unstack_blocks"]
+__all__ = ["ScanForm", "scan_blocks", "stack_blocks", "uniform_window", "unstack_blocks"]
 
 
 def uniform_window(config):
@@ -115,3 +117,47 @@ def unstack_blocks(variables):
         tree[f"blocks_{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
     out[collection] = tree
   return out
+
+
+class ScanForm:
+  """:class:`jaxlens.protocol.Scannable` for a zoo decoder with a ``config.scan_layers`` option
+  (a mixin of ``Llama`` and ``GPT2``, next to ``LayerSites``): the sweeps run its blocks as one
+  loop over stacked parameters with the layer index as data."""
+
+  @nn.nowrap
+  def scanned(self, variables):
+    """This model in its scanned form and ``variables`` in that form (both unchanged when the
+    model is scanned already), or None when its layers differ (mixed sliding windows)."""
+    cfg = self.config
+    if cfg.scan_layers:
+      return self, variables
+    if hasattr(cfg, "window"):
+      try:
+        uniform_window(cfg)
+      except InvalidArgumentError:
+        return None
+    model = type(self)(dataclasses.replace(cfg, scan_layers=True))
+    return model, stack_blocks(variables, cfg.n_layers)
+
+  @nn.nowrap
+  def stack_site(self, name: str) -> str:
+    """The scanned form's label of the site ``name`` of every block at once (its value stacks
+    the layers along axis 0): ``f"blocks/{name}"``."""
+    return f"blocks/{name}"
+
+  @nn.nowrap
+  def block_params(self, variables, layer):
+    """The params of block ``layer``: ``blocks_{layer}`` of the unrolled form (a Python int), or
+    slice ``layer`` (an int or a traced int scalar) of the scanned form's ``blocks``."""
+    params = variables["params"]
+    if not self.config.scan_layers:
+      return params[f"blocks_{layer}"]
+    return jax.tree.map(
+      lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), params["blocks"]
+    )
+
+  @nn.nowrap
+  def block_window(self, layer):
+    """The sliding window of block ``layer`` (the scanned form: the one window of every block)."""
+    cfg = self.config
+    return uniform_window(cfg) if cfg.scan_layers else cfg.window(layer)

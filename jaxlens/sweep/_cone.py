@@ -13,8 +13,11 @@ the earlier positions' keys and values included, is the corrupt run's.
   holds positions ``p_1 .. S-1``, then ``p_2 .. S-1``, ... (``sum(S - p_j)`` tokens), and one
   attention mask lets each packed token see the corrupt keys before its cell's position and its
   own cell's keys up to itself;
-* the layers run once each in order, on every cell that has started by then (the cells patched
-  at or below that layer), batched.
+* the rows (layers) run one after another (``lax.map``), each row's blocks in a ``lax`` loop
+  that starts at its own layer (``jaxlens.sweep._blocks``): on a model with a scanned form
+  (:class:`jaxlens.protocol.Scannable`: ``Llama``, ``GPT2``, converted inside the call when
+  given unrolled) the compiled program holds one block whatever the depth, and its first call
+  costs little more than its second.
 
 A cell at layer ``k`` thus costs ``(L - 1 - k) * (S - p)`` token-layers, where a sweep that
 replays the patched site's downstream cone (:func:`jaxlens.sweep.patching_sweep`) spends
@@ -24,7 +27,8 @@ sweeps' default) or ``blocks_{k}/resid_post``, up to float rounding.
 
 The sweep asks the model through :class:`jaxlens.protocol.Decoder`: its sites
 (``block_site``), and how to run one block after a given past (``run_block``) and to turn the
-last residual stream into logits (``unembed``).
+last residual stream into logits (``unembed``); a decoder without a scanned form (Gemma 3's
+mixed layers, GPT-NeoX) runs the same rows with a gated copy of each block.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens.core import InvalidArgumentError, ShapeError, module, trace
+from jaxlens.core import InvalidArgumentError, ShapeError
 from jaxlens.internal import api_boundary
 from jaxlens.protocol import Decoder
+from jaxlens.sweep._blocks import Runs
 from jaxlens.sweep._patching import check_metric
 
 __all__ = ["cone_sweep"]
@@ -82,83 +87,19 @@ def _layout(positions, seq):
   jax.jit, static_argnames=("model", "metric", "layers", "positions", "site", "batch_size")
 )
 def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, batch_size):
-  n_layers = len(model.layer_sites())
-  at = model.block_site
-  batch, seq = corrupt.shape
+  seq = corrupt.shape[1]
   cell_pos, tok_pos, mask, gather = _layout(positions, seq)
-  n_tok = len(tok_pos)
-
-  base = trace(
-    model,
-    variables,
-    corrupt,
-    keep_inputs=False,
-    save=[
-      module(at(j, name)) for j in range(n_layers) for name in ("resid_pre", "attn/k", "attn/v")
-    ]
-    + [module(at(n_layers - 1, "resid_post"))],
-  )
-  donor = trace(
-    model,
-    variables,
-    clean,
-    keep_inputs=False,
-    save=[module(at(k, site)) for k in sorted(set(layers))],
-  )
-
-  # The residual stream entering block j (j = n_layers: the last block's output).
-  def stream(j):
-    return (
-      base[at(j, "resid_pre")].out if j < n_layers else base[at(n_layers - 1, "resid_post")].out
-    )
-
-  first = np.asarray(tok_pos == cell_pos)  # the patched token of each packed cell
-
-  def start_state(k):
-    # Packed tokens of every cell of layer k, read from the corrupt stream, the patched
-    # position of each cell from the clean run.
-    j = k + 1 if site == "resid_post" else k
-    corrupt_in = stream(j)[:, tok_pos]
-    patched = donor[at(k, site)].out[:, tok_pos]
-    return jnp.where(first[None, :, None], patched, corrupt_in)
-
-  starts = [k + 1 if site == "resid_post" else k for k in layers]
-  order = sorted(range(len(layers)), key=lambda i: starts[i])
-  mask = jnp.asarray(mask)
+  runs = Runs(model, variables, clean, corrupt)
+  first = jnp.asarray(tok_pos == cell_pos)[None, :, None]  # the patched token of each cell
+  mask, gather = jnp.asarray(mask), jnp.asarray(gather)
   packed_positions = jnp.asarray(tok_pos)[None]
-  state, joined = None, 0
-  for j in range(n_layers):
-    new = [i for i in order[joined:] if starts[i] == j]
-    if new:
-      fresh = jnp.stack([start_state(layers[i]) for i in new])
-      state = fresh if state is None else jnp.concatenate([state, fresh])
-      joined += len(new)
-    if state is None:
-      continue
-    cells = state.shape[0]
 
-    def past(c, cells=cells):  # the corrupt run's keys (values) for every cell's rows
-      return jnp.broadcast_to(c, (cells,) + c.shape).reshape((cells * batch,) + c.shape[1:])
-
-    out = model.run_block(
-      variables,
-      j,
-      state.reshape((cells * batch, n_tok, state.shape[-1])),
-      packed_positions,
-      past_keys=past(base[at(j, "attn/k")].out),
-      past_values=past(base[at(j, "attn/v")].out),
-      mask=mask,
-    )
-    state = out.reshape(state.shape)
-  rest = [i for i in order[joined:]]  # resid_post of the last block
-  if rest:
-    fresh = jnp.stack([start_state(layers[i]) for i in rest])
-    state = fresh if state is None else jnp.concatenate([state, fresh])
-  corrupt_logits = base.output
-  gather = jnp.asarray(gather)
-
-  def cell_metrics(x):
-    both = jnp.concatenate([corrupt_logits, model.unembed(variables, x)], axis=1)
+  def row(start):
+    # The packed tokens of the row's cells: the corrupt stream entering block `start`, the
+    # patched position of each cell from the clean run; then blocks start .. L-1 on them.
+    x = jnp.where(first, runs.donor[start][:, tok_pos], runs.stream[start][:, tok_pos])
+    x = runs.run_from(start, x, packed_positions, mask, past=seq)
+    both = jnp.concatenate([runs.logits, runs.unembed(x)], axis=1)
     full = jnp.take(both, gather, axis=1)  # (batch, positions, seq, vocab)
     values = jax.vmap(metric, in_axes=1)(full)
     if values.shape != (len(positions),):
@@ -169,8 +110,10 @@ def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, 
       )
     return values
 
-  grid = jax.lax.map(cell_metrics, state, batch_size=batch_size)
-  return grid[np.argsort(order)]
+  starts = jnp.asarray([k + (site == "resid_post") for k in layers], jnp.int32)
+  # One row at a time by default: the loop's start is then a scalar and each row runs only
+  # the blocks after its layer (batched rows run from the lowest start of their batch).
+  return jax.lax.map(row, starts, batch_size=None if batch_size == 1 else batch_size or len(layers))
 
 
 @api_boundary
@@ -196,7 +139,8 @@ def cone_sweep(
 
   Args:
     model: an unbound causal decoder with the :class:`jaxlens.protocol.Decoder` methods (the
-      zoo's :class:`jaxlens.models.Llama`, :class:`jaxlens.models.GPT2`).
+      zoo's :class:`jaxlens.models.Llama`, :class:`jaxlens.models.GPT2`), in either form
+      (``scan_layers``): the unrolled one runs through its scanned form inside the call.
     variables: its variables.
     clean, corrupt: int ``(batch, seq)`` token ids of one shape (no padding).
     metric: a function of the logits ``(batch, seq, vocab)`` returning a scalar; hashable (a
@@ -206,8 +150,10 @@ def cone_sweep(
     site: ``"resid_pre"`` (a block's input, the default: the sites of
       ``model.layer_sites()``, which :func:`patching_sweep` patches by default, so the two
       sweeps' default grids are the same) or ``"resid_post"`` (a block's output).
-    batch_size: how many layers' cells the unembedding and metric handle at once (default 1,
-      which bounds the memory of the logits to one layer's cells; None: all).
+    batch_size: how many layers' cells run at once (default 1: one layer's cells at a time,
+      each from its own layer, which also bounds the memory of the logits to one layer's
+      cells; more, or None for all: batched together, each batch running from its lowest
+      layer with the rows above it gated, more arithmetic for more parallel work).
 
   Returns:
     A float array ``(len(layers), len(positions))``.

@@ -13,6 +13,12 @@ recomputes only what lies after ``l``, and equals the single live patch (replay
 evaluates the same operations on the same values). With ``mesh=``, the same cells
 are split over the mesh's devices (``jax.shard_map``): each device runs the two
 traces and its own cells.
+
+A causal decoder's residual stream (:class:`jaxlens.protocol.Decoder`, every site a block's
+``resid_pre`` or ``resid_post``: the zoo's default sites) takes another road with the same
+cells: the rows run one after another, each from its own layer in a ``lax`` loop over the
+blocks (``jaxlens.sweep._blocks``), so on a model with a scanned form the compiled program
+holds one block whatever the number of layers and cells.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from jaxlens.core import InvalidArgumentError, ShapeError, module, trace
 from jaxlens.internal import api_boundary
 from jaxlens.intervention import at_positions, patch_from
 from jaxlens.protocol import LayeredModel
+from jaxlens.sweep._blocks import Runs, residual_rows
 
 __all__ = ["layer_sites", "patching_sweep"]
 
@@ -95,29 +102,33 @@ def _check(clean, corrupt, sites, positions):
     )
 
 
-def _cells(model, variables, clean, corrupt, cells, *, metric, sites, batch_size):
+def _check_scalar(value):
+  value = jnp.asarray(value)
+  if value.shape != ():
+    raise ShapeError(
+      f"patching_sweep: metric returned shape {value.shape}, expected a scalar",
+      code="metric_not_scalar",
+      fix="reduce the metric over the batch: .mean()",
+    )
+  return value
+
+
+def _cells(model, variables, clean, corrupt, cells, *, metric, sites, batch_size, replay=False):
   """The grid rows of ``sites`` at the positions ``cells`` (an int array)."""
+  rows = None if replay else residual_rows(model, sites)
+  if rows is not None:
+    return _residual_cells(model, variables, clean, corrupt, cells, rows, metric, batch_size)
   donor = trace(model, variables, clean, save=[module(s) for s in sites])
   # The corrupt run once, every module site saved: a cell at site i replays only the
   # downstream cone of site i from these values, not the layers below it.
   base = trace(model, variables, corrupt)
-
-  def check(value):
-    value = jnp.asarray(value)
-    if value.shape != ():
-      raise ShapeError(
-        f"patching_sweep: metric returned shape {value.shape}, expected a scalar",
-        code="metric_not_scalar",
-        fix="reduce the metric over the batch: .mean()",
-      )
-    return value
 
   grid = []
   for path in sites:
 
     def one(position, path=path):
       edit = at_positions(position[None], patch_from(donor))
-      return check(metric(base.fork().do(module(path), edit).output))
+      return _check_scalar(metric(base.fork().do(module(path), edit).output))
 
     if batch_size is None:
       grid.append(jax.vmap(one)(cells))
@@ -127,11 +138,49 @@ def _cells(model, variables, clean, corrupt, cells, *, metric, sites, batch_size
   return jnp.stack(grid)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "positions", "batch_size"))
-def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_size):
+def _residual_cells(model, variables, clean, corrupt, cells, rows, metric, batch_size):
+  """A causal decoder's residual-stream rows (stream indices ``rows``), one block loop
+  (``jaxlens.sweep._blocks``): the program holds one block whatever the layers and cells."""
+  runs = Runs(model, variables, clean, corrupt)
+  seq = corrupt.shape[1]
+  positions = jnp.arange(seq, dtype=jnp.int32)[None]
+  causal = jnp.tril(jnp.ones((seq, seq), bool))[None, None]
+
+  def row(start):
+    clean_in, corrupt_in = runs.donor[start], runs.stream[start]
+
+    def one(position):
+      x = jnp.where(
+        (jnp.arange(seq, dtype=jnp.int32) == position)[None, :, None], clean_in, corrupt_in
+      )
+      x = runs.run_from(start, x, positions, causal, past=0)
+      return _check_scalar(metric(runs.unembed(x)))
+
+    if batch_size is None:
+      return jax.vmap(one)(cells)
+    return jax.lax.map(one, cells, batch_size=batch_size)
+
+  # The rows one after another: each row's block loop starts at its own layer.
+  return jax.lax.map(row, jnp.asarray(rows, jnp.int32))
+
+
+@functools.partial(
+  jax.jit, static_argnames=("model", "metric", "sites", "positions", "batch_size", "replay")
+)
+def _sweep(model, variables, clean, corrupt, *, metric, sites, positions, batch_size, replay=False):
+  # replay=True: the generic path (a fork of the corrupt trace per site) even for a decoder's
+  # residual stream; the tests compare the block loop with it.
   cells = jnp.asarray(positions, jnp.int32)
   return _cells(
-    model, variables, clean, corrupt, cells, metric=metric, sites=sites, batch_size=batch_size
+    model,
+    variables,
+    clean,
+    corrupt,
+    cells,
+    metric=metric,
+    sites=sites,
+    batch_size=batch_size,
+    replay=replay,
   )
 
 
@@ -235,7 +284,10 @@ def patching_sweep(
   ``positions[j]`` (axis 1 of that site's value) replaced by its value in the run
   on ``clean`` (``jl.at_positions([p], jl.patch_from(clean_trace))``); nothing
   else is edited. The whole grid is one jitted call: the cells are a batch of
-  edits, vectorised with ``jax.vmap`` (in chunks of ``batch_size`` when given).
+  edits, vectorised with ``jax.vmap`` (in chunks of ``batch_size`` when given). On a causal
+  decoder's residual stream (the zoo's default sites, in either form, ``scan_layers`` or not)
+  the rows run one after another, each through the blocks after its layer in one ``lax`` loop:
+  the compiled program does not grow with the number of layers or cells.
 
   Args:
     model: an unbound linen module whose sites ``sites`` return
