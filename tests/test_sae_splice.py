@@ -288,3 +288,144 @@ def test_splice_refusals(gpt):
   tc = sae.Transcoder.init(jax.random.key(0), D, F, d_out=D)
   with pytest.raises(jl.SiteError, match=r"\[sae_reads_missing\]"):
     sae.splice(model, "block_0", tc, reads="block_1").apply(variables, tokens)
+
+
+# -- cross-layer transcoders ---------------------------------------------------------------
+
+L, DC, FC = 3, 8, 12
+MLPS = [f"block_{i}/mlp" for i in range(L)]
+
+
+@pytest.fixture(scope="module")
+def clt_gpt():
+  """A 3-block GPT in float64 and a ReLU cross-layer transcoder over its MLPs."""
+  model, variables, tokens = init_gpt(
+    0, n_layers=L, d_model=DC, n_heads=2, max_len=5, vocab_size=11, batch=2, mlp_ratio=2,
+    dtype=jnp.float64,
+  )  # fmt: skip
+  variables = jax.tree.map(lambda a: a.astype(jnp.float64), variables)
+  clt = sae.CrossLayerTranscoder.init(jax.random.key(1), L, DC, FC, dtype=jnp.float64)
+  clt = clt.replace(b_enc=jnp.full((L, FC), 0.05), b_dec=jnp.full((L, DC), 0.1))
+  return model, variables, tokens, clt, sae.splice(model, "block_*/mlp", clt)
+
+
+def clt_by_hand(model, clt, edit=lambda layer, acts: acts, keep_error=True):
+  """The spliced model written out with a Flax interceptor: layer j's MLP output becomes
+  ``b_dec[j] + sum_{i<=j} edit(i, relu(x_i W_enc[i] + b_enc[i])) W_dec[i][j-i]``, plus the
+  error ``y_j - (the same with unedited features)``."""
+
+  def run(variables, tokens):
+    store = []
+
+    def intercept(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      path = "/".join(context.module.path)
+      if context.method_name != "__call__" or path not in MLPS:
+        return out
+      j = MLPS.index(path)
+      acts = jax.nn.relu(args[0] @ clt.W_enc[j] + clt.b_enc[j])
+      store.append((acts, edit(j, acts)))
+      clean = clt.b_dec[j] + sum(store[i][0] @ clt.W_dec[i][j - i] for i in range(j + 1))
+      new = clt.b_dec[j] + sum(store[i][1] @ clt.W_dec[i][j - i] for i in range(j + 1))
+      return new + (out - clean) if keep_error else new
+
+    with nn.intercept_methods(intercept):
+      return model.apply(variables, tokens)
+
+  return run
+
+
+def test_a_cross_layer_transcoder_splice_is_the_model_and_its_decoders(clt_gpt):
+  model, variables, tokens, clt, spliced = clt_gpt
+  base = model.apply(variables, tokens)
+  t = jl.trace(spliced, variables, tokens, save=jl.all_sites())
+  assert [l for l in t.labels if "/clt/" in l] == [
+    f"{m}/clt/{s}" for m in MLPS for s in ("acts", "recon", "error")
+  ]
+  np.testing.assert_allclose(t.output, base, atol=1e-12)
+  for j, m in enumerate(MLPS):
+    np.testing.assert_allclose(
+      t[f"{m}/clt/acts"].out, clt.encode_layer(j, t[f"block_{j}/ln_2"].out)
+    )
+  # Without the error each MLP's output is the decoders of the layers up to it.
+  lossy = sae.splice(model, MLPS, clt, keep_error=False)  # the sites listed, not a glob
+  t2 = jl.trace(lossy, variables, tokens, save=jl.all_sites())
+  xs = jnp.stack([t2[f"block_{j}/ln_2"].out for j in range(L)])
+  want = clt(xs)
+  for j, m in enumerate(MLPS):
+    np.testing.assert_allclose(t2[m].out, want[j], atol=1e-12)
+  np.testing.assert_allclose(
+    t2.output, clt_by_hand(model, clt, keep_error=False)(variables, tokens)
+  )
+  assert float(jnp.abs(t2.output - base).max()) > 1e-3
+
+
+def test_cross_layer_features_on_every_door_and_verb(clt_gpt, tmp_path):
+  model, variables, tokens, clt, spliced = clt_gpt
+  acts0 = jl.module("block_0/mlp/clt/acts")
+  # Ablating a layer-0 feature changes layers 0, 1 and 2 through its three decoders.
+  site = jl.units(acts0, jnp.asarray([2, 5]))
+  spec = jl.when(site, jl.zero_ablate())
+  want = clt_by_hand(model, clt, lambda j, a: a.at[..., [2, 5]].set(0.0) if j == 0 else a)
+  want = want(variables, tokens)
+  live = spec.bind(spliced)(variables, tokens)
+  np.testing.assert_allclose(live, want, atol=1e-12)
+  assert float(jnp.abs(live - model.apply(variables, tokens)).max()) > 1e-4
+  t = jl.trace(spliced, variables, tokens)
+  spec.save(tmp_path / "spec")
+  doors = {
+    "capture": jl.trace(spliced, variables, tokens, intervene=spec).output,
+    "replay": t.fork().do(site, jl.zero_ablate()).output,
+    "jit": jax.jit(spec.bind(spliced))(variables, tokens),
+    "saved spec": jl.load_spec(tmp_path / "spec").bind(spliced)(variables, tokens),
+  }
+  for name, out in doors.items():
+    np.testing.assert_allclose(out, want, atol=1e-12, err_msg=name)
+  # Steering a layer-1 feature adds its decoders into layers 1 and 2.
+  onehot = jnp.zeros((FC,), jnp.float64).at[4].set(1.0)
+  steered = jl.when(jl.module("block_1/mlp/clt/acts"), jl.steer(onehot, 2.0)).bind(spliced)
+  by_hand = clt_by_hand(model, clt, lambda j, a: a + 2.0 * onehot if j == 1 else a)
+  np.testing.assert_allclose(steered(variables, tokens), by_hand(variables, tokens), atol=1e-12)
+  # Patching layer-0 features from another prompt.
+  other = (tokens + 3) % 11
+  donor = jl.trace(spliced, variables, other, save=acts0)
+  d0 = donor["block_0/mlp/clt/acts"].out
+  patched = jl.when(jl.units(acts0, jnp.asarray([1, 7])), jl.patch_from(donor)).bind(spliced)
+  by_hand = clt_by_hand(
+    model, clt, lambda j, a: a.at[..., [1, 7]].set(d0[..., [1, 7]]) if j == 0 else a
+  )
+  np.testing.assert_allclose(patched(variables, tokens), by_hand(variables, tokens), atol=1e-12)
+  # trace.grad on layer-0 features: the gradient through all three layers' decoders.
+  metric = lambda out: out[:, -1, 3].sum()  # noqa: E731
+  g = t.grad(metric, sites=["block_0/mlp/clt/acts"]).grad["block_0/mlp/clt/acts"]
+  zero = jnp.zeros((2, 5, FC), jnp.float64)
+  want_g = jax.grad(
+    lambda delta: metric(clt_by_hand(model, clt, lambda j, a: a + delta if j == 0 else a)(
+      variables, tokens
+    ))
+  )(zero)  # fmt: skip
+  np.testing.assert_allclose(g, want_g, atol=1e-12)
+  assert float(jnp.abs(g).max()) > 1e-4
+
+
+def test_cross_layer_transcoder_refusals(clt_gpt):
+  model, variables, tokens, clt, spliced = clt_gpt
+  with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\]") as info:
+    sae.splice(model, MLPS[:2], clt)
+  assert info.value.fields["field"] == "n_layers"
+  with pytest.raises(sae.SAEError, match=r"\[sae_invalid_argument\]") as info:
+    sae.splice(model, MLPS, clt, reads="embed")
+  assert info.value.fields["field"] == "reads"
+  two = sae.CrossLayerTranscoder.init(jax.random.key(0), 2, DC, FC, dtype=jnp.float64)
+  with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\].*more modules"):
+    sae.splice(model, "block_*/mlp", two).apply(variables, tokens)
+  four = sae.CrossLayerTranscoder.init(jax.random.key(0), 4, DC, FC, dtype=jnp.float64)
+  with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\].*matched 3 distinct"):
+    sae.splice(model, "block_*/mlp", four).apply(variables, tokens)
+  wide = sae.CrossLayerTranscoder.init(jax.random.key(0), L, 6, FC, dtype=jnp.float64)
+  with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\]"):
+    sae.splice(model, MLPS, wide).apply(variables, tokens)
+  with pytest.raises(jl.SiteError, match=r"\[sae_reads_missing\]"):
+    sae.splice(model, MLPS[::-1], clt).apply(variables, tokens)
+  with pytest.raises(jl.SiteError, match=r"\[unknown_site\]"):
+    sae.splice(model, "nothing_*", clt).apply(variables, tokens)

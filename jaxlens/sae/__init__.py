@@ -5,7 +5,8 @@
   ``encode``, ``decode`` and ``__call__`` are pure functions.
 * Files: :func:`load_saelens` / :func:`save_saelens` (SAELens's directory format, both
   ways), :func:`load_gemma_scope` (``params.npz`` / safetensors).
-* :func:`splice` puts a dictionary at a site of a model; its features become the sites
+* :func:`splice` puts a dictionary at a site of a model (a cross-layer transcoder at every
+  layer's MLP, sites ``<mlp>/clt/acts``); its features become the sites
   ``<site>/sae/acts`` (and ``.../recon``, ``.../error``).
 * ``jaxlens.sae.train``: training on activations (``jaxlens.store`` or any iterator).
 

@@ -520,6 +520,10 @@ class CrossLayerTranscoder:
   def n_layers(self) -> int:
     return int(np.shape(self.W_enc)[0])
 
+  def replace(self, **changes):
+    """A copy with some fields changed (``dataclasses.replace``)."""
+    return dataclasses.replace(self, **changes)
+
   @classmethod
   def init(cls, key, n_layers, d_in, d_sae, d_out=None, *, dtype=jnp.float32, **config):
     d_out = d_in if d_out is None else d_out

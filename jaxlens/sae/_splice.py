@@ -17,6 +17,12 @@ sites on every door, so the features are edited, saved, patched and differentiat
 any other site; and since ``recon + error`` equals ``y`` up to rounding, the spliced
 model computes what the model computes until something edits a feature.
 
+A :class:`~jaxlens.sae.CrossLayerTranscoder` is spliced at ``L`` modules at once (each
+layer's MLP): layer ``j``'s features ``encode_layer(j, x_j)`` of the MLP's input are the site
+``<mlp_j>/clt/acts``, and the MLP's output becomes the decoders of the (possibly edited)
+features of layers ``0..j`` into layer ``j`` (``<mlp_j>/clt/recon``) plus the error
+``<mlp_j>/clt/error`` computed from the unedited features.
+
 The dictionary's arrays are constants of the spliced model (held by its class, not its
 variables): the model's variables are unchanged, and a captured program is reused for
 the same spliced model.
@@ -34,7 +40,7 @@ from flax.core.scope import Scope
 from jaxlens.core import Named, Site, SiteError
 from jaxlens.core import module as module_selector
 from jaxlens.internal import SiteInfo, api_boundary, unmatched_error
-from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder
+from jaxlens.sae._dictionaries import SAE, CrossLayerTranscoder, SAEError, Transcoder
 
 __all__ = ["splice", "SUFFIXES"]
 
@@ -48,6 +54,22 @@ class _Entry:
     self.reads = reads
     self.keep_error = keep_error
     self.stop_error_grad = stop_error_grad
+
+
+class _CLTEntry:
+  """A cross-layer transcoder over the modules ``selectors`` (one per layer) or, for one
+  selector (a glob), over its matches in the order they first run."""
+
+  def __init__(self, selectors, dictionary, keep_error, stop_error_grad):
+    self.selectors = selectors
+    self.selector = selectors[0] if len(selectors) == 1 else None
+    self.dictionary = dictionary
+    self.reads = None
+    self.keep_error = keep_error
+    self.stop_error_grad = stop_error_grad
+
+  def describe(self):
+    return ", ".join(repr(s) for s in self.selectors)
 
 
 def _named(path: tuple, value):
@@ -64,6 +86,32 @@ class _Run:
     self.read: dict = {}
     self.fired = [0] * len(entries)
     self.seen: list[SiteInfo] = []
+    self.clt: dict = {}  # entry -> {layer: (clean acts, acts)}
+    self.layers: dict = {}  # entry -> {path: layer} (a glob's matches in call order)
+
+  def _clt_layer(self, i, entry, info):
+    """The layer of a cross-layer transcoder that the module call ``info`` is, or None."""
+    if entry.selector is None:
+      for layer, selector in enumerate(entry.selectors):
+        if selector.matches(info):
+          self.layers.setdefault(i, {})[info.path] = layer
+          return layer
+      return None
+    if not entry.selector.matches(info):
+      return None
+    layers = self.layers.setdefault(i, {})
+    if info.path not in layers:
+      if len(layers) == entry.dictionary.n_layers:
+        raise SAEError(
+          f"splice: {entry.selector!r} matched more modules than the cross-layer transcoder's "
+          f"{entry.dictionary.n_layers} layers ({sorted(layers)} and {info.path!r})",
+          code="sae_shape_mismatch",
+          field="n_layers",
+          site=info.label,
+          fix="name the layers' MLPs: sae.splice(model, [f'block_{i}/mlp' for i in range(L)], clt)",
+        )
+      layers[info.path] = len(layers)
+    return layers[info.path]
 
   def interceptor(self, next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
@@ -76,6 +124,13 @@ class _Run:
     info = SiteInfo("/".join(path), context.method_name, self.calls[key], type(mod).__name__)
     self.seen.append(info)
     for i, entry in enumerate(self.entries):
+      if isinstance(entry, _CLTEntry):
+        layer = self._clt_layer(i, entry, info)
+        if layer is not None:
+          x = args[0] if args else None
+          out = _apply_clt(entry, self.clt.setdefault(i, {}), layer, path, info.label, out, x)
+          self.fired[i] += 1
+        continue
       if entry.reads is not None and entry.reads.matches(info):
         self.read[i] = out
       if entry.selector.matches(info):
@@ -94,8 +149,20 @@ class _Run:
     return out
 
   def check(self):
-    for entry, count in zip(self.entries, self.fired):
-      if count == 0:
+    for i, (entry, count) in enumerate(zip(self.entries, self.fired)):
+      if isinstance(entry, _CLTEntry):
+        found = len(self.layers.get(i, {}))
+        if found == 0:
+          raise unmatched_error(entry.selectors[0], self.seen, "sae.splice")
+        if found != entry.dictionary.n_layers or len(set(self.layers[i].values())) != found:
+          raise SAEError(
+            f"splice: the cross-layer transcoder has {entry.dictionary.n_layers} layers but "
+            f"{entry.describe()} matched {found} distinct modules ({sorted(self.layers[i])})",
+            code="sae_shape_mismatch",
+            field="n_layers",
+            fix="one module (the layer's MLP) per layer, in order",
+          )
+      elif count == 0:
         raise unmatched_error(entry.selector, self.seen, "sae.splice")
 
 
@@ -141,6 +208,52 @@ def _apply(entry: _Entry, path: tuple, label: str, y, x):
   return new.astype(y.dtype)
 
 
+def _apply_clt(entry: _CLTEntry, store: dict, layer: int, path: tuple, label: str, y, x):
+  """Layer ``layer``'s MLP output ``y`` through the cross-layer transcoder: its features from
+  the MLP input ``x``, its output the decoders of layers ``0..layer`` into it (plus error)."""
+  d = entry.dictionary
+  if not hasattr(y, "shape") or x is None or not hasattr(x, "shape"):
+    raise SiteError(
+      f"splice: a cross-layer transcoder at {label!r} needs a module that takes and returns "
+      "one array (an MLP)",
+      code="sae_site_not_array",
+      site=label,
+      fix="splice at each layer's MLP module",
+    )
+  d_in, d_out = d.W_enc.shape[1], d.b_dec.shape[-1]
+  if y.shape[-1] != d_out or x.shape[-1] != d_in:
+    raise SAEError(
+      f"splice at {label!r}: the MLP reads {x.shape[-1]} and writes {y.shape[-1]}, but the "
+      f"cross-layer transcoder reads {d_in} and writes {d_out}",
+      code="sae_shape_mismatch",
+      field="d_in",
+      site=label,
+      fix="a cross-layer transcoder trained on these MLPs",
+    )
+  missing = [i for i in range(layer) if i not in store]
+  if missing:
+    raise SiteError(
+      f"splice: the cross-layer transcoder's layer {layer} ({label!r}) ran before its "
+      f"layers {missing}",
+      code="sae_reads_missing",
+      site=label,
+      fix="list the layers' modules in the order the model runs them",
+    )
+  clean = d.encode_layer(layer, x)
+  acts = _named(path + ("clt", "acts"), clean)
+  store[layer] = (clean, acts)
+  w = d.W_dec
+  recon_clean = d.b_dec[layer] + sum(store[i][0] @ w[i][layer - i] for i in range(layer + 1))
+  recon = d.b_dec[layer] + sum(store[i][1] @ w[i][layer - i] for i in range(layer + 1))
+  error = y.astype(recon_clean.dtype) - recon_clean
+  if entry.stop_error_grad:
+    error = jax.lax.stop_gradient(error)
+  recon = _named(path + ("clt", "recon"), recon)
+  error = _named(path + ("clt", "error"), error)
+  new = recon + error if entry.keep_error else recon
+  return new.astype(y.dtype)
+
+
 _SPLICED: dict = {}
 _lock = threading.Lock()
 
@@ -176,6 +289,27 @@ def _as_selector(site):
   )
 
 
+def _clt_entry(site, d, reads, keep_error, stop_error_grad):
+  if reads is not None:
+    raise SAEError(
+      "splice: a cross-layer transcoder reads each layer's MLP input; reads= is not for it",
+      code="sae_invalid_argument",
+      field="reads",
+      fix="drop reads= (splice at the MLP modules, whose inputs the encoders read)",
+    )
+  sites = list(site) if isinstance(site, tuple) else [site]
+  if len(sites) > 1 and len(sites) != d.n_layers:
+    raise SAEError(
+      f"splice: {len(sites)} sites for a cross-layer transcoder of {d.n_layers} layers",
+      code="sae_shape_mismatch",
+      field="n_layers",
+      fix="one site (each layer's MLP) per layer, in order, or a glob such as 'block_*/mlp'",
+    )
+  return _CLTEntry(
+    tuple(_as_selector(x) for x in sites), d, bool(keep_error), bool(stop_error_grad)
+  )
+
+
 @api_boundary
 def splice(
   model,
@@ -192,10 +326,14 @@ def splice(
     model: a linen module, unbound (the result is too) or bound (the result is bound to
       the same variables). A model already spliced can be spliced again.
     site: the module path (``"blocks_3/mlp"``; globs splice every match) or a
-      ``jl.module(...)`` selector; or a mapping ``{site: dictionary}`` for several.
-    dictionary: an :class:`~jaxlens.sae.SAE` (reads and writes the site's value) or a
+      ``jl.module(...)`` selector; or a mapping ``{site: dictionary}`` for several. For a
+      cross-layer transcoder: a list of its layers' modules in order, or one glob whose
+      matches are the layers in the order they first run.
+    dictionary: an :class:`~jaxlens.sae.SAE` (reads and writes the site's value), a
       :class:`~jaxlens.sae.Transcoder` (reads the module call's first input, or
-      ``reads=``, and replaces the module's output).
+      ``reads=``, and replaces the module's output) or a
+      :class:`~jaxlens.sae.CrossLayerTranscoder` (reads each layer's module input, writes
+      each layer's module output).
     reads: the site whose value a transcoder reads (default: the spliced module's input).
     keep_error: add the reconstruction error back (the default: the model's output is
       unchanged to rounding); ``False`` replaces the site by the reconstruction.
@@ -205,11 +343,13 @@ def splice(
 
   Returns:
     A model of the same class and fields whose runs expose the sites
-    ``<site>/sae/acts``, ``<site>/sae/recon`` and ``<site>/sae/error``.
+    ``<site>/sae/acts``, ``<site>/sae/recon`` and ``<site>/sae/error`` (for a cross-layer
+    transcoder ``<layer module>/clt/acts|recon|error`` for each layer).
 
   Raises:
     SAEError: ``sae_model_unsupported`` (not a linen module), ``sae_invalid_argument``,
-      ``sae_shape_mismatch`` (when it runs: the site's width is not the dictionary's).
+      ``sae_shape_mismatch`` (when it runs: the site's width is not the dictionary's; or
+      the modules are not one per layer of a cross-layer transcoder).
     SiteError: when it runs, ``unknown_site`` (``site`` matched no module call),
       ``sae_site_not_array``, ``sae_reads_missing``.
   """
@@ -223,7 +363,7 @@ def splice(
       )
     pairs = list(site.items())
   else:
-    pairs = [(site, dictionary)]
+    pairs = [(tuple(site) if isinstance(site, list) else site, dictionary)]
   if not isinstance(model, nn.Module):
     raise SAEError(
       f"splice needs a flax.linen Module, got {type(model).__name__}",
@@ -233,9 +373,13 @@ def splice(
     )
   entries = []
   for s, d in pairs:
+    if isinstance(d, CrossLayerTranscoder):
+      entries.append(_clt_entry(s, d, reads, keep_error, stop_error_grad))
+      continue
     if not isinstance(d, SAE):
       raise SAEError(
-        f"splice: expected a jaxlens.sae.SAE or Transcoder at {s!r}, got {type(d).__name__}",
+        f"splice: expected a jaxlens.sae.SAE, Transcoder or CrossLayerTranscoder at {s!r}, "
+        f"got {type(d).__name__}",
         code="sae_invalid_argument",
         field="dictionary",
         fix="sae.load_saelens(path) or sae.SAE.init(...)",
