@@ -3,6 +3,7 @@ selection, gradient, sweep and generation."""
 
 import flax.linen as nn
 import numpy as np
+from flax import nnx
 import pytest
 
 import jax
@@ -258,10 +259,8 @@ class TupleModel(nn.Module):
 
 def test_splice_refusals(gpt):
   model, variables, tokens, d, spliced = gpt
-  from flax import nnx
-
   with pytest.raises(sae.SAEError, match=r"\[sae_model_unsupported\]"):
-    sae.splice(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "x", d)
+    sae.splice(lambda x: x, "x", d)
   with pytest.raises(sae.SAEError, match=r"\[sae_invalid_argument\]") as info:
     sae.splice(model, 3, d)
   assert info.value.fields["field"] == "site"
@@ -429,3 +428,106 @@ def test_cross_layer_transcoder_refusals(clt_gpt):
     sae.splice(model, MLPS[::-1], clt).apply(variables, tokens)
   with pytest.raises(jl.SiteError, match=r"\[unknown_site\]"):
     sae.splice(model, "nothing_*", clt).apply(variables, tokens)
+
+
+# -- NNX models ----------------------------------------------------------------------------
+
+
+class NMLP(nnx.Module):
+  def __init__(self, rngs):
+    self.up = nnx.Linear(DC, 2 * DC, rngs=rngs, param_dtype=jnp.float64)
+    self.down = nnx.Linear(2 * DC, DC, rngs=rngs, param_dtype=jnp.float64)
+
+  def __call__(self, h):
+    return self.down(jax.nn.relu(self.up(h)))
+
+
+class NBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.mlp = NMLP(rngs)
+
+  def __call__(self, h):
+    return h + self.mlp(jnp.tanh(h))
+
+
+class NNet(nnx.Module):
+  def __init__(self, rngs):
+    self.inp = nnx.Linear(4, DC, rngs=rngs, param_dtype=jnp.float64)
+    self.blocks = nnx.List([NBlock(rngs) for _ in range(L)])
+    self.out = nnx.Linear(DC, 2, rngs=rngs, param_dtype=jnp.float64)
+
+  def __call__(self, x):
+    h = self.inp(x)
+    for block in self.blocks:
+      h = block(h)
+    return self.out(h)
+
+
+def nnet_by_hand(net, block_out=None, mlp_out=None):
+  """NNet's forward written out, with a replacement for a block's or an MLP's output."""
+  h, store = net.inp(X_NNX), []
+  for j, block in enumerate(net.blocks):
+    x = jnp.tanh(h)
+    y = block.mlp(x)
+    y = y if mlp_out is None else mlp_out(j, x, y, store)
+    h = h + y
+    h = h if block_out is None or j != 0 else block_out(h)
+  return net.out(h)
+
+
+X_NNX = jax.random.normal(jax.random.key(5), (3, 4), jnp.float64)
+
+
+def test_splicing_an_nnx_model():
+  net = NNet(nnx.Rngs(0))
+  base = net(X_NNX)
+  d = sae.SAE.init(jax.random.key(1), DC, FC, dtype=jnp.float64).replace(b_dec=jnp.full(DC, 0.1))
+  spliced = sae.splice(net, "blocks/0", d)
+  assert type(net.blocks[0]) is NBlock  # the model passed in is not changed
+  t = jl.trace(spliced, X_NNX, save=jl.module("blocks/0*"))
+  assert [l for l in t.labels if "/sae/" in l] == [
+    f"blocks/0/sae/{s}" for s in ("acts", "recon", "error")
+  ]
+  np.testing.assert_allclose(t.output, base, atol=1e-12)
+  np.testing.assert_allclose(t["blocks/0/sae/acts"].out, d.encode(t["blocks/0"].out), atol=1e-12)
+  # Ablating two features: equal to the forward written out, on the live door, jit and replay.
+  feats = jnp.asarray([1, 6])
+  site = jl.units(jl.module("blocks/0/sae/acts"), feats)
+  spec = jl.when(site, jl.zero_ablate())
+  want = nnet_by_hand(net, lambda h: d.decode(d.encode(h).at[..., feats].set(0.0)) + h - d(h))
+  np.testing.assert_allclose(spec.bind(spliced)(X_NNX), want, atol=1e-12)
+  assert float(jnp.abs(want - base).max()) > 1e-4
+  jitted = nnx.jit(lambda m, x: spec.bind(m)(x))(spliced, X_NNX)
+  np.testing.assert_allclose(jitted, want, atol=1e-12)
+  np.testing.assert_allclose(t.fork().do(site, jl.zero_ablate()).output, want, atol=1e-12)
+  # A transcoder at an MLP reads its input; a cross-layer transcoder at every MLP.
+  tc = sae.Transcoder.init(jax.random.key(2), DC, FC, dtype=jnp.float64)
+  lossy = sae.splice(net, "blocks/1/mlp", tc, keep_error=False)
+  np.testing.assert_allclose(
+    lossy(X_NNX), nnet_by_hand(net, mlp_out=lambda j, x, y, s: tc(x) if j == 1 else y), atol=1e-12
+  )
+  clt = sae.CrossLayerTranscoder.init(jax.random.key(3), L, DC, FC, dtype=jnp.float64)
+  cross = sae.splice(net, "blocks/*/mlp", clt)
+  np.testing.assert_allclose(cross(X_NNX), base, atol=1e-12)
+
+  def clt_ablated(j, x, y, store):
+    acts = clt.encode_layer(j, x)
+    store.append((acts, acts.at[..., 3].set(0.0) if j == 0 else acts))
+    decode = lambda k: clt.b_dec[j] + sum(store[i][k] @ clt.W_dec[i][j - i] for i in range(j + 1))  # noqa: E731
+    return decode(1) + y - decode(0)
+
+  ablate = jl.when(jl.units(jl.module("blocks/0/mlp/clt/acts"), jnp.asarray([3])), jl.zero_ablate())
+  np.testing.assert_allclose(
+    ablate.bind(cross)(X_NNX), nnet_by_hand(net, mlp_out=clt_ablated), atol=1e-12
+  )
+  with pytest.raises(sae.SAEError, match=r"\[sae_invalid_argument\]") as info:
+    sae.splice(net, "blocks/1/mlp", tc, reads="inp")
+  assert info.value.fields["field"] == "reads"
+  with pytest.raises(sae.SAEError, match=r"\[sae_invalid_argument\]"):
+    sae.splice(spliced, "blocks/0", d)
+  with pytest.raises(jl.SiteError, match=r"\[unknown_site\]"):
+    sae.splice(net, "blocks/7", d)
+  with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\]"):
+    sae.splice(net, ["blocks/0/mlp", "blocks/*/mlp", "blocks/2/mlp"], clt)
+  with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\]"):
+    sae.splice(net, "blocks/[01]/mlp", clt)

@@ -35,9 +35,10 @@ from collections.abc import Mapping
 
 import flax.linen as nn
 import jax
+from flax import nnx
 from flax.core.scope import Scope
 
-from jaxlens.core import Named, Site, SiteError
+from jaxlens.core import Named, NamedNNX, Site, SiteError
 from jaxlens.core import module as module_selector
 from jaxlens.internal import SiteInfo, api_boundary, unmatched_error
 from jaxlens.sae._dictionaries import SAE, CrossLayerTranscoder, SAEError, Transcoder
@@ -75,6 +76,10 @@ class _CLTEntry:
 def _named(path: tuple, value):
   """``value`` through an identity module at ``path``: a site on every door."""
   return Named(parent=Scope({}, rngs=None, path=path))(value)
+
+
+def _linen_names(prefix: tuple):
+  return lambda suffix, value: _named(prefix + (suffix,), value)
 
 
 class _Run:
@@ -128,7 +133,8 @@ class _Run:
         layer = self._clt_layer(i, entry, info)
         if layer is not None:
           x = args[0] if args else None
-          out = _apply_clt(entry, self.clt.setdefault(i, {}), layer, path, info.label, out, x)
+          name = _linen_names(path + ("clt",))
+          out = _apply_clt(entry, self.clt.setdefault(i, {}), layer, name, info.label, out, x)
           self.fired[i] += 1
         continue
       if entry.reads is not None and entry.reads.matches(info):
@@ -144,7 +150,7 @@ class _Run:
               fix="reads= a site that runs before the spliced one (the MLP's input)",
             )
           x = self.read[i]
-        out = _apply(entry, path, info.label, out, x)
+        out = _apply(entry, _linen_names(path + ("sae",)), info.label, out, x)
         self.fired[i] += 1
     return out
 
@@ -166,7 +172,8 @@ class _Run:
         raise unmatched_error(entry.selector, self.seen, "sae.splice")
 
 
-def _apply(entry: _Entry, path: tuple, label: str, y, x):
+def _apply(entry: _Entry, name, label: str, y, x):
+  """The site's new value; ``name(suffix, value)`` passes a value through its site."""
   d = entry.dictionary
   if not isinstance(y, jax.Array) and not hasattr(y, "aval"):
     raise SiteError(
@@ -198,17 +205,17 @@ def _apply(entry: _Entry, path: tuple, label: str, y, x):
   error = y.astype(recon_clean.dtype) - recon_clean
   if entry.stop_error_grad:
     error = jax.lax.stop_gradient(error)
-  acts = _named(path + ("sae", "acts"), acts_clean)
+  acts = name("acts", acts_clean)
   recon = d.decode(acts, source)
   if transcoder and d.W_skip is not None:
     recon = recon + d.skip(source)
-  recon = _named(path + ("sae", "recon"), recon)
-  error = _named(path + ("sae", "error"), error)
+  recon = name("recon", recon)
+  error = name("error", error)
   new = recon + error if entry.keep_error else recon
   return new.astype(y.dtype)
 
 
-def _apply_clt(entry: _CLTEntry, store: dict, layer: int, path: tuple, label: str, y, x):
+def _apply_clt(entry: _CLTEntry, store: dict, layer: int, name, label: str, y, x):
   """Layer ``layer``'s MLP output ``y`` through the cross-layer transcoder: its features from
   the MLP input ``x``, its output the decoders of layers ``0..layer`` into it (plus error)."""
   d = entry.dictionary
@@ -240,7 +247,7 @@ def _apply_clt(entry: _CLTEntry, store: dict, layer: int, path: tuple, label: st
       fix="list the layers' modules in the order the model runs them",
     )
   clean = d.encode_layer(layer, x)
-  acts = _named(path + ("clt", "acts"), clean)
+  acts = name("acts", clean)
   store[layer] = (clean, acts)
   w = d.W_dec
   recon_clean = d.b_dec[layer] + sum(store[i][0] @ w[i][layer - i] for i in range(layer + 1))
@@ -248,8 +255,8 @@ def _apply_clt(entry: _CLTEntry, store: dict, layer: int, path: tuple, label: st
   error = y.astype(recon_clean.dtype) - recon_clean
   if entry.stop_error_grad:
     error = jax.lax.stop_gradient(error)
-  recon = _named(path + ("clt", "recon"), recon)
-  error = _named(path + ("clt", "error"), error)
+  recon = name("recon", recon)
+  error = name("error", error)
   new = recon + error if entry.keep_error else recon
   return new.astype(y.dtype)
 
@@ -274,6 +281,126 @@ def _spliced_class(base: type, entries: tuple) -> type:
     "_jaxlens_base": base,
   }
   return type(base.__name__, (base,), namespace)
+
+
+# -- NNX -------------------------------------------------------------------------------------
+#
+# An NNX model is spliced in a copy (``nnx.clone``): each matched submodule's class becomes a
+# subclass made for the splice, whose ``__call__`` runs the original and then the dictionary,
+# and the submodule gets a child ``sae`` (``clt``) holding three identity modules
+# (:class:`jaxlens.NamedNNX`) ``acts``, ``recon`` and ``error``. Those are submodules of the
+# model, so the doors' NNX interception sees them at ``<site>/sae/acts`` etc. The dictionary
+# is a class attribute of the subclass (a constant, as for linen: the model's state is
+# unchanged), and ``nnx.split`` / ``nnx.merge`` keep the subclass in the graph definition.
+
+
+class _NNXSites(nnx.Module):
+  def __init__(self):
+    self.acts = NamedNNX()
+    self.recon = NamedNNX()
+    self.error = NamedNNX()
+
+
+_clt_runs = threading.local()
+
+
+def _clt_store(entry, layer: int) -> dict:
+  """The features of this forward's earlier layers of a cross-layer transcoder (NNX): layer 0
+  starts a new store and the last layer drops it, so a forward that skips a layer is refused
+  rather than given another forward's features."""
+  stores = _clt_runs.__dict__.setdefault("stores", {})
+  if layer == 0:
+    stores[id(entry)] = {}
+  return stores.setdefault(id(entry), {})
+
+
+def _nnx_spliced_class(base: type, entry, label: str, layer) -> type:
+  child = "sae" if layer is None else "clt"
+
+  def __call__(self, *args, **kwargs):
+    out = base.__call__(self, *args, **kwargs)
+    sites = getattr(self, child)
+    name = lambda suffix, value: getattr(sites, suffix)(value)  # noqa: E731
+    x = args[0] if args else None
+    if layer is None:
+      return _apply(entry, name, label, out, x)
+    store = _clt_store(entry, layer)
+    try:
+      return _apply_clt(entry, store, layer, name, label, out, x)
+    finally:
+      if layer == entry.dictionary.n_layers - 1:
+        _clt_runs.stores.pop(id(entry), None)
+
+  namespace = {
+    "__call__": __call__,
+    "__module__": base.__module__,
+    "__qualname__": base.__qualname__,
+  }
+  return type(base)(base.__name__, (base,), namespace)
+
+
+def _splice_nnx(model, entries):
+  for entry in entries:
+    if entry.reads is not None:
+      raise SAEError(
+        "splice: reads= is for linen models; in an NNX model a transcoder reads the spliced "
+        "module's first input",
+        code="sae_invalid_argument",
+        field="reads",
+        fix="splice the transcoder at the module whose input it reads (the MLP)",
+      )
+  model = nnx.clone(model)
+  modules = [("/".join(str(p) for p in path), sub) for path, sub in nnx.iter_modules(model)]
+  infos = [SiteInfo(path, "__call__", 1, type(sub).__name__) for path, sub in modules]
+  for entry in entries:
+    if isinstance(entry, _CLTEntry):
+      if entry.selector is not None:
+        found = [m for m, info in zip(modules, infos) if entry.selector.matches(info)]
+      else:
+        found = []
+        for selector in entry.selectors:
+          hits = [m for m, info in zip(modules, infos) if selector.matches(info)]
+          if len(hits) != 1:
+            raise SAEError(
+              f"splice: {selector!r} matched {len(hits)} modules; each layer of a cross-layer "
+              "transcoder is one module",
+              code="sae_shape_mismatch",
+              field="n_layers",
+              fix="one module path per layer",
+            )
+          found += hits
+      if not found:
+        raise unmatched_error(entry.selectors[0], infos, "sae.splice")
+      if len(found) != entry.dictionary.n_layers:
+        raise SAEError(
+          f"splice: the cross-layer transcoder has {entry.dictionary.n_layers} layers but "
+          f"{entry.describe()} matched {len(found)} modules ({[p for p, _ in found]})",
+          code="sae_shape_mismatch",
+          field="n_layers",
+          fix="one module (the layer's MLP) per layer, in order",
+        )
+      for layer, (path, sub) in enumerate(found):
+        _splice_nnx_module(sub, path, entry, layer, "clt")
+      continue
+    found = [m for m, info in zip(modules, infos) if entry.selector.matches(info)]
+    if not found:
+      raise unmatched_error(entry.selector, infos, "sae.splice")
+    for path, sub in found:
+      _splice_nnx_module(sub, path, entry, None, "sae")
+  return model
+
+
+def _splice_nnx_module(sub, path: str, entry, layer, child: str):
+  if hasattr(sub, child):
+    raise SAEError(
+      f"splice: the NNX module at {path!r} already has an attribute {child!r} (spliced "
+      "there already?)",
+      code="sae_invalid_argument",
+      field="site",
+      fix="splice one dictionary per module",
+    )
+  sub.__class__ = _nnx_spliced_class(type(sub), entry, path, layer)
+  setattr(sub, child, _NNXSites())
 
 
 def _as_selector(site):
@@ -324,7 +451,8 @@ def splice(
 
   Args:
     model: a linen module, unbound (the result is too) or bound (the result is bound to
-      the same variables). A model already spliced can be spliced again.
+      the same variables), or an NNX module (the result is a spliced copy). A model already
+      spliced can be spliced again (at other modules).
     site: the module path (``"blocks_3/mlp"``; globs splice every match) or a
       ``jl.module(...)`` selector; or a mapping ``{site: dictionary}`` for several. For a
       cross-layer transcoder: a list of its layers' modules in order, or one glob whose
@@ -347,7 +475,7 @@ def splice(
     transcoder ``<layer module>/clt/acts|recon|error`` for each layer).
 
   Raises:
-    SAEError: ``sae_model_unsupported`` (not a linen module), ``sae_invalid_argument``,
+    SAEError: ``sae_model_unsupported`` (not a linen or NNX module), ``sae_invalid_argument``,
       ``sae_shape_mismatch`` (when it runs: the site's width is not the dictionary's; or
       the modules are not one per layer of a cross-layer transcoder).
     SiteError: when it runs, ``unknown_site`` (``site`` matched no module call),
@@ -364,12 +492,12 @@ def splice(
     pairs = list(site.items())
   else:
     pairs = [(tuple(site) if isinstance(site, list) else site, dictionary)]
-  if not isinstance(model, nn.Module):
+  if not isinstance(model, (nn.Module, nnx.Module)):
     raise SAEError(
-      f"splice needs a flax.linen Module, got {type(model).__name__}",
+      f"splice needs a flax.linen or flax.nnx Module, got {type(model).__name__}",
       code="sae_model_unsupported",
       field="model",
-      fix="a linen model (the zoo's, your own, or one converted from torch)",
+      fix="a linen model (the zoo's, your own, or one converted from torch) or an nnx.Module",
     )
   entries = []
   for s, d in pairs:
@@ -400,6 +528,8 @@ def splice(
         bool(stop_error_grad),
       )
     )
+  if isinstance(model, nnx.Module):
+    return _splice_nnx(model, entries)
   if model.scope is not None:
     unbound, variables = model.unbind()
     return splice(
