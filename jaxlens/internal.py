@@ -8,6 +8,7 @@ release, but not part of the user API. A tool imports them from here, never from
 ``jaxlens._src`` (``tests/test_layers.py`` checks this for every module).
 """
 
+from jaxlens._src.checkpoints import Checkpoints as Checkpoints
 from jaxlens._src.doors import as_spec as as_spec
 from jaxlens._src.edit import Donor as Donor
 from jaxlens._src.edit import split_over_processes as split_over_processes
@@ -24,6 +25,7 @@ from jaxlens._src.trained import boundary_mask as boundary_mask
 from jaxlens._src.trained import orthogonal as orthogonal
 
 __all__ = [
+  "Checkpoints",
   "Donor",
   "SiteInfo",
   "api_boundary",

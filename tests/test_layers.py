@@ -40,8 +40,10 @@ FLOORS = {
   "named": 1,
   "optional": 1,
   "compile_cache": 1,
-  # 2: the edit type, firing, the keep_grad check, donors, the verb registry.
+  # 2: the edit type, firing, the keep_grad check, donors, the verb registry; orbax
+  # checkpoints of a training loop's state (jaxlens.train and jaxlens.sae.train).
   "edit": 2,
+  "checkpoints": 2,
   # 3: forward verbs (and gate, at_steps, keep_grad, compose, hook); backward verbs; trained
   # interventions (DAS, ReFT).
   "verbs": 3,

@@ -102,6 +102,11 @@ def test_checkpoint_resume_is_identical(tmp_path):
       checkpoint_dir=tmp_path / "ck",
       checkpoint_every=5,
     )
+  # Orbax's layout: one directory per saved step (the last two kept), the state and a JSON item.
+  assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["10", "5"]
+  assert sorted(
+    p.name for p in (tmp_path / "ck" / "10").iterdir() if "meta" in p.name or "state" in p.name
+  ) == ["meta", "state"]
   resumed = st.train(
     data(25),
     cfg,
@@ -117,6 +122,9 @@ def test_checkpoint_resume_is_identical(tmp_path):
   other = st.TrainConfig(d_sae=32, architecture="relu")
   with pytest.raises(sae.SAEError, match=r"\[sae_checkpoint_mismatch\]"):
     st.train(data(2), other, steps=2, progress=False, checkpoint_dir=tmp_path / "ck")
+  wider = st.TrainConfig(d_sae=48, architecture="batchtopk", k=3.0, lr=3e-3)  # same structure
+  with pytest.raises(sae.SAEError, match=r"\[sae_checkpoint_mismatch\]"):
+    st.train(data(2), wider, steps=2, progress=False, checkpoint_dir=tmp_path / "ck")
 
 
 @pytest.mark.parametrize("kind", ["Auto", "Explicit"])

@@ -32,11 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -44,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlens import core as jl
-from jaxlens.internal import require
+from jaxlens.internal import Checkpoints, require
 from jaxlens.intervention import zero_ablate
 from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder, batch_topk_relu, topk_relu
 from jaxlens.sae._splice import splice
@@ -487,48 +484,48 @@ class Trained:
     return float(dead.mean())
 
 
-def _flat_leaves(tree):
-  leaves, treedef = jax.tree.flatten(tree)
-  return {f"leaf_{i:05d}": np.asarray(leaf) for i, leaf in enumerate(leaves)}, treedef
-
-
-def _save_checkpoint(path: Path, state: State, consumed: int, metrics: dict):
-  require("safetensors", feature="jaxlens.sae.train checkpoints", extra="sae")
-  from safetensors.numpy import save_file
-
-  arrays, treedef = _flat_leaves(state)
-  path.mkdir(parents=True, exist_ok=True)
-  tmp = path / "state.safetensors.tmp"
-  save_file(arrays, str(tmp))
-  meta = {
-    "consumed": consumed,
+def _signature(state: State) -> dict:
+  """What a checkpoint must share with a run to resume it: the state's structure (the
+  dictionary's configuration included) and each leaf's shape and dtype."""
+  leaves, treedef = jax.tree.flatten(state)
+  return {
     "treedef": str(treedef),
-    "metrics": {k: [float(v) for v in vs] for k, vs in metrics.items()},
+    "leaves": [[list(np.shape(a)), str(jnp.result_type(a))] for a in leaves],
   }
-  (path / "meta.json.tmp").write_text(json.dumps(meta))
-  # The state file is renamed last: its presence means a complete checkpoint.
-  os.replace(path / "meta.json.tmp", path / "meta.json")
-  os.replace(tmp, path / "state.safetensors")
 
 
-def _load_checkpoint(path: Path, template: State):
-  from safetensors.numpy import load_file
+def _checkpoints(directory, every: int):
+  return Checkpoints(
+    directory, every, meta=True, feature="jaxlens.sae.train checkpoints", extra="sae"
+  )
 
-  meta = json.loads((path / "meta.json").read_text())
-  leaves, treedef = jax.tree.flatten(template)
-  if meta["treedef"] != str(treedef):
+
+def _restore(ckpt, state: State, directory):
+  """``(state, batches consumed, metric history)`` from the latest checkpoint, or None."""
+  meta = ckpt.restore_meta()
+  if meta is None:
+    return None
+  if meta.get("signature") != _signature(state):
     raise SAEError(
-      f"the checkpoint in {path} is of another configuration (its state has another structure)",
+      f"the checkpoint in {directory} is of another configuration (its state has another "
+      "structure, shape or dtype)",
       code="sae_checkpoint_mismatch",
       field="checkpoint_dir",
       fix="a new checkpoint_dir, or the TrainConfig the checkpoint was written with",
     )
-  arrays = load_file(str(path / "state.safetensors"))
-  restored = [
-    jnp.asarray(arrays[f"leaf_{i:05d}"]).astype(jnp.result_type(leaf))
-    for i, leaf in enumerate(leaves)
-  ]
-  return jax.tree.unflatten(treedef, restored), meta["consumed"], meta["metrics"]
+  return ckpt.restore(state), meta["consumed"], meta["metrics"]
+
+
+def _save(ckpt, state: State, consumed: int, metrics: dict, signature: dict):
+  step = int(state.step)
+  if ckpt.latest_step() == step:
+    return
+  meta = {
+    "consumed": consumed,
+    "signature": signature,
+    "metrics": {k: [float(v) for v in vs] for k, vs in metrics.items()},
+  }
+  ckpt.save(step, state, meta, force=True)
 
 
 def _split_batch(batch, transcoder: bool):
@@ -663,9 +660,11 @@ def train(
 
   history: dict[str, list] = {}
   consumed = 0
-  ckpt = None if checkpoint_dir is None else Path(checkpoint_dir)
-  if ckpt is not None and (ckpt / "state.safetensors").is_file():
-    state, consumed, history = _load_checkpoint(ckpt, state)
+  ckpt = None if checkpoint_dir is None else _checkpoints(checkpoint_dir, checkpoint_every)
+  signature = _signature(state)
+  restored = None if ckpt is None else _restore(ckpt, state, checkpoint_dir)
+  if restored is not None:
+    state, consumed, history = restored
     if mesh is not None:
       state = jax.device_put(state, replicated)
 
@@ -700,13 +699,15 @@ def train(
         _flush(pending, history, bar, callback)
       if ckpt is not None and done % checkpoint_every == 0:
         _flush(pending, history, bar, callback)
-        _save_checkpoint(ckpt, state, position, history)
+        _save(ckpt, state, position, history, signature)
+    _flush(pending, history, bar, callback)
+    if ckpt is not None:
+      _save(ckpt, state, position, history, signature)
   finally:
     if bar is not None:
       bar.close()
-  _flush(pending, history, bar, callback)
-  if ckpt is not None:
-    _save_checkpoint(ckpt, state, position, history)
+    if ckpt is not None:
+      ckpt.close()  # waits for the saves in flight
   metrics = {k: np.asarray(v) for k, v in history.items()}
   return Trained(state.sae, state, metrics, config)
 

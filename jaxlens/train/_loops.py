@@ -12,7 +12,6 @@ model. With ``frozen=False`` the model's variables train with it.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -84,33 +83,8 @@ def _replicate(tree, mesh):
   return jax.tree.map(lambda a: jax.device_put(a, rep), tree)
 
 
-class _Checkpoints:
-  """An orbax ``CheckpointManager`` of ``{"params", "variables", "opt_state", "step"}``."""
-
-  def __init__(self, directory, every):
-    self.ocp = internal.require(
-      "orbax.checkpoint", feature="checkpoints", extra="train", package="orbax-checkpoint"
-    )
-    options = self.ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-    self.every = every
-    self.manager = self.ocp.CheckpointManager(os.path.abspath(directory), options=options)
-
-  def restore(self, state):
-    step = self.manager.latest_step()
-    if step is None:
-      return None
-    abstract = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype), state
-    )
-    return self.manager.restore(step, args=self.ocp.args.StandardRestore(abstract))
-
-  def save(self, step, state, force=False):
-    if force or step % self.every == 0:
-      self.manager.save(step, args=self.ocp.args.StandardSave(state), force=True)
-
-  def close(self):
-    self.manager.wait_until_finished()
-    self.manager.close()
+# Checkpoints: orbax, through the helper jaxlens.sae.train shares.
+_Checkpoints = internal.Checkpoints
 
 
 def _progress(total, initial, enabled, desc):
