@@ -126,16 +126,8 @@ def training_speed(args, out):
     "speedup": theirs_s / ours_s,
   }
   # The step alone: jaxlens's compiled step against SAELens's _train_step.
-  tx, step = sae_train._compiled(config, args.steps)
-  d = sae_train.init_dictionary(jax.random.key(0), config, jnp.asarray(batches[0]))
-  with jax.numpy_dtype_promotion("standard"):
-    state = sae_train.State(
-      d,
-      tx.init(d),
-      jnp.asarray(0, jnp.int32),
-      jnp.zeros((args.d_sae,), jnp.int32),
-      jnp.asarray(0.0, jnp.float32),
-    )
+  init, step = sae_train._compiled(config, args.steps)
+  state = init(jax.random.key(0), jnp.asarray(batches[0]), None, None)
   xs = [jnp.asarray(b) for b in batches]
   ref, trainer = _saelens_trainer(args.d_in, args.d_sae, args.k, args.batch, 10**6, batches_t)
   holder = {"state": state}

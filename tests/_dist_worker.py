@@ -376,6 +376,28 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
   elif full:
     out["store/block_1"] = t["block_1"].out
   mark("store")
+
+  # -- SAE training, data parallel: each process passes its own rows of every batch (b_dec
+  # starts at the global batch's mean) and gets the one-device run's dictionary ------------
+  if full:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxlens.sae import train as sae_train
+
+    acts_h = np.random.default_rng(3).normal(size=(4, 16, WIDTH)).astype(dt)
+    cfg = sae_train.TrainConfig(d_sae=16, architecture="topk", k=3, lr=1e-2, dtype=dtype)
+    batches, kw = list(acts_h), {}
+    if mesh is not None:
+      index = NamedSharding(mesh, P("data")).addressable_devices_indices_map(acts_h.shape[1:])
+      rows = next(iter(index.values()))[0]  # this process's rows: the data axis spans processes
+      batches, kw = [b[rows] for b in acts_h], {"mesh": mesh, "data_axis": "data"}
+      facts["sae_local_rows"] = [rows.start or 0, rows.stop]
+    trained = sae_train.train(batches, cfg, steps=len(batches), progress=False, **kw)
+    for name in ("W_enc", "b_enc", "W_dec", "b_dec"):
+      out[f"sae/{name}"] = getattr(trained.sae, name)
+    out["sae/mse_loss"] = jnp.asarray(trained.metrics["mse_loss"])
+  mark("sae")
   return out
 
 

@@ -213,6 +213,7 @@ GROUPS = [
   "train_keep",
   "spec",
   "store",
+  "sae",
 ]
 # run in float64 only (tests/_dist_worker.py), to keep the suite lean
 FLOAT64_ONLY = {
@@ -226,6 +227,7 @@ FLOAT64_ONLY = {
   "train_keep",
   "spec",
   "store",
+  "sae",
 }
 
 
@@ -468,3 +470,12 @@ def test_values_on_other_processes_are_refused_typed_or_work(parity_run, probe):
       assert got is None, got
     else:
       assert got is not None and got["jaxlens"] and got["code"] == HOST_READS[probe], got
+
+
+def test_sae_training_takes_each_process_rows(parity_run, reference):
+  """jaxlens.sae.train over the mesh: each process passed its half of every batch (and got,
+  above, the dictionary the one-device run gets on the whole batches)."""
+  _, facts, _ = parity_run
+  assert [f["float64"]["sae_local_rows"] for f in facts] == [[0, 8], [8, 16]]
+  ref, _ = reference["float64"]
+  assert ref["sae/mse_loss"][-1] < ref["sae/mse_loss"][0]  # it trained

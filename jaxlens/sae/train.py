@@ -346,10 +346,30 @@ def optimizer(cfg: TrainConfig, steps: int):
 
 @functools.lru_cache(maxsize=16)
 def _compiled(cfg: TrainConfig, steps: int):
-  """The optimizer and the jitted step for one configuration (a second :func:`train` call
-  with the same configuration and shapes reuses the compiled step)."""
+  """The jitted initial state and the jitted step for one configuration (a second
+  :func:`train` call with the same configuration and shapes reuses both programs)."""
   tx = optimizer(cfg, steps)
-  return tx, jax.jit(make_step(cfg, tx))
+  return jax.jit(make_init(cfg, tx)), jax.jit(make_step(cfg, tx))
+
+
+def make_init(cfg: TrainConfig, tx):
+  """``(key, first_x, first_y, init) -> State`` (not jitted): the dictionary (``init``, or
+  :func:`init_dictionary`'s), its optimizer state and the counters. Jitted, it is one
+  compilation instead of one per array operation."""
+
+  def init_fn(key, first_x, first_y, init):
+    d = init if init is not None else init_dictionary(key, cfg, first_x, first_y)
+    with jax.numpy_dtype_promotion("standard"):
+      opt_state = tx.init(d)
+    return State(
+      d,
+      opt_state,
+      jnp.asarray(0, jnp.int32),
+      jnp.zeros((d.d_sae,), jnp.int32),
+      jnp.asarray(0.0, jnp.float32),
+    )
+
+  return init_fn
 
 
 def _coefficient(cfg: TrainConfig, step):
@@ -449,7 +469,10 @@ def init_dictionary(key, cfg: TrainConfig, first_x, first_y=None):
     )
     data_for_bias = first_x
   if cfg.b_dec_init == "mean":
-    mean = jnp.asarray(data_for_bias).reshape(-1, d.d_out).astype(jnp.float32).mean(0)
+    data = jnp.asarray(data_for_bias)
+    # At least float32 (a bfloat16 batch's mean in bfloat16 loses digits), float64 kept.
+    wide = jnp.float64 if data.dtype == jnp.float64 else jnp.float32
+    mean = data.reshape(-1, d.d_out).astype(wide).mean(0)
     d = d.replace(b_dec=mean.astype(dtype))
   return d
 
@@ -621,22 +644,13 @@ def train(
   fx = _rows(fx)
   fy = None if fy is None else _rows(fy)
   rows = fx.shape[0]
-  d = init if init is not None else init_dictionary(jax.random.key(config.seed), config, fx, fy)
   if mesh is None:
-    tx, jitted = _compiled(config, steps)
+    init_state, jitted = _compiled(config, steps)
+
+    def put(a):
+      return a
   else:
     tx = optimizer(config, steps)
-  with jax.numpy_dtype_promotion("standard"):
-    opt_state = tx.init(d)
-  state = State(
-    d,
-    opt_state,
-    jnp.asarray(0, jnp.int32),
-    jnp.zeros((d.d_sae,), jnp.int32),
-    jnp.asarray(0.0, jnp.float32),
-  )
-  if mesh is not None:
-    step_fn = make_step(config, tx)
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -648,15 +662,15 @@ def train(
     )
     replicated = NamedSharding(mesh, P())
     sharded = NamedSharding(mesh, P(axis))
-    state = jax.device_put(state, replicated)
-    jitted = jax.jit(step_fn, out_shardings=(replicated, replicated))
+    init_state = jax.jit(make_init(config, tx), out_shardings=replicated)
+    jitted = jax.jit(make_step(config, tx), out_shardings=(replicated, replicated))
 
     def put(a):
       return None if a is None else jax.make_array_from_process_local_data(sharded, np.asarray(a))
-  else:
 
-    def put(a):
-      return a
+  # With several processes each holds its own rows of the first batch: put() makes them the
+  # global batch, so b_dec starts at its mean, the same in every process.
+  state = init_state(jax.random.key(config.seed), put(fx), put(fy), init)
 
   history: dict[str, list] = {}
   consumed = 0
