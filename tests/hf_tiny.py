@@ -1,10 +1,11 @@
 """Tiny Hugging Face transformers models with random weights, for the parity tests against
-the zoo (tests/test_zoo_torch.py, tests/test_generate_torch.py). Imported only by test files
+the zoo (tests/test_zoo_torch.py, tests/test_generate_torch.py, tests/test_zoo_families.py). Imported only by test files
 that have already skipped without torch and transformers."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import torch
 import transformers
 
@@ -119,6 +120,34 @@ def tiny_hf(family: str, *, dtype=torch.float32, attention: str = "eager", posit
     with torch.no_grad():
       p.normal_(0.0, 0.3 if p.ndim > 1 else 0.5)
   return hf.eval().to(dtype)
+
+
+def steered_generate(hf, layer, prompt, n: int, direction=None, magnitude: float = 1.0):
+  """Greedy ``hf.generate`` of ``n`` tokens after ``prompt`` (int array, no padding) with
+  ``magnitude * direction`` added to ``layer``'s output by a plain torch forward hook (no hook
+  when ``direction`` is None): ``(new tokens, logits of every step)`` as numpy arrays."""
+
+  def steer(module, args, output):
+    if isinstance(output, tuple):
+      return (output[0] + magnitude * direction,) + tuple(output[1:])
+    return output + magnitude * direction
+
+  handle = None if direction is None else layer.register_forward_hook(steer)
+  try:
+    with torch.no_grad():
+      out = hf.generate(
+        torch.as_tensor(prompt),
+        max_new_tokens=n,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+      )
+  finally:
+    if handle is not None:
+      handle.remove()
+  tokens = out.sequences[:, prompt.shape[1] :].numpy()
+  return tokens, np.stack([s.numpy() for s in out.logits], axis=1)
 
 
 def zoo_twin(hf, dtype=jnp.float32):

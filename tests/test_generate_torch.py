@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jaxlens as jl
-from hf_tiny import tiny_hf, zoo_twin
+from hf_tiny import steered_generate, tiny_hf, zoo_twin
 
 PROMPT = np.asarray([[3, 9, 4, 17, 5, 9], [1, 2, 3, 4, 5, 6]])
 N, MAGNITUDE = 8, 4.0
@@ -24,42 +24,17 @@ def _build(family):
   return hf, layer, zoo_twin(hf)
 
 
-def _hf_generate(hf, layer, direction):
-  handle = None
-  if direction is not None:
-
-    def steer(module, args, output):  # a plain forward hook on the decoder layer
-      if isinstance(output, tuple):
-        return (output[0] + MAGNITUDE * direction,) + tuple(output[1:])
-      return output + MAGNITUDE * direction
-
-    handle = layer.register_forward_hook(steer)
-  try:
-    with torch.no_grad():
-      out = hf.generate(
-        torch.tensor(PROMPT),
-        max_new_tokens=N,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-      )
-  finally:
-    if handle is not None:
-      handle.remove()
-  tokens = out.sequences[:, PROMPT.shape[1] :].numpy()
-  return tokens, np.stack([s.numpy() for s in out.logits], axis=1)
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_steered_greedy_generation_matches_transformers(family):
   hf, layer, lm = _build(family)
   direction = np.linspace(-1.0, 1.0, 32).astype(np.float32)
   spec = jl.when(jl.module("blocks_1/resid_post"), jl.steer(jnp.asarray(direction), MAGNITUDE))
   ours = jl.generate(lm.model, lm.variables, jnp.asarray(PROMPT), N, intervene=spec)
-  ref_tokens, ref_logits = _hf_generate(hf, layer, torch.tensor(direction))
+  ref_tokens, ref_logits = steered_generate(
+    hf, layer, PROMPT, N, torch.tensor(direction), MAGNITUDE
+  )
   np.testing.assert_array_equal(ours.tokens, ref_tokens)
   err = np.abs(np.asarray(ours.logits) - ref_logits).max() / np.abs(ref_logits).max()
   assert err <= 1e-4, err
-  plain_tokens, _ = _hf_generate(hf, layer, None)
+  plain_tokens, _ = steered_generate(hf, layer, PROMPT, N)
   assert (plain_tokens != ref_tokens).any()  # the steering changed the generation

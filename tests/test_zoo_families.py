@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jaxlens as jl
-from hf_tiny import exact_float64, tiny_hf, zoo_twin
+from hf_tiny import exact_float64, steered_generate, tiny_hf, zoo_twin
 
 FAMILIES = ["mistral", "qwen2", "qwen3", "gpt_neox", "gemma3", "gemma2"]
 # Every family, in every check (each costs about 1-3 s of CPU).
@@ -120,27 +120,9 @@ def test_steered_greedy_generation_matches_transformers(family):
   spec = jl.when(jl.module("blocks_1/resid_post"), jl.steer(jnp.asarray(direction), MAGNITUDE))
   ours = jl.generate(lm.model, lm.variables, jnp.asarray(PROMPT), N, intervene=spec)
 
-  def steer(module, args, output):
-    if isinstance(output, tuple):
-      return (output[0] + MAGNITUDE * torch.tensor(direction),) + tuple(output[1:])
-    return output + MAGNITUDE * torch.tensor(direction)
-
-  handle = layer.register_forward_hook(steer)
-  try:
-    with torch.no_grad():
-      out = hf.generate(
-        torch.tensor(PROMPT),
-        max_new_tokens=N,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-      )
-  finally:
-    handle.remove()
-  np.testing.assert_array_equal(ours.tokens, out.sequences[:, PROMPT.shape[1] :].numpy())
-  ref_logits = np.stack([s.numpy() for s in out.logits], axis=1)
-  assert _rel(ours.logits, ref_logits) <= 1e-4
+  tokens, logits = steered_generate(hf, layer, PROMPT, N, torch.tensor(direction), MAGNITUDE)
+  np.testing.assert_array_equal(ours.tokens, tokens)
+  assert _rel(ours.logits, logits) <= 1e-4
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
