@@ -30,7 +30,7 @@ from jaxlens import generation as generation
 from jaxlens import protocol as protocol
 from jaxlens import store as store
 from jaxlens import sweep as sweep
-from jaxlens import views as views  # attaches the notebook views to Trace, Spec, Edit, Site
+from jaxlens import views as views
 from jaxlens.attribution import SiteGrads as SiteGrads
 from jaxlens.attribution import attribution_patching as attribution_patching
 from jaxlens.attribution import site_grads as site_grads

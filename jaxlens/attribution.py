@@ -32,107 +32,16 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from jaxlens import core as jl
-from jaxlens import intervention as ji
-from jaxlens.core import InvalidArgumentError, ShapeError, SiteError, Trace
-from jaxlens.internal import api_boundary, as_selector, as_spec, capture
+from jaxlens.core import ShapeError
+from jaxlens.internal import SiteGrad, SiteGrads, api_boundary, grads_at_sites
 
 __all__ = ["SiteGrad", "SiteGrads", "attribution_patching", "site_grads"]
-
-
-@dataclasses.dataclass(frozen=True)
-class SiteGrad:
-  """One site: ``.out`` its value, ``.grad`` the metric's gradient with respect to it."""
-
-  label: str
-  out: Any
-  grad: Any
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SiteGrads:
-  """What :func:`site_grads` returns (a pytree: it can leave ``jax.jit``).
-
-  Attributes:
-    value: the metric's value.
-    grad: ``{label: d metric / d site value}``.
-    out: ``{label: site value}``.
-  """
-
-  value: Any
-  grad: dict
-  out: dict
-
-  @property
-  def labels(self) -> tuple[str, ...]:
-    return tuple(self.grad)
-
-  def __getitem__(self, label: str) -> SiteGrad:
-    if label not in self.grad:
-      raise SiteError(
-        f"no gradient was taken at {label!r}; sites: {list(self.grad)}",
-        code="unknown_site",
-        site=label,
-        candidates=list(self.grad),
-        fix=f"jl.site_grads(..., sites=[{label!r}, ...])",
-      )
-    return SiteGrad(label, self.out[label], self.grad[label])
-
-
-def _selectors(sites) -> list:
-
-  if sites is None:
-    raise InvalidArgumentError(
-      "site_grads needs the sites to differentiate at",
-      code="invalid_argument",
-      fix='sites=["block_0", "block_1"]',
-    )
-  if isinstance(sites, (str, jl.Site)):
-    sites = [sites]
-  out = []
-  for s in sites:
-    out.append(jl.module(s) if isinstance(s, str) else s)
-  if not out:
-    raise InvalidArgumentError(
-      "site_grads needs at least one site", code="invalid_argument", fix='sites=["block_0"]'
-    )
-  return out
-
-
-def _resolve(run_trace, selectors):
-  """``{label: ShapeDtypeStruct}`` of the sites ``selectors`` pick (abstract evaluation)."""
-  # Abstract evaluation: shapes, dtypes and the site infos, no computation.
-  t_abstract = jax.eval_shape(lambda: run_trace([], selectors))
-  values = t_abstract.values
-  layered = []
-  for label_, info in t_abstract.infos.items():
-    if info is not None and info.layers is not None and info.layer is None:
-      layered.append(label_)
-  if layered:
-    raise InvalidArgumentError(
-      f"site_grads: {layered} are layer stacks (nn.scan / nnx.scan); take the gradient at "
-      "one layer",
-      code="unsupported_site",
-      site=layered[0],
-      fix=f'sites=[jl.module("{layered[0]}", layer=0), ...]',
-    )
-  for label_, shape in values.items():
-    if not jnp.issubdtype(shape.dtype, jnp.inexact):
-      raise InvalidArgumentError(
-        f"site_grads: {label_!r} has dtype {shape.dtype}; a gradient needs a float site",
-        code="site_not_float",
-        site=label_,
-        fix="choose a float site (a module's output)",
-      )
-  return dict(values)
 
 
 @api_boundary
@@ -185,34 +94,6 @@ def site_grads(
     )
 
   return grads_at_sites(run_trace, metric, sites, intervene)
-
-
-def grads_at_sites(run_trace, metric, sites, intervene=None) -> SiteGrads:
-  """:func:`site_grads` over ``run_trace(spec list, save selectors) -> Trace``, a model call."""
-
-  selectors = _selectors(sites)
-  edits = (
-    []
-    if intervene is None
-    else (list(intervene) if isinstance(intervene, (list, tuple)) else [intervene])
-  )
-  shapes = _resolve(lambda spec, save: run_trace(edits + spec, save), selectors)
-
-  def run(deltas):
-    spec = edits + [jl.when(jl.label(k), ji.add(d)) for k, d in deltas.items()]
-    t = run_trace(spec, [jl.label(k) for k in deltas])
-    value = jnp.asarray(metric(t.output))
-    if value.shape != ():
-      raise ShapeError(
-        f"site_grads: metric returned shape {value.shape}, expected a scalar",
-        code="metric_not_scalar",
-        fix="reduce the metric: .mean() or .sum()",
-      )
-    return value, {k: t.values[k] for k in deltas}
-
-  zeros = {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
-  (value, outs), grads = jax.value_and_grad(run, has_aux=True)(zeros)
-  return SiteGrads(value, grads, outs)
 
 
 @api_boundary
@@ -279,41 +160,3 @@ def attribution_patching(
       per_position if positions is None else per_position[jnp.asarray(list(positions), jnp.int32)]
     )
   return jnp.stack(rows)
-
-
-def _trace_grad(self, metric, *, sites):
-  """The gradient of ``metric(output)`` at each of ``sites``, from one backward pass.
-
-  The model is rerun from this trace's variables and inputs with this trace's edits
-  live; see :func:`jaxlens.site_grads` (this is its ``trace.grad`` spelling, as
-  ``.grad`` in nnsight and torchlens).
-  """
-  prog = self._need_program("grad")
-  variables, inputs = jax.tree.unflatten(prog.in_tree, self._args)
-  method, apply_kwargs, kwargs = self._call
-
-  def run_trace(spec, save):
-    selector = None
-    for s in save:
-      one = as_selector(s)
-      selector = one if selector is None else selector | one
-    return capture(
-      self._module,
-      variables,
-      inputs,
-      dict(kwargs),
-      as_spec(spec),
-      selector,
-      save_given=True,
-      method=method,
-      apply_kwargs=dict(apply_kwargs),
-      keep_inputs=False,
-    )
-
-  return grads_at_sites(run_trace, metric, sites, list(self._spec.rules and [self._spec]))
-
-
-# trace.grad(metric, sites=...): attached here, above the core (which does not import this
-# module), as the nnsight/torchlens spelling of site_grads.
-_trace_grad.__name__ = "grad"
-Trace.grad = _trace_grad  # type: ignore[attr-defined]  # attached from above the core

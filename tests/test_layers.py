@@ -30,9 +30,10 @@ OURS = ("jaxlens", "torch_bridge")
 FLOORS = {
   # -1: jaxlens's frames left out of tracebacks (api_boundary; imports only jax).
   "tracebacks": -1,
-  # 0: typed errors; structural dependence on jaxprs.
+  # 0: typed errors; structural dependence on jaxprs; drawing views (treescope, HTML).
   "errors": 0,
   "dependence": 0,
+  "render": 0,
   # 1: site infos and selectors; how a door calls a linen or NNX model; named values
   # (identity modules whose call is a site); optional dependencies; the compilation cache.
   "sites": 1,
@@ -41,9 +42,11 @@ FLOORS = {
   "optional": 1,
   "compile_cache": 1,
   # 2: the edit type, firing, the keep_grad check, donors, the verb registry; orbax
-  # checkpoints of a training loop's state (jaxlens.train and jaxlens.sae.train).
+  # checkpoints of a training loop's state (jaxlens.train and jaxlens.sae.train); the views of
+  # traces, specs and selectors.
   "edit": 2,
   "checkpoints": 2,
+  "viewing": 2,
   # 3: forward verbs (and gate, at_steps, keep_grad, compose, hook); backward verbs; trained
   # interventions (DAS, ReFT).
   "verbs": 3,
@@ -61,8 +64,12 @@ FLOORS = {
   "interpret": 7,
   # 8: Spec, when, bind, load/save/check.
   "doors": 8,
-  # 9: Trace and the trace doors.
-  "tracing": 9,
+  # 9: gradients at sites (site_grads, trace.grad) over any run of a spec.
+  "gradients": 9,
+  # 10: the engines behind a trace's doors (replay, rerun, set_only, grad).
+  "replay": 10,
+  # 11: the Trace record and jl.trace.
+  "tracing": 11,
 }
 
 

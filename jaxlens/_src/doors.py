@@ -19,7 +19,7 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from jaxlens._src import interceptor, interpret, model_calls, runtime, saving
+from jaxlens._src import interceptor, interpret, model_calls, render, runtime, saving, viewing
 from jaxlens._src.edit import Edit
 from jaxlens._src.errors import InvalidArgumentError, SiteError
 from jaxlens._src.selections import Selection, show_selection
@@ -63,6 +63,16 @@ class Spec:
   def check(self, model, *args) -> "SpecReport":
     """Checks this spec against a model's sites; see ``jl.check_spec``."""
     return check_spec(self, model, *args)
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    """treescope's view: the rules, each edit coloured by what it does to the gradient."""
+    return render.treescope_repr(viewing.spec_view(self), path, subtree_renderer)
+
+  def to_html(self, path=None, *, title: str | None = None, trace=None) -> str:
+    """A standalone HTML page of this spec's view (:func:`jaxlens.views.to_html`); with
+    ``trace``, where each rule fires among its sites."""
+    infos = None if trace is None else list(trace.sites)
+    return render.html_page(viewing.spec_view(self, infos), title or "jaxlens Spec", path)
 
   @property
   def keep_grad(self) -> bool:
@@ -131,8 +141,10 @@ class Spec:
       return api_boundary(lambda *inputs, **kwargs: run(call, bound_vars, inputs, kwargs))
 
     def unbound_fn(variables, *inputs, **kwargs):
-      model_calls.check_variables(
-        variables, model, "spec.bind(model)(variables, x), or spec.bind(model.bind(variables))(x)"
+      _, variables, inputs = model_calls.resolve(
+        model,
+        (variables, *inputs),
+        "spec.bind(model)(variables, x), or spec.bind(model.bind(variables))(x)",
       )
       return run(call, variables, inputs, kwargs)
 
@@ -238,16 +250,9 @@ def check_spec(spec: Spec, model, *args) -> SpecReport:
     site does not exist (``missing``) and every rule that fails on the model's
     values, such as a donor or direction of the wrong shape (``mismatched``).
   """
-  call, variables = model_calls.split(model)
-  if variables is None:
-    if not args:
-      raise InvalidArgumentError(
-        "an unbound module needs its variables as the first argument",
-        code="missing_variables",
-        fix="jl.check_spec(spec, model, variables, x)",
-      )
-    variables, args = args[0], args[1:]
-    model_calls.check_variables(variables, model, "jl.check_spec(spec, model, variables, x)")
+  call, variables, args = model_calls.resolve(
+    model, args, "jl.check_spec(spec, model, variables, x)"
+  )
   missing, mismatched = [], []
   for i, r in enumerate(as_spec(spec).rules):
     try:
@@ -256,7 +261,7 @@ def check_spec(spec: Spec, model, *args) -> SpecReport:
           interpret.capture(
             call,
             variables,
-            tuple(args),
+            args,
             {},
             (r,),
             None,

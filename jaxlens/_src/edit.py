@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens._src import dependence
+from jaxlens._src import dependence, render
 from jaxlens._src.errors import GradientContractError, InvalidArgumentError, ShapeError, SiteError
 from jaxlens._src.tracebacks import api_boundary
 
@@ -186,6 +186,10 @@ class Edit:
     """The factory's arguments: the array ones and the static ones, by name."""
     return {**(self.params or {}), **dict(self.static)}
 
+  def __treescope_repr__(self, path, subtree_renderer):
+    """treescope's view: the verb, its arguments, and whether it keeps the gradient."""
+    return render.treescope_repr(render.EditView(self), path, subtree_renderer)
+
   def children(self) -> tuple["Edit", ...]:
     """The edits nested in this one (``compose``, ``at_positions``, selections, ``gate``)."""
     leaves = jax.tree.leaves(self.params, is_leaf=lambda v: isinstance(v, Edit))
@@ -340,6 +344,32 @@ class Donor(abc.ABC):
     """The value of one saved site, for ``jl.population(donor, site=...)``."""
 
 
+def read_donor(values: dict, stacked, label: str, verb: str, *, layer=None, static_layer=None):
+  """The value a donor saved at ``label``: the one lookup every :class:`Donor` uses.
+
+  Args:
+    values: the donor's saved values, by label.
+    stacked: the labels whose value stacks a scan body's layers along axis 0.
+    label, verb: the site read and the verb reading it (for the error).
+    layer: inside a scan body, the traced iteration index: a stacked value is read at it.
+    static_layer: the layer of a site inside a layer stack, where the donor saved that
+      one layer (``"label[k]"``) rather than the stack.
+  """
+  if label in values:
+    value = values[label]
+    if layer is not None and label in stacked:
+      return jax.lax.dynamic_index_in_dim(value, layer, keepdims=False)
+    return value
+  if static_layer is not None and f"{label}[{static_layer}]" in values:
+    return values[f"{label}[{static_layer}]"]
+  raise SiteError(
+    f"{verb}: the donor saved no value at {label!r} (it saved {list(values)})",
+    code="donor_site_missing",
+    site=label,
+    fix=f"capture the donor with save=jl.label({label!r}) or the default save=None",
+  )
+
+
 class SavedDonor(Donor):
   """A donor's saved values alone (what a loaded spec holds for ``patch_from(trace)``).
 
@@ -352,19 +382,8 @@ class SavedDonor(Donor):
     self.layers = dict(layers or {})
 
   def value_for_donor(self, label, verb, *, layer=None, static_layer=None):
-    if label in self.values:
-      value = self.values[label]
-      if layer is not None and self.layers.get(label) is not None:
-        return jax.lax.dynamic_index_in_dim(value, layer, keepdims=False)
-      return value
-    if static_layer is not None and f"{label}[{static_layer}]" in self.values:
-      return self.values[f"{label}[{static_layer}]"]
-    raise SiteError(
-      f"{verb}: the donor saved no value at {label!r} (it saved {list(self.values)})",
-      code="donor_site_missing",
-      site=label,
-      fix=f"capture the donor with save=jl.label({label!r}) or the default save=None",
-    )
+    stacked = {lbl for lbl, n in self.layers.items() if n is not None}
+    return read_donor(self.values, stacked, label, verb, layer=layer, static_layer=static_layer)
 
   def donor_values(self):
     return dict(self.values)

@@ -52,50 +52,77 @@ class Evaluation:
     return self.firing.fired
 
 
+@dataclasses.dataclass(frozen=True)
+class Replay:
+  """What makes an evaluation a replay: only the downstream cone of ``starts`` runs.
+
+  Attributes:
+    starts: the labels of the edited sites.
+    known: label -> value of saved sites, used for values outside the cone.
+    releaf: re-leaf the values entering the cone (differentiable replay).
+    frontier_values: label -> value overriding frontier values (attribution).
+    reuse: start sites (module sites outside layer stacks) whose value before the edit is
+      ``known[label]``; the replay starts from that value instead of recomputing the
+      module's own operations and the inputs they need.
+  """
+
+  starts: tuple
+  known: dict = dataclasses.field(default_factory=dict)
+  releaf: bool = False
+  frontier_values: dict | None = None
+  reuse: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How a program is evaluated: the options every evaluation of it shares, scan bodies
+  included (a replay's options, ``replay``, apply at the top level only).
+
+  Attributes:
+    rules: (selector, edit) pairs applied at every evaluated site they match.
+    save: a selector of the sites to keep, or None.
+    grad_disabled: inside ``jl.no_grad`` (edits see it in their fire context).
+    probe: fire edits without keep_grad checks and record keep_grad site values.
+    releaf_layers: differentiable replay from sites in a scan body: label -> the first
+      layer replayed. At that layer the values entering the body, and the site's own value
+      before the edit, are re-leafed, as the frontier of the same replay on the unrolled
+      stack would be.
+    step: the decoding step, passed to the edits as ``FireContext.step``.
+    replay: when given, evaluate only the downstream cone of the edited sites.
+  """
+
+  rules: tuple = ()
+  save: Any = None
+  grad_disabled: bool = False
+  probe: bool = False
+  releaf_layers: dict | None = None
+  step: Any = None
+  replay: Replay | None = None
+
+
 def evaluate(
   prog: Program,
   args,
   consts,
-  rules,
-  save,
+  plan: Plan,
   *,
-  grad_disabled=False,
-  known: dict | None = None,
-  start_labels=None,
-  releaf=False,
-  frontier_values: dict | None = None,
-  probe=False,
   layer=None,
   site_values: dict | None = None,
-  releaf_layers: dict | None = None,
-  reuse_labels=(),
-  step=None,
 ) -> Evaluation:
-  """Runs the program, applying ``rules`` and keeping the sites ``save`` selects.
+  """Runs the program, applying ``plan.rules`` and keeping the sites ``plan.save`` selects.
 
   Args:
     prog: the program.
     args, consts: the flat input leaves and the program's constants.
-    rules: (selector, edit) pairs applied at every evaluated site they match.
-    save: a selector of the sites to keep, or None.
-    known: label -> value of saved sites, used for values outside the replay cone.
-    start_labels: when given, replay: evaluate only the downstream cone of these
-      labels (and what it needs that is not known).
-    releaf: re-leaf the values entering the cone (differentiable replay).
-    frontier_values: label -> value overriding frontier values (attribution).
-    probe: fire edits without keep_grad checks and record keep_grad site values.
+    plan: the options (:class:`Plan`).
     layer: inside a scan body, the traced iteration index.
     site_values: the module sites that already ran (a scan body sees its caller's).
-    releaf_layers: differentiable replay from sites in a scan body: label -> the
-      first layer replayed. At that layer the values entering the body, and the
-      site's own value before the edit, are re-leafed, as the frontier of the same
-      replay on the unrolled stack would be.
-    reuse_labels: replay: start sites (module sites outside layer stacks) whose value
-      before the edit is ``known[label]``; the replay starts from that value instead of
-      recomputing the module's own operations and the inputs they need.
-    step: the decoding step, passed to the edits as ``FireContext.step``.
   """
-  ev = Evaluation(len(rules), probe)
+  rules, save, replay = plan.rules, plan.save, plan.replay
+  releaf = replay is not None and replay.releaf
+  frontier_values = None if replay is None else replay.frontier_values
+  releaf_layers = plan.releaf_layers
+  ev = Evaluation(len(rules), plan.probe)
   env = ev.env
   for i, a in zip(prog.in_ids, args):
     env[i] = a
@@ -105,11 +132,10 @@ def evaluate(
   run_nodes = range(len(prog.nodes))
   frontier_ids: set[int] = set()
   reused: dict[int, Any] = {}  # node index -> the saved value its site starts from
-  if start_labels is not None:
-    reuse_labels = set(reuse_labels) & set(known or {})
-    run_nodes, frontier_ids, reused_nodes = _replay_plan(
-      prog, start_labels, known or {}, reuse_labels
-    )
+  if replay is not None:
+    known = replay.known
+    reuse_labels = set(replay.reuse) & set(known)
+    run_nodes, frontier_ids, reused_nodes = _replay_plan(prog, replay.starts, known, reuse_labels)
     for k in reused_nodes:
       reused[k] = known[prog.nodes[k].infos[0].label]
     # Values read by the nodes that run but produced by none of them come from the
@@ -120,7 +146,7 @@ def evaluate(
         if isinstance(i, tuple) or i in produced or i in env:
           continue
         lbl = prog.id_label.get(i)
-        if known and lbl in known:
+        if lbl in known:
           env[i] = known[lbl]
   site_values = {} if site_values is None else site_values
 
@@ -156,18 +182,7 @@ def evaluate(
         ev.frontier[lbl] = val
       outs = [val]
     elif node.sub is not None:
-      outs = _eval_scan(
-        node,
-        [read(a) for a in node.ins],
-        rules,
-        save,
-        ev,
-        site_values,
-        grad_disabled,
-        probe,
-        releaf_layers,
-        step,
-      )
+      outs = _eval_scan(node, [read(a) for a in node.ins], plan, ev, site_values)
     else:
       out = node.prim.bind(*[read(a) for a in node.ins], **node.params)
       outs = list(out) if node.prim.multiple_results else [out]
@@ -181,9 +196,9 @@ def evaluate(
           info.path,
           info.module_type,
           site_values=site_values,
-          grad_disabled=grad_disabled,
+          grad_disabled=plan.grad_disabled,
           layer=layer,
-          step=step,
+          step=plan.step,
         )
         val = runtime.fire_rules(rules, info, val, ctx, ev.firing, layer)
         if info.kind == "module":
@@ -225,25 +240,15 @@ def _keep(info, val, save, ev):
     ev.saved_layers[info.label] = chosen
 
 
-def _eval_scan(
-  node,
-  invals,
-  rules,
-  save,
-  outer: Evaluation,
-  site_values,
-  grad_disabled,
-  probe,
-  releaf_layers=None,
-  step=None,
-):
+def _eval_scan(node, invals, plan: Plan, outer: Evaluation, site_values):
   """Runs a layer stack as ``lax.scan`` over its body sub-program."""
   p = node.params
   nc, ncar, n, rev = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
   consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
   box: dict = {}
   body_labels = {i.label for i in node.sub.infos}
-  firsts = [k for lbl, k in (releaf_layers or {}).items() if lbl in body_labels]
+  firsts = [k for lbl, k in (plan.releaf_layers or {}).items() if lbl in body_labels]
+  body_plan = dataclasses.replace(plan, replay=None)
   first = min(firsts) if firsts else None
 
   def body(c, x):
@@ -256,14 +261,9 @@ def _eval_scan(
       node.sub,
       [*consts, *carry, *x],
       node.sub_consts,
-      rules,
-      save,
-      grad_disabled=grad_disabled,
-      probe=probe,
+      body_plan,
       layer=k,
       site_values=dict(site_values),
-      releaf_layers=releaf_layers,
-      step=step,
     )
     outs = [o[1] if isinstance(o, tuple) else sev.env[o] for o in node.sub.out_ids]
     box["ev"], box["labels"] = sev, list(sev.saved)
@@ -361,23 +361,31 @@ def program_output(prog: Program, ev: Evaluation, original):
   return jax.tree.unflatten(prog.out_tree, leaves)
 
 
-def probe_sites(prog: Program, args, consts, rules, known=None, **kw):
+def probe_sites(prog: Program, args, consts, plan: Plan):
   """Raises site_has_no_graph (or site_not_float) for a keep_grad site without a graph.
 
   The program is evaluated abstractly with the edits applied (no keep_grad checks),
   and the derivative's jaxpr tells whether each keep_grad site value depends on a
-  float input (``known`` saved values count as inputs: a replay reads them).
+  float input (a replay's known saved values count as inputs: it reads them).
   """
   labels, dtypes = [], []
+  replay = plan.replay
 
   def probe_fn(args, known):
-    ev = evaluate(prog, args, consts, rules, None, probe=True, known=known or None, **kw)
+    probe = dataclasses.replace(
+      plan,
+      save=None,
+      probe=True,
+      replay=None if replay is None else dataclasses.replace(replay, known=known),
+    )
+    ev = evaluate(prog, args, consts, probe)
     recorded = ev.firing.recorded
     labels[:] = [lbl for lbl, _ in recorded]
     dtypes[:] = [v.dtype for _, v in recorded]
     return [v for _, v in recorded]
 
-  table, _ = dependence.outputs_depend_on_inputs(probe_fn, list(args), dict(known or {}))
+  known = {} if replay is None else dict(replay.known)
+  table, _ = dependence.outputs_depend_on_inputs(probe_fn, list(args), known)
   return labels, table, dtypes
 
 
@@ -425,9 +433,9 @@ def capture(
     program.check_selectable(prog, save, "save=", editing=False)
   probed = False
   if not disabled and runtime.asks_keep_grad(rules):
-    runtime.raise_no_graph(*probe_sites(prog, args, consts, rules, step=step))
+    runtime.raise_no_graph(*probe_sites(prog, args, consts, Plan(tuple(rules), step=step)))
     probed = True
-  ev = evaluate(prog, args, consts, rules, save, grad_disabled=disabled, step=step)
+  ev = evaluate(prog, args, consts, Plan(tuple(rules), save, grad_disabled=disabled, step=step))
   seen = prog.infos
   for (selector, _), count in zip(rules, ev.fired):
     if count == 0:
@@ -436,5 +444,5 @@ def capture(
     raise program.save_miss(prog, save)
   if not probed and ev.firing.hook_asked:
     # A hook may ask for keep_grad at fire time (InterventionDecision): check its site.
-    runtime.raise_no_graph(*probe_sites(prog, args, consts, rules, step=step))
+    runtime.raise_no_graph(*probe_sites(prog, args, consts, Plan(tuple(rules), step=step)))
   return Captured(prog, consts, args, ev, program_output(prog, ev, None))

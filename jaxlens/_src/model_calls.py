@@ -222,6 +222,26 @@ class NnxCall:
     return ("nnx", self.graphdef)
 
 
+def resolve(model, args, fix: str) -> tuple[Any, Any, tuple]:
+  """``(call, variables, inputs)`` of a door called as ``door(model, *args)``.
+
+  A bound linen module and an NNX module carry their variables; an unbound linen module
+  takes them as the first of ``args`` (refused as ``missing_variables``, naming ``fix``,
+  when absent or not variables).
+  """
+  call, variables = split(model)
+  if variables is None:
+    if not args:
+      raise InvalidArgumentError(
+        "an unbound module needs its variables as the first argument",
+        code="missing_variables",
+        fix=fix,
+      )
+    variables, args = args[0], args[1:]
+    check_variables(variables, model, fix)
+  return call, variables, tuple(args)
+
+
 def split(model) -> tuple[Any, Any]:
   """``(call, variables)`` for a door: variables is None for an unbound linen module."""
   if isinstance(model, nnx.Module):

@@ -17,6 +17,7 @@ import fnmatch
 import re
 from typing import Iterable
 
+from jaxlens._src import render
 from jaxlens._src.errors import InvalidArgumentError, SiteError, SpecFormatError
 from jaxlens._src.tracebacks import api_boundary
 
@@ -120,6 +121,10 @@ class Site:
 
   def __or__(self, other: "Site") -> "Site":
     return _Or(self, as_selector(other))
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    """treescope's view: the selector as written."""
+    return render.treescope_repr(render.SelectorView(self), path, subtree_renderer)
 
   def describe_miss(self, seen: Iterable[SiteInfo]) -> tuple[str, list[str]]:
     """A sentence on why nothing matched and the closest existing labels."""
