@@ -1,8 +1,8 @@
 """Views of traces, specs, edits and selectors for people: treescope in notebooks, HTML files.
 
 `treescope <https://treescope.readthedocs.io>`_ (installed with flax) renders
-Python objects as foldable trees in notebooks. This module teaches it jaxlens's
-objects:
+Python objects as foldable trees in notebooks. This module gives the views of jaxlens's
+objects (the objects draw the same views themselves, ``__treescope_repr__``):
 
 * a :class:`~jaxlens.Trace`: the site tree (module paths nested as in the model),
   each site with its module type and its value (treescope shows shape, dtype and a

@@ -1,5 +1,5 @@
 """Trace and the capture doors: replay, rerun, set_only + run, differentiable replay
-(pairs with ``jaxlens/_src/tracing.py``).
+(pairs with ``jaxlens/_src/tracing.py``, the record, and ``replay.py``, its engines).
 """
 
 from __future__ import annotations
