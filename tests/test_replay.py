@@ -290,3 +290,17 @@ def test_keep_inputs_false_drops_the_inputs_and_refuses_replay(mlp):
   np.testing.assert_allclose(patched.output, ref.output, atol=0)
   with pytest.raises(jl.InvalidArgumentError, match=r"\[invalid_argument\]"):
     jl.trace(model, v, X, keep_inputs="no")
+
+
+def test_the_trace_is_a_record_whose_data_fields_are_its_leaves(mlp):
+  import dataclasses
+
+  model, v = mlp
+  t = jl.trace(model, v, X).fork().do(SITE, jl.scale(0.5), intervention=SET_ONLY)
+  assert dataclasses.is_dataclass(t)
+  leaves, tree = jax.tree.flatten(t)
+  # Static fields are aux data: labels keep the order the sites ran, staged edits stay staged.
+  back = jax.tree.unflatten(tree, [leaf + 0 for leaf in leaves])
+  assert back.labels == t.labels and list(back.infos) == list(t.infos)
+  assert back.stale and back.run().output.shape == t.output.shape
+  assert len(leaves) == len(jax.tree.leaves((t.output, t.values, t._args, t._staged)))
