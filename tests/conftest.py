@@ -2,6 +2,7 @@
 (pyproject)."""
 
 import atexit
+import functools
 import gc
 import importlib.util
 import os
@@ -48,6 +49,7 @@ _GROUP_MARK = re.compile(
 )
 
 
+@functools.cache
 def _file_groups() -> dict[str, str]:
   """``{test file relative to the root: group}`` from each file's module-level
   ``pytestmark = pytest.mark.xdist_group(name)``."""
@@ -59,63 +61,66 @@ def _file_groups() -> dict[str, str]:
   return groups
 
 
-# The scopes that take longest (CPU seconds on two cores, measured), started first in this
-# order so that no long one is left for the end of a run; the other files follow, the ones
-# with most tests first. (xdist alone orders scopes by their number of tests, which put a
-# two-test file of 35 s last.)
-_SLOWEST_SCOPES = (
-  "pretrained",  # ~95 s (SmolLM2 and Gemma 3 loaded once; the docs pages)
-  "matrix",  # ~56 s
-  "tests/test_zoo.py",  # ~27 s
-  "properties",  # ~27 s
-  "tests/test_train.py",  # ~25 s
-  "tests/test_docstrings.py",  # ~25 s
-  "tests/test_scan.py",  # ~24 s
-  "zoo_properties",  # ~23 s
-  "tests/test_sae_splice.py",  # ~22 s
-  "tests/test_zoo_window.py",  # ~20 s
-  "tests/torch_bridge/test_export.py",  # ~18 s
-  "tests/test_conformance.py",  # ~18 s
-  "tests/test_distributed.py",  # ~16 s (its worker processes)
-  "tests/test_zoo_torch.py",  # ~16 s
-  "tests/test_zoo_families.py",  # ~16 s
-)
+# Scheduling (``-n auto --dist loadgroup``). A test file is one scope, run whole by one worker,
+# so its module fixtures are made once; files that share an expensive fixture (the measured
+# contract matrix, the pretrained models) name one ``xdist_group`` and run together. Scopes
+# start longest first, by the seconds pytest's cache recorded for them on the previous run of
+# this checkout, so that no long one is left for the end; scopes with no record (all of them on
+# a first run) start before the measured ones, the largest first.
+_SECONDS = "jaxlens/scope_seconds"
 
 
 def _scope(nodeid: str, groups: dict[str, str]) -> str:
-  """A test's xdist scope: its file's group, or its file. A file is one scope, so its
-  module fixtures (the distributed jobs, the benchmark runs, the zoo's models) are made in
-  one worker only."""
+  """A test's scope: its file's group, or its file."""
   path = nodeid.split("::", 1)[0]
   return groups.get(path, path)
 
 
 def pytest_collection_modifyitems(config, items):
-  """Under ``--dist loadgroup``, the tests in the order their scopes should start (in an
-  xdist worker, which collects for the scheduler, xdist has set ``dist`` to "no" and
-  ``loadgroup`` to whether it was "loadgroup")."""
+  """Under ``--dist loadgroup``, the tests in the order their scopes should start (an xdist
+  worker, which collects for the scheduler, sees ``dist`` "no" and ``loadgroup`` True)."""
   dist = config.getoption("dist", default=None)  # None without pytest-xdist
   if dist != "loadgroup" and not getattr(config.option, "loadgroup", False):
     return
   groups = _file_groups()
+  seconds = config.cache.get(_SECONDS, {}) if config.cache is not None else {}
   scopes = [_scope(item.nodeid, groups) for item in items]
   sizes = {scope: scopes.count(scope) for scope in set(scopes)}
-  rank = {scope: k for k, scope in enumerate(_SLOWEST_SCOPES)}
   order = sorted(
     range(len(items)),
-    key=lambda i: (rank.get(scopes[i], len(rank)), -sizes[scopes[i]], scopes[i]),
+    key=lambda i: (
+      scopes[i] in seconds,
+      -seconds.get(scopes[i], 0.0),
+      -sizes[scopes[i]],
+      scopes[i],
+    ),
   )
   items[:] = [items[i] for i in order]
 
 
+_spent: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+  """Adds up each scope's seconds (in the process that runs pytest; xdist's controller gets
+  every worker's reports)."""
+  if "PYTEST_XDIST_WORKER" not in os.environ:
+    scope = _scope(report.nodeid, _file_groups())
+    _spent[scope] = _spent.get(scope, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+  if "PYTEST_XDIST_WORKER" not in os.environ and _spent and session.config.cache is not None:
+    seconds = session.config.cache.get(_SECONDS, {})
+    seconds.update({scope: round(s, 1) for scope, s in _spent.items()})
+    session.config.cache.set(_SECONDS, seconds)
+
+
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-  """``--dist loadgroup`` that works with pytest 9: pytest-xdist 3.8 marks a group by
-  rewriting ``item._nodeid``, which pytest 9 no longer reads, so every test of a group
-  went to any worker and each worker measured the shared matrix cells again. Here a
-  test file's ``xdist_group`` mark names its scope, and every other file is a scope of its
-  own; the scheduler sends a scope to one worker, in the order of the collection, which
-  ``pytest_collection_modifyitems`` sorts slowest scope first."""
+  """xdist's ``loadscope`` with the scopes above. (pytest-xdist 3.8's own ``loadgroup`` marks a
+  group by rewriting ``item._nodeid``, which pytest 9 no longer reads, so it sent the tests of a
+  group to any worker.) Scopes go out in the collection's order."""
   if config.getvalue("dist") != "loadgroup":
     return None
   from xdist.scheduler import LoadScopeScheduling
@@ -140,14 +145,6 @@ gc.set_threshold(20_000, 50, 100)
 def pytest_collection_finish(session):
   gc.collect()
   gc.freeze()
-
-
-def pytest_unconfigure(config):
-  """A test process is about to exit: skip jax's exit handler, which clears every cache and
-  backend of the process (about 7 s of CPU in each xdist worker, at the very end of a run)."""
-  from jax._src import api
-
-  atexit.unregister(api.clean_up)
 
 
 @pytest.fixture(scope="session")
