@@ -52,7 +52,7 @@ from jaxlens.internal import html_page, selector_view, spec_view, trace_view, tr
 from jaxlens.internal import show as _show
 from jaxlens.intervention import Edit
 
-__all__ = ["register", "render", "show", "to_html", "view"]
+__all__ = ["render", "show", "to_html", "view"]
 
 
 def view(obj, *, trace=None) -> Any:
@@ -78,11 +78,6 @@ def view(obj, *, trace=None) -> Any:
 def render(obj, path, subtree_renderer):
   """The treescope rendering of a jaxlens object (what its ``__treescope_repr__`` returns)."""
   return treescope_repr(view(obj), path, subtree_renderer)
-
-
-def register() -> None:
-  """Nothing to do: the classes define their views (``__treescope_repr__``), which treescope
-  finds without a registry. Kept for code that calls it."""
 
 
 def show(obj, *, trace=None) -> None:

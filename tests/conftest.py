@@ -83,7 +83,8 @@ def pytest_collection_modifyitems(config, items):
   if dist != "loadgroup" and not getattr(config.option, "loadgroup", False):
     return
   groups = _file_groups()
-  seconds = config.cache.get(_SECONDS, {}) if config.cache is not None else {}
+  cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+  seconds = cache.get(_SECONDS, {}) if cache is not None else {}
   scopes = [_scope(item.nodeid, groups) for item in items]
   sizes = {scope: scopes.count(scope) for scope in set(scopes)}
   order = sorted(
@@ -110,10 +111,11 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-  if "PYTEST_XDIST_WORKER" not in os.environ and _spent and session.config.cache is not None:
-    seconds = session.config.cache.get(_SECONDS, {})
+  cache = getattr(session.config, "cache", None)
+  if "PYTEST_XDIST_WORKER" not in os.environ and _spent and cache is not None:
+    seconds = cache.get(_SECONDS, {})
     seconds.update({scope: round(s, 1) for scope, s in _spent.items()})
-    session.config.cache.set(_SECONDS, seconds)
+    cache.set(_SECONDS, seconds)
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
