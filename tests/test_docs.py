@@ -90,6 +90,31 @@ def test_docs_examples_run(path, tmp_path, monkeypatch):
       )
 
 
+# Packages outside the `[tests]` extra (the `[compare]` extra and the model wheels): a page whose
+# runnable blocks import one must declare it, so that `pip install '.[tests]'` skips the page.
+_OPTIONAL = {"torch", "torch_bridge", "transformers", "sae_lens", "pyvene", "torchlens"}
+_IMPORTED = re.compile(r"^\s*(?:import|from)\s+([\w.]+(?:\s*,\s*[\w.]+)*)", re.M)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_a_page_declares_the_optional_packages_it_imports(path):
+  declared = (
+    set(_REQUIRES.search(path.read_text()).group(1).split(","))
+    if _REQUIRES.search(path.read_text())
+    else set()
+  )
+  imported = {
+    name.strip().split(".")[0]
+    for _, code in python_blocks(path)
+    for names in _IMPORTED.findall(code)
+    for name in names.split(",")
+  }
+  needs = {"torch" if name == "torch_bridge" else name for name in imported & _OPTIONAL}
+  assert needs <= declared, (
+    f"{path.name}: add <!-- docs-test: requires={','.join(sorted(needs))} -->"
+  )
+
+
 def test_the_runner_skips_marked_blocks(tmp_path):
   page = tmp_path / "page.md"
   page.write_text(
