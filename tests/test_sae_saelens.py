@@ -241,7 +241,8 @@ def test_one_training_step_matches_saelens(arch, ours_arch, cfg):
     total, terms, _ = jtrain.loss_terms(d, ours_cfg, jnp.asarray(x), dead=jnp.asarray(dead))
     return total, terms
 
-  (total, terms), grads = jax.value_and_grad(loss, has_aux=True)(d)
+  # Jitted: one compilation costs less than dispatching every op (and cond branch) eagerly.
+  (total, terms), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(d)
   assert sorted(terms) == sorted(out.losses)
   for name, value in out.losses.items():
     assert float(terms[name]) == pytest.approx(float(value.detach()), rel=1e-5, abs=1e-7), name

@@ -14,17 +14,28 @@ from jaxlens import sae
 from jaxlens.intervention import keep_grad
 from jaxlens.models import Llama, LlamaConfig, init_gpt
 
-D, F = 16, 48
+D, F = 8, 48
+L, FC = 2, 12  # the cross-layer transcoder's layers and features
 ACTS = "block_0/sae/acts"
 
 
 @pytest.fixture(scope="module")
-def gpt():
+def gpt64():
+  """One small GPT in float64 for every test of this file (the SAE's and the cross-layer
+  transcoder's): its compiled programs are shared. Also its output, jitted."""
   model, variables, tokens = init_gpt(
-    0, n_layers=2, d_model=D, n_heads=2, max_len=6, vocab_size=11, batch=2
-  )
-  d = sae.SAE.init(jax.random.key(1), D, F, activation="topk", k=6)
-  d = d.replace(b_enc=jnp.full((F,), 0.05, jnp.float32), b_dec=jnp.full((D,), 0.1, jnp.float32))
+    0, n_layers=L, d_model=D, n_heads=2, max_len=6, vocab_size=11, batch=2, mlp_ratio=2,
+    dtype=jnp.float64,
+  )  # fmt: skip
+  variables = jax.tree.map(lambda a: a.astype(jnp.float64), variables)
+  return model, variables, tokens, jax.jit(model.apply)(variables, tokens)
+
+
+@pytest.fixture(scope="module")
+def gpt(gpt64):
+  model, variables, tokens, _ = gpt64
+  d = sae.SAE.init(jax.random.key(1), D, F, activation="topk", k=6, dtype=jnp.float64)
+  d = d.replace(b_enc=jnp.full((F,), 0.05), b_dec=jnp.full((D,), 0.1))
   return model, variables, tokens, d, sae.splice(model, "block_0", d)
 
 
@@ -38,10 +49,10 @@ def by_hand(d, edit_acts=lambda a: a):
   return jl.splice_module(fn)
 
 
-def test_the_spliced_model_computes_the_model_and_exposes_the_sites(gpt):
+def test_the_spliced_model_computes_the_model_and_exposes_the_sites(gpt, gpt64):
   model, variables, tokens, d, spliced = gpt
-  base = model.apply(variables, tokens)
-  t = jl.trace(spliced, variables, tokens, save=jl.all_sites())
+  base = gpt64[3]
+  t = jl.trace(spliced, variables, tokens, save=jl.module("block_0*"))
   assert [l for l in t.labels if "/sae/" in l] == [ACTS, "block_0/sae/recon", "block_0/sae/error"]
   np.testing.assert_allclose(t.output, base, atol=1e-5)
   np.testing.assert_allclose(spliced.apply(variables, tokens), base, atol=1e-5)
@@ -58,7 +69,7 @@ def test_the_spliced_model_computes_the_model_and_exposes_the_sites(gpt):
   np.testing.assert_allclose(t2["block_0"].out, d(y), rtol=1e-5, atol=1e-6)
 
 
-def test_feature_ablation_on_every_door(gpt, tmp_path):
+def test_feature_ablation_on_every_door(gpt, gpt64, tmp_path):
   model, variables, tokens, d, spliced = gpt
   feats = jnp.asarray([1, 4, 7])
   site = jl.units(jl.module(ACTS), feats)
@@ -68,7 +79,7 @@ def test_feature_ablation_on_every_door(gpt, tmp_path):
   )
   live = spec.bind(spliced)(variables, tokens)
   np.testing.assert_allclose(live, want, atol=1e-5)
-  assert float(jnp.abs(live - model.apply(variables, tokens)).max()) > 1e-4  # it did something
+  assert float(jnp.abs(live - gpt64[3]).max()) > 1e-4  # it did something
   t = jl.trace(spliced, variables, tokens)
   doors = {
     "capture": jl.trace(spliced, variables, tokens, intervene=spec).output,
@@ -84,7 +95,7 @@ def test_feature_ablation_on_every_door(gpt, tmp_path):
 
 def test_steering_a_feature_adds_its_decoder_row(gpt):
   model, variables, tokens, d, spliced = gpt
-  onehot = jnp.zeros((F,), jnp.float32).at[5].set(1.0)
+  onehot = jnp.zeros((F,), jnp.float64).at[5].set(1.0)
   steered = jl.when(jl.module(ACTS), jl.steer(onehot, 3.0)).bind(spliced)(variables, tokens)
   want = jl.when(jl.module("block_0"), jl.steer(d.W_dec[5], 3.0)).bind(model)(variables, tokens)
   np.testing.assert_allclose(steered, want, atol=1e-5)
@@ -116,26 +127,24 @@ def test_feature_gradients_and_keep_grad(gpt):
   g = t.grad(metric, sites=[ACTS])
   assert g.grad[ACTS].shape == (2, 6, F)
   # Finite difference along one feature.
-  bump = jnp.zeros((2, 6, F), jnp.float32).at[0, 5, 2].set(1e-2)
+  bump = jnp.zeros((2, 6, F), jnp.float64).at[0, 5, 2].set(1e-2)
   moved = jl.when(jl.module(ACTS), jl.add(bump)).bind(spliced)(variables, tokens)
   fd = (metric(moved) - metric(t.output)) / 1e-2
   assert float(g.grad[ACTS][0, 5, 2]) == pytest.approx(float(fd), rel=2e-2, abs=1e-3)
   # keep_grad through the splice: the embedding upstream of block_0 gets its gradient.
+  # (Jitted: one compilation each costs less than running a tiny model's gradient eagerly.)
   f = jl.when(jl.module(ACTS), keep_grad(jl.scale(1.0))).bind(spliced)
-  grads = jax.grad(lambda v: metric(f(v, tokens)))(variables)
-  plain = jax.grad(lambda v: metric(model.apply(v, tokens)))(variables)
+  grads = jax.jit(jax.grad(lambda v: metric(f(v, tokens))))(variables)
+  plain = jax.jit(jax.grad(lambda v: metric(model.apply(v, tokens))))(variables)
   np.testing.assert_allclose(
     grads["params"]["embed"]["embedding"], plain["params"]["embed"]["embedding"], atol=1e-4
   )
   with pytest.raises(jl.GradientContractError, match="edit_detached_from_graph"):
-    jax.grad(
-      lambda v: metric(
-        jl.when(jl.module(ACTS), keep_grad(jl.zero_ablate())).bind(spliced)(v, tokens)
-      )
-    )(variables)
+    cutting = jl.when(jl.module(ACTS), keep_grad(jl.zero_ablate())).bind(spliced)
+    jax.jit(jax.grad(lambda v: metric(cutting(v, tokens))))(variables)
   # stop_error_grad: the gradient upstream flows through the features only.
   cut = sae.splice(model, "block_0", d, stop_error_grad=True)
-  g_cut = jax.grad(lambda v: metric(cut.apply(v, tokens)))(variables)
+  g_cut = jax.jit(jax.grad(lambda v: metric(cut.apply(v, tokens))))(variables)
   assert not np.allclose(
     g_cut["params"]["embed"]["embedding"], plain["params"]["embed"]["embedding"], atol=1e-4
   )
@@ -191,51 +200,37 @@ def _metric(out):
 
 def test_generation_with_a_feature_steered():
   model = Llama(
-    LlamaConfig(vocab_size=13, d_model=D, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=32)
+    LlamaConfig(vocab_size=13, d_model=D, n_layers=1, n_heads=4, n_kv_heads=2, d_mlp=32)
   )
   prompt = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, 4)), jnp.int32)
   variables = model.init(jax.random.key(0), prompt)
   d = sae.SAE.init(jax.random.key(1), D, F, activation="relu")
-  spliced = sae.splice(model, "blocks_1/resid_pre", d)
-  plain = jl.generate(model, variables, prompt, max_new_tokens=3)
+  spliced = sae.splice(model, "blocks_0/resid_pre", d)
+  plain = jax.jit(model.apply)(variables, prompt)[:, -1]  # the prefill's logits, unsteered
   onehot = jnp.zeros((F,), jnp.float32).at[3].set(1.0)
-  steer = jl.when(jl.module("blocks_1/resid_pre/sae/acts"), jl.steer(onehot, 40.0))
-  steered = jl.generate(spliced, variables, prompt, max_new_tokens=3, intervene=steer)
-  by_hand_ = jl.when(jl.module("blocks_1/resid_pre"), jl.steer(d.W_dec[3], 40.0))
-  want = jl.generate(model, variables, prompt, max_new_tokens=3, intervene=by_hand_)
+  steer = jl.when(jl.module("blocks_0/resid_pre/sae/acts"), jl.steer(onehot, 40.0))
+  steered = jl.generate(spliced, variables, prompt, max_new_tokens=2, intervene=steer)
+  by_hand_ = jl.when(jl.module("blocks_0/resid_pre"), jl.steer(d.W_dec[3], 40.0))
+  want = jl.generate(model, variables, prompt, max_new_tokens=2, intervene=by_hand_)
   np.testing.assert_array_equal(steered.tokens, want.tokens)
-  assert not np.array_equal(steered.tokens, plain.tokens)
+  np.testing.assert_allclose(steered.logits, want.logits, atol=1e-5)
+  assert float(jnp.abs(steered.logits[:, 0] - plain).max()) > 1e-2
 
 
-class Toy(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    h = nn.Dense(D, name="pre")(x)
-    m = MLP(name="mlp")(h)
-    return nn.Dense(2, name="head")(h + m)
-
-
-class MLP(nn.Module):
-  @nn.compact
-  def __call__(self, h):
-    return nn.Dense(D, name="down")(jax.nn.relu(nn.Dense(32, name="up")(h)))
-
-
-def test_a_transcoder_replaces_the_mlp_output():
-  model = Toy()
-  x = jax.random.normal(jax.random.key(0), (3, 5), jnp.float32)
-  variables = model.init(jax.random.key(1), x)
-  tc = sae.Transcoder.init(jax.random.key(2), D, F, d_out=D, skip=True)
-  tc = tc.replace(W_skip=0.1 * jnp.eye(D, dtype=jnp.float32))
-  kept = sae.splice(model, "mlp", tc)
-  np.testing.assert_allclose(kept.apply(variables, x), model.apply(variables, x), atol=1e-5)
-  replaced = sae.splice(model, "mlp", tc, keep_error=False)
-  t = jl.trace(replaced, variables, x, save=jl.module("pre") | jl.module("mlp"))
-  np.testing.assert_allclose(t["mlp"].out, tc(t["pre"].out), rtol=1e-5, atol=1e-6)
-  assert "mlp/sae/acts" in jl.trace(replaced, variables, x, save=jl.all_sites()).labels
+def test_a_transcoder_replaces_the_mlp_output(gpt64):
+  model, variables, tokens, base = gpt64
+  tc = sae.Transcoder.init(jax.random.key(2), D, F, d_out=D, skip=True, dtype=jnp.float64)
+  tc = tc.replace(W_skip=0.1 * jnp.eye(D, dtype=jnp.float64))
+  kept = sae.splice(model, "block_0/mlp", tc)
+  np.testing.assert_allclose(jax.jit(kept.apply)(variables, tokens), base, atol=1e-12)
+  replaced = sae.splice(model, "block_0/mlp", tc, keep_error=False)
+  t = jl.trace(replaced, variables, tokens, save=jl.module("block_0/*"))
+  np.testing.assert_allclose(t["block_0/mlp"].out, tc(t["block_0/ln_2"].out), atol=1e-12)
+  assert "block_0/mlp/sae/acts" in t.labels
+  assert float(jnp.abs(t.output - base).max()) > 1e-3
   # reads= another site (here the same value, from the module that makes it).
-  via = sae.splice(model, "mlp", tc, reads="pre", keep_error=False)
-  np.testing.assert_allclose(via.apply(variables, x), replaced.apply(variables, x), rtol=1e-6)
+  via = sae.splice(model, "block_0/mlp", tc, reads="block_0/ln_2", keep_error=False)
+  np.testing.assert_allclose(via.apply(variables, tokens), t.output, atol=1e-12)
 
 
 class Pair(nn.Module):
@@ -270,7 +265,7 @@ def test_splice_refusals(gpt):
     sae.splice(model, "block_0", d, reads="embed")
   with pytest.raises(sae.SAEError, match=r"\[sae_invalid_argument\]"):
     sae.splice(model, {"block_0": d}, d)
-  narrow = sae.SAE.init(jax.random.key(0), 8, F)
+  narrow = sae.SAE.init(jax.random.key(0), D // 2, F, dtype=jnp.float64)
   with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\]"):
     sae.splice(model, "block_0", narrow).apply(variables, tokens)
   with pytest.raises(jl.SiteError, match=r"\[unknown_site\]"):
@@ -291,18 +286,15 @@ def test_splice_refusals(gpt):
 
 # -- cross-layer transcoders ---------------------------------------------------------------
 
-L, DC, FC = 3, 8, 12
+DC = D
 MLPS = [f"block_{i}/mlp" for i in range(L)]
+LN2 = jl.module("block_*/ln_2")  # the MLPs' inputs
 
 
 @pytest.fixture(scope="module")
-def clt_gpt():
-  """A 3-block GPT in float64 and a ReLU cross-layer transcoder over its MLPs."""
-  model, variables, tokens = init_gpt(
-    0, n_layers=L, d_model=DC, n_heads=2, max_len=5, vocab_size=11, batch=2, mlp_ratio=2,
-    dtype=jnp.float64,
-  )  # fmt: skip
-  variables = jax.tree.map(lambda a: a.astype(jnp.float64), variables)
+def clt_gpt(gpt64):
+  """The GPT (two blocks, float64) and a ReLU cross-layer transcoder over its MLPs."""
+  model, variables, tokens, _ = gpt64
   clt = sae.CrossLayerTranscoder.init(jax.random.key(1), L, DC, FC, dtype=jnp.float64)
   clt = clt.replace(b_enc=jnp.full((L, FC), 0.05), b_dec=jnp.full((L, DC), 0.1))
   return model, variables, tokens, clt, sae.splice(model, "block_*/mlp", clt)
@@ -334,10 +326,10 @@ def clt_by_hand(model, clt, edit=lambda layer, acts: acts, keep_error=True):
   return run
 
 
-def test_a_cross_layer_transcoder_splice_is_the_model_and_its_decoders(clt_gpt):
+def test_a_cross_layer_transcoder_splice_is_the_model_and_its_decoders(clt_gpt, gpt64):
   model, variables, tokens, clt, spliced = clt_gpt
-  base = model.apply(variables, tokens)
-  t = jl.trace(spliced, variables, tokens, save=jl.all_sites())
+  base = gpt64[3]
+  t = jl.trace(spliced, variables, tokens, save=jl.module("block_*/mlp/clt/*") | LN2)
   assert [l for l in t.labels if "/clt/" in l] == [
     f"{m}/clt/{s}" for m in MLPS for s in ("acts", "recon", "error")
   ]
@@ -348,7 +340,7 @@ def test_a_cross_layer_transcoder_splice_is_the_model_and_its_decoders(clt_gpt):
     )
   # Without the error each MLP's output is the decoders of the layers up to it.
   lossy = sae.splice(model, MLPS, clt, keep_error=False)  # the sites listed, not a glob
-  t2 = jl.trace(lossy, variables, tokens, save=jl.all_sites())
+  t2 = jl.trace(lossy, variables, tokens, save=jl.module("block_*/mlp") | LN2)
   xs = jnp.stack([t2[f"block_{j}/ln_2"].out for j in range(L)])
   want = clt(xs)
   for j, m in enumerate(MLPS):
@@ -359,17 +351,17 @@ def test_a_cross_layer_transcoder_splice_is_the_model_and_its_decoders(clt_gpt):
   assert float(jnp.abs(t2.output - base).max()) > 1e-3
 
 
-def test_cross_layer_features_on_every_door_and_verb(clt_gpt, tmp_path):
+def test_cross_layer_features_on_every_door_and_verb(clt_gpt, gpt64, tmp_path):
   model, variables, tokens, clt, spliced = clt_gpt
   acts0 = jl.module("block_0/mlp/clt/acts")
-  # Ablating a layer-0 feature changes layers 0, 1 and 2 through its three decoders.
+  # Ablating a layer-0 feature changes layers 0 and 1 through its two decoders.
   site = jl.units(acts0, jnp.asarray([2, 5]))
   spec = jl.when(site, jl.zero_ablate())
   want = clt_by_hand(model, clt, lambda j, a: a.at[..., [2, 5]].set(0.0) if j == 0 else a)
   want = want(variables, tokens)
   live = spec.bind(spliced)(variables, tokens)
   np.testing.assert_allclose(live, want, atol=1e-12)
-  assert float(jnp.abs(live - model.apply(variables, tokens)).max()) > 1e-4
+  assert float(jnp.abs(live - gpt64[3]).max()) > 1e-4
   t = jl.trace(spliced, variables, tokens)
   spec.save(tmp_path / "spec")
   doors = {
@@ -380,7 +372,7 @@ def test_cross_layer_features_on_every_door_and_verb(clt_gpt, tmp_path):
   }
   for name, out in doors.items():
     np.testing.assert_allclose(out, want, atol=1e-12, err_msg=name)
-  # Steering a layer-1 feature adds its decoders into layers 1 and 2.
+  # Steering a layer-1 feature adds its decoder into layer 1.
   onehot = jnp.zeros((FC,), jnp.float64).at[4].set(1.0)
   steered = jl.when(jl.module("block_1/mlp/clt/acts"), jl.steer(onehot, 2.0)).bind(spliced)
   by_hand = clt_by_hand(model, clt, lambda j, a: a + 2.0 * onehot if j == 1 else a)
@@ -394,10 +386,10 @@ def test_cross_layer_features_on_every_door_and_verb(clt_gpt, tmp_path):
     model, clt, lambda j, a: a.at[..., [1, 7]].set(d0[..., [1, 7]]) if j == 0 else a
   )
   np.testing.assert_allclose(patched(variables, tokens), by_hand(variables, tokens), atol=1e-12)
-  # trace.grad on layer-0 features: the gradient through all three layers' decoders.
+  # trace.grad on layer-0 features: the gradient through both layers' decoders.
   metric = lambda out: out[:, -1, 3].sum()  # noqa: E731
   g = t.grad(metric, sites=["block_0/mlp/clt/acts"]).grad["block_0/mlp/clt/acts"]
-  zero = jnp.zeros((2, 5, FC), jnp.float64)
+  zero = jnp.zeros((2, 6, FC), jnp.float64)
   want_g = jax.grad(
     lambda delta: metric(clt_by_hand(model, clt, lambda j, a: a + delta if j == 0 else a)(
       variables, tokens
@@ -410,17 +402,17 @@ def test_cross_layer_features_on_every_door_and_verb(clt_gpt, tmp_path):
 def test_cross_layer_transcoder_refusals(clt_gpt):
   model, variables, tokens, clt, spliced = clt_gpt
   with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\]") as info:
-    sae.splice(model, MLPS[:2], clt)
+    sae.splice(model, MLPS[:1] * (L + 1), clt)
   assert info.value.fields["field"] == "n_layers"
   with pytest.raises(sae.SAEError, match=r"\[sae_invalid_argument\]") as info:
     sae.splice(model, MLPS, clt, reads="embed")
   assert info.value.fields["field"] == "reads"
-  two = sae.CrossLayerTranscoder.init(jax.random.key(0), 2, DC, FC, dtype=jnp.float64)
+  fewer = sae.CrossLayerTranscoder.init(jax.random.key(0), L - 1, DC, FC, dtype=jnp.float64)
   with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\].*more modules"):
-    sae.splice(model, "block_*/mlp", two).apply(variables, tokens)
-  four = sae.CrossLayerTranscoder.init(jax.random.key(0), 4, DC, FC, dtype=jnp.float64)
-  with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\].*matched 3 distinct"):
-    sae.splice(model, "block_*/mlp", four).apply(variables, tokens)
+    sae.splice(model, "block_*/mlp", fewer).apply(variables, tokens)
+  more = sae.CrossLayerTranscoder.init(jax.random.key(0), L + 1, DC, FC, dtype=jnp.float64)
+  with pytest.raises(sae.SAEError, match=rf"\[sae_shape_mismatch\].*matched {L} distinct"):
+    sae.splice(model, "block_*/mlp", more).apply(variables, tokens)
   wide = sae.CrossLayerTranscoder.init(jax.random.key(0), L, 6, FC, dtype=jnp.float64)
   with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\]"):
     sae.splice(model, MLPS, wide).apply(variables, tokens)
@@ -528,6 +520,6 @@ def test_splicing_an_nnx_model():
   with pytest.raises(jl.SiteError, match=r"\[unknown_site\]"):
     sae.splice(net, "blocks/7", d)
   with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\]"):
-    sae.splice(net, ["blocks/0/mlp", "blocks/*/mlp", "blocks/2/mlp"], clt)
+    sae.splice(net, ["blocks/0/mlp", "blocks/*/mlp"], clt)
   with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\]"):
-    sae.splice(net, "blocks/[01]/mlp", clt)
+    sae.splice(net, "blocks/0/m*", clt)
