@@ -13,6 +13,7 @@ import jaxlens as jl
 from jaxlens import sae
 from jaxlens.intervention import keep_grad
 from jaxlens.models import Llama, LlamaConfig, init_gpt
+from jaxlens.protocol import Decoder
 
 D, F = 8, 48
 L, FC = 2, 12  # the cross-layer transcoder's layers and features
@@ -214,6 +215,9 @@ def test_generation_with_a_feature_steered():
   want = jl.generate(model, variables, prompt, max_new_tokens=2, intervene=by_hand_)
   np.testing.assert_array_equal(steered.tokens, want.tokens)
   np.testing.assert_allclose(steered.logits, want.logits, atol=1e-5)
+  # The sweeps' block-at-a-time path would bypass the splice: a spliced decoder does not
+  # offer it (they run it through the doors, or refuse).
+  assert isinstance(model, Decoder) and not isinstance(spliced, Decoder)
   assert float(jnp.abs(steered.logits[:, 0] - plain).max()) > 1e-2
 
 

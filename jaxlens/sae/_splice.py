@@ -280,6 +280,13 @@ def _spliced_class(base: type, entries: tuple) -> type:
     "_jaxlens_splices": entries,
     "_jaxlens_base": base,
   }
+  # A decoder's block-at-a-time methods (jaxlens.protocol.Decoder / Scannable, which the
+  # sweeps use to run blocks on their own) would run the blocks without the splice: a
+  # spliced model does not offer them (None makes the protocol checks fail), so the sweeps
+  # take their general path through the doors, or refuse.
+  for method in ("run_block", "scanned"):
+    if hasattr(base, method):
+      namespace[method] = None
   return type(base.__name__, (base,), namespace)
 
 
