@@ -490,7 +490,7 @@ def render(result: dict) -> str:
       "|---|---|---|---|---|",
     ]
     for form, v in p["cache"].items():
-      if not isinstance(v, dict):
+      if not isinstance(v, dict) or "cold_first_s" not in v:
         continue
       lines.append(
         f"| {form} | {_r(v['cold_first_s'])} s | "
