@@ -110,10 +110,13 @@ def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, 
       )
     return values
 
-  starts = jnp.asarray([k + (site == "resid_post") for k in layers], jnp.int32)
-  # One row at a time by default: the loop's start is then a scalar and each row runs only
-  # the blocks after its layer (batched rows run from the lowest start of their batch).
-  return jax.lax.map(row, starts, batch_size=None if batch_size == 1 else batch_size or len(layers))
+  starts = np.asarray([k + (site == "resid_post") for k in layers], np.int32)
+  # Rows in order of their layer, batch_size at a time: a batch of rows runs from its lowest
+  # layer, the rows above it gated, so neighbouring layers waste the fewest blocks.
+  order = np.argsort(starts, kind="stable")
+  size = None if batch_size == 1 else batch_size or len(layers)
+  grid = jax.lax.map(row, jnp.asarray(starts[order]), batch_size=size)
+  return grid[np.argsort(order)]
 
 
 @api_boundary
@@ -127,7 +130,7 @@ def cone_sweep(
   layers: Sequence[int] | None = None,
   positions: Sequence[int] | None = None,
   site: str = "resid_pre",
-  batch_size: int | None = 1,
+  batch_size: int | None = 3,
 ):
   """Patches the clean residual stream into the corrupt run at every (layer, position).
 
@@ -150,10 +153,12 @@ def cone_sweep(
     site: ``"resid_pre"`` (a block's input, the default: the sites of
       ``model.layer_sites()``, which :func:`patching_sweep` patches by default, so the two
       sweeps' default grids are the same) or ``"resid_post"`` (a block's output).
-    batch_size: how many layers' cells run at once (default 1: one layer's cells at a time,
-      each from its own layer, which also bounds the memory of the logits to one layer's
-      cells; more, or None for all: batched together, each batch running from its lowest
-      layer with the rows above it gated, more arithmetic for more parallel work).
+    batch_size: how many layers' cells run at once (default 3): the cells of neighbouring
+      layers batched into one product, running from the lowest of their layers with the
+      layers above gated (on SmolLM2, 30 layers x 10 positions on two CPU cores, 3 was about
+      1.3x faster warm than 1, which runs each layer's cells alone from its own layer; None,
+      all layers at once, was 2-3x slower). It also bounds the memory of the logits to that
+      many layers' cells.
 
   Returns:
     A float array ``(len(layers), len(positions))``.
