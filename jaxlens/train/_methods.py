@@ -84,7 +84,9 @@ class BoundlessDAS:
 
   The temperature falls linearly from ``temperature_start`` to ``temperature_end``
   over training (pyvene's tutorial schedule, ``torch.linspace(50, 0.1, steps)``); the
-  boundary starts at ``boundary`` (a fraction of the features).
+  boundary starts at ``boundary`` (a fraction of the features). The defaults suit layers
+  of thousands of features; on a few dozen, start near temperature 0.5 with a small
+  boundary (examples/das_hierarchical_equality.py: 0.5 and 2.5 of 32 features).
 
   Attributes:
     temperature_start: the first step's temperature.
