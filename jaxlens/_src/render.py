@@ -49,8 +49,16 @@ def keeps(edit) -> bool:
 # View objects: plain data that treescope renders.
 
 
+class _View:
+  """A view treescope draws with :func:`treescope_repr` (the hook flax and penzai also define
+  on the class)."""
+
+  def __treescope_repr__(self, path, subtree_renderer):
+    return treescope_repr(self, path, subtree_renderer)
+
+
 @dataclasses.dataclass
-class SiteView:
+class SiteView(_View):
   """One site: its value (or ``None`` when not saved) and what happened to it."""
 
   label: str
@@ -63,12 +71,9 @@ class SiteView:
   state: str = ""
   input: Any = None  # the call's (args, kwargs), when the trace saved inputs
 
-  def __treescope_repr__(self, path, subtree_renderer):
-    return treescope_repr(self, path, subtree_renderer)
-
 
 @dataclasses.dataclass
-class ModuleView:
+class ModuleView(_View):
   """A module of the site tree: its output site, its submodules and the op sites it ran."""
 
   name: str
@@ -77,48 +82,33 @@ class ModuleView:
   children: dict
   ops: list
 
-  def __treescope_repr__(self, path, subtree_renderer):
-    return treescope_repr(self, path, subtree_renderer)
-
 
 @dataclasses.dataclass
-class RuleView:
+class RuleView(_View):
   selector: Any
   edit: Any
   fired_at: tuple | None  # None: not known (a spec on its own)
 
-  def __treescope_repr__(self, path, subtree_renderer):
-    return treescope_repr(self, path, subtree_renderer)
-
 
 @dataclasses.dataclass
-class SpecView:
+class SpecView(_View):
   rules: tuple
   staged: tuple = ()
 
-  def __treescope_repr__(self, path, subtree_renderer):
-    return treescope_repr(self, path, subtree_renderer)
-
 
 @dataclasses.dataclass
-class EditView:
+class EditView(_View):
   edit: Any
 
-  def __treescope_repr__(self, path, subtree_renderer):
-    return treescope_repr(self, path, subtree_renderer)
-
 
 @dataclasses.dataclass
-class SelectorView:
+class SelectorView(_View):
   selector: Any
   matches: tuple | None = None
 
-  def __treescope_repr__(self, path, subtree_renderer):
-    return treescope_repr(self, path, subtree_renderer)
-
 
 @dataclasses.dataclass
-class TraceView:
+class TraceView(_View):
   """A trace as the page shows it."""
 
   output: Any
@@ -127,9 +117,6 @@ class TraceView:
   frontier: dict
   stale: bool
   counts: dict
-
-  def __treescope_repr__(self, path, subtree_renderer):
-    return treescope_repr(self, path, subtree_renderer)
 
 
 # --------------------------------------------------------------------------
