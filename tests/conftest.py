@@ -41,6 +41,19 @@ jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# The property tests (tests/test_properties.py, tests/test_zoo_properties.py) give only
+# max_examples: the same examples on every run (derandomized, no example database), no
+# deadline (the first example of a test compiles its programs).
+settings.register_profile(
+  "jaxlens",
+  deadline=None,
+  derandomize=True,
+  database=None,
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile("jaxlens")
 
 _ROOT = Path(__file__).resolve().parent.parent
 # `pytestmark = pytest.mark.xdist_group("g")`, alone or in a module-level list of marks.

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxlens as jl
@@ -68,16 +68,6 @@ DOCUMENTED = set(
 )
 # Eager refusals whose traced form cannot raise and writes NaN instead (docs/guide.md).
 POISONED = {"index_out_of_range", "basis_rank_deficient", "direction_zero"}
-
-
-def _settings(n):
-  return settings(
-    max_examples=n,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-  )
 
 
 # -- models, cached per (dtype, shape) -------------------------------------------------
@@ -260,7 +250,7 @@ worlds = st.builds(world, st.sampled_from(tuple(DTYPES)), st.sampled_from(SHAPES
 # -- invariants -----------------------------------------------------------------------
 
 
-@_settings(40)
+@settings(max_examples=40)
 @given(data=st.data(), w=worlds, door=st.sampled_from(DOORS))
 def test_the_null_edit_is_bit_identical_on_every_door(data, w, door):
   kind, wrap, _ = data.draw(selections(w))
@@ -273,7 +263,7 @@ def _site_after(w, edit, x):
   return t[SITE].out
 
 
-@_settings(12)
+@settings(max_examples=12)
 @given(data=st.data(), w=worlds)
 def test_unselected_elements_are_bit_identical_and_keep_their_gradient(data, w):
   kind, wrap, unselected = data.draw(selections(w, ("units", "subspace", "at_positions")))
@@ -289,7 +279,7 @@ def test_unselected_elements_are_bit_identical_and_keep_their_gradient(data, w):
   _assert_bits(g_edit, g_plain)
 
 
-@_settings(25)
+@settings(max_examples=25)
 @given(data=st.data(), w=worlds, door=st.sampled_from(DOORS))
 def test_a_traced_argument_equals_the_same_argument_given_eagerly(data, w, door):
   kind, wrap, _ = data.draw(selections(w))
@@ -301,7 +291,7 @@ def test_a_traced_argument_equals_the_same_argument_given_eagerly(data, w, door)
   _assert_close(w.run_jit(door, edit), eager, w.dtype_name)
 
 
-@_settings(8)
+@settings(max_examples=8)
 @given(data=st.data(), w=worlds, door=st.sampled_from(DOORS))
 def test_jit_equals_eager(data, w, door):
   kind, wrap, _ = data.draw(selections(w))
@@ -461,7 +451,7 @@ def _outcome(run, w):
   return "ok", out
 
 
-@_settings(75)
+@settings(max_examples=75)
 @given(data=st.data(), w=worlds, door=st.sampled_from(DOORS), traced=st.booleans())
 def test_every_input_gives_a_typed_error_or_a_result(data, w, door, traced):
   edit = data.draw(hostile_edits(w))

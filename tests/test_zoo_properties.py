@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import jaxlens as jl
@@ -45,16 +45,6 @@ DECODERS = ("llama", "gpt2", "gpt_neox", "gemma3")
 # The jitted forward compiles once per dtype and shape: four dtypes cover the casts (narrow
 # signed, unsigned, the default, wide).
 INT_DTYPES = (jnp.int8, jnp.int32, jnp.int64, jnp.uint8)
-
-
-def _settings(n):
-  return settings(
-    max_examples=n,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,7 +122,7 @@ def token_arrays(draw):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@_settings(3)
+@settings(max_examples=3)
 @example(tokens=np.asarray([[3, -1, 2, 1], [1, 2, 3, 4]], np.int8))  # -1 must not read row 255
 @given(tokens=token_arrays())
 def test_token_arrays_give_a_typed_error_or_the_int32_result(family, tokens):
@@ -182,7 +172,7 @@ def padded_batches(draw, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@_settings(3)
+@settings(max_examples=3)
 @given(data=st.data())
 def test_padding_either_side_gives_each_row_its_own_result(family, data):
   model, variables = zoo(family)
@@ -238,7 +228,7 @@ def generation_arguments(draw):
 
 
 @pytest.mark.parametrize("family", DECODERS)
-@_settings(2)
+@settings(max_examples=2)
 @example(  # one greedy run with a stop token, whatever the draws give
   args={
     "rows": [[1, 2], [3]],
@@ -342,7 +332,7 @@ def _door(door, model, variables, tokens, site, edit):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@_settings(2)
+@settings(max_examples=2)
 @given(data=st.data())
 def test_site_edit_pairs_equal_the_edit_by_hand(family, data):
   model, variables = zoo(family)
