@@ -527,3 +527,29 @@ def test_splicing_an_nnx_model():
     sae.splice(net, ["blocks/0/mlp", "blocks/*/mlp"], clt)
   with pytest.raises(sae.SAEError, match=r"\[sae_shape_mismatch\]"):
     sae.splice(net, "blocks/0/m*", clt)
+
+
+def test_splicing_a_converted_torch_model():
+  torch = pytest.importorskip("torch")
+  from torch_bridge.convert import from_torch
+
+  torch.manual_seed(0)
+  seq = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, 3))
+  model, variables, site_map = from_torch(seq.double(), dtype=torch.float64)
+  site = site_map["1"]  # the Tanh's output
+  d = sae.SAE.init(jax.random.key(2), D, F, activation="relu", dtype=jnp.float64)
+  d = d.replace(b_enc=jnp.full((F,), 0.05))
+  spliced = sae.splice(model, site, d)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(4, D)))
+  w1, b1, w2, b2 = (
+    p.detach().numpy() for p in (seq[0].weight, seq[0].bias, seq[2].weight, seq[2].bias)
+  )
+  h = np.tanh(np.asarray(x) @ w1.T + b1)
+  np.testing.assert_allclose(spliced.apply(variables, x), h @ w2.T + b2, atol=1e-12)
+  acts = jl.trace(spliced, variables, x, save=jl.module(f"{site}/sae/acts"))[f"{site}/sae/acts"]
+  np.testing.assert_allclose(acts.out, d.encode(h), atol=1e-12)
+  feats = jnp.asarray([0, 3, 5])
+  spec = jl.when(jl.units(jl.module(f"{site}/sae/acts"), feats), jl.zero_ablate())
+  ablated = d.decode(d.encode(h).at[..., feats].set(0.0)) + (h - d(h))
+  np.testing.assert_allclose(spec.bind(spliced)(variables, x), ablated @ w2.T + b2, atol=1e-12)
+  assert float(jnp.abs(d.encode(h)[..., feats]).max()) > 0  # the ablation removed something
