@@ -631,8 +631,55 @@ def params_from_hf(config, tensors: Mapping[str, Any]):
     node = params
     for p in path[:-1]:
       node = node.setdefault(p, {})
-    node[path[-1]] = jnp.asarray(value, dtype=config.dtype)
+    node[path[-1]] = _device_array(value, config.dtype, owned=isinstance(tensors, _Dequantised))
   return {"params": params}
+
+
+def _aligned_empty(shape, dtype) -> np.ndarray:
+  """An uninitialised C-contiguous array whose data starts on a 64-byte boundary, the
+  alignment at which XLA:CPU adopts a host buffer instead of copying it."""
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(nbytes + 64, np.uint8)
+  start = -raw.ctypes.data % 64
+  return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _device_array(value, dtype, owned: bool = False) -> jax.Array:
+  """``value`` as a jax array of ``dtype``, with at most one copy. ``jnp.asarray`` copies
+  always, twice for an array not 64-byte aligned: 2 GB of fresh pages for Gemma 3's 1 GB of
+  weights. Here numpy casts ``value`` into an aligned buffer of the loader's own, which
+  XLA:CPU adopts; an ``owned`` array (one the loader made and holds no other reference to)
+  already aligned and of ``dtype`` is adopted as it is. A caller's array is always copied, so
+  no one else can write to the parameters' memory."""
+  value = np.asarray(value)
+  dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+  if not (
+    owned and value.dtype == dtype and value.flags.c_contiguous and value.ctypes.data % 64 == 0
+  ):
+    out = _aligned_empty(value.shape, dtype)
+    np.copyto(out, value, casting="unsafe")
+    value = out
+  return jax.device_put(value)
+
+
+class _Dequantised(Mapping):
+  """GGUF tensors by Hugging Face name, each dequantised when it is read, so that a loader
+  holds one float tensor at a time besides the parameters it has made (not a float copy of
+  the whole file). ``names`` maps a Hugging Face name to ``(GGUF name, finish)``."""
+
+  def __init__(self, tensors, names: Mapping[str, tuple[str, Callable]]):
+    self._tensors, self._names = tensors, names
+
+  def __getitem__(self, name):
+    gguf_name, finish = self._names[name]
+    return finish(_dequant(self._tensors, gguf_name))
+
+  def __iter__(self):
+    return iter(self._names)
+
+  def __len__(self):
+    return len(self._names)
 
 
 def from_state_dict(state_dict: Mapping[str, Any], config, tokenizer=None) -> Pretrained:
@@ -943,7 +990,7 @@ def _dequant(tensors, name):
     else:
       quant.init_grid()  # the codebook of the i-quants; nothing for the others
       first = decode(rows[:_DEQUANT_ROWS])
-      w = np.empty((len(rows), first.shape[-1]), first.dtype)
+      w = _aligned_empty((len(rows), first.shape[-1]), first.dtype)
       w[:_DEQUANT_ROWS] = first
       for i in range(_DEQUANT_ROWS, len(rows), _DEQUANT_ROWS):
         w[i : i + _DEQUANT_ROWS] = decode(rows[i : i + _DEQUANT_ROWS])
@@ -1029,12 +1076,20 @@ def _gemma3_from_gguf(reader, dtype, tokenizer: bool, name: str) -> Pretrained:
       tensor=missing[0],
       fix="a complete gemma3 GGUF file",
     )
-  hf = {}
-  for g, h in names.items():
-    w = _dequant(tensors, g)
-    hf[h] = w - 1.0 if g.endswith("norm.weight") else w
+  hf = _Dequantised(
+    tensors,
+    {h: (g, _minus_one if g.endswith("norm.weight") else _same) for g, h in names.items()},
+  )
   tok = tokenizer_from_gguf(reader) if tokenizer else None
   return Pretrained(Gemma3(config), params_from_hf(config, hf), tok, config)
+
+
+def _same(w):
+  return w
+
+
+def _minus_one(w):
+  return w - 1.0
 
 
 def load_gguf(
@@ -1082,11 +1137,6 @@ def load_gguf(
         fix='weights="float32" (the default) for a Gemma 3 file',
       )
     return _gemma3_from_gguf(reader, dtype, tokenizer, name)
-  arch = _field(reader, "general.architecture")
-  if arch == "gemma3":
-    return _gemma3_from_gguf(
-      reader, dtype, tokenizer, Path(path[0] if isinstance(path, (list, tuple)) else path).name
-    )
   if arch != "llama":
     raise LoadError(
       f"unknown GGUF architecture {arch!r}",
@@ -1126,8 +1176,6 @@ def load_gguf(
     max_len=int(get("context_length", 2048)),
     dtype=dtype,
   )
-  hf: dict[str, np.ndarray] = {}
-
   names = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -1136,14 +1184,21 @@ def load_gguf(
   for i in range(config.n_layers):
     for g, h in _GGUF_LLAMA.items():
       names[f"blk.{i}.{g}.weight"] = f"model.layers.{i}.{h}.weight"
-  for g, h in names.items():
-    if g in tensors:
-      w = _dequant(tensors, g)
-      if g.endswith("attn_q.weight"):
-        w = _unpermute(w, config.n_heads)
-      elif g.endswith("attn_k.weight"):
-        w = _unpermute(w, config.n_kv_heads)
-      hf[h] = w
+  hf = _Dequantised(
+    tensors,
+    {
+      h: (
+        g,
+        functools.partial(_unpermute, n_heads=config.n_heads)
+        if g.endswith("attn_q.weight")
+        else functools.partial(_unpermute, n_heads=config.n_kv_heads)
+        if g.endswith("attn_k.weight")
+        else _same,
+      )
+      for g, h in names.items()
+      if g in tensors
+    },
+  )
   missing = [g for g, h in names.items() if g not in tensors and g != "output.weight"]
   if missing:
     raise LoadError(
