@@ -12,10 +12,14 @@ import jax.numpy as jnp
 
 from jaxlens import sae as jsae
 
-torch = pytest.importorskip("torch")
-sae_lens = pytest.importorskip("sae_lens")
+from lazy_import import LazyModule, missing
 
-pytestmark = pytest.mark.xdist_group("saelens")
+pytestmark = [
+  pytest.mark.skipif(bool(missing("torch", "sae_lens")), reason="needs torch and sae-lens"),
+  pytest.mark.xdist_group("saelens"),
+]
+torch = LazyModule("torch")
+sae_lens = LazyModule("sae_lens")
 
 D_IN, D_SAE, D_OUT = 6, 16, 5
 

@@ -11,10 +11,12 @@ import optax
 import pytest
 
 torch = pytest.importorskip("torch")
-pv = pytest.importorskip("pyvene")
 transformers = pytest.importorskip("transformers")
 
-from pyvene.models.layers import LowRankRotateLayer  # noqa: E402
+from lazy_import import LazyModule, missing  # noqa: E402
+
+pytestmark = pytest.mark.skipif(bool(missing("pyvene")), reason="needs pyvene")
+pv = LazyModule("pyvene")
 
 import jaxlens as jl  # noqa: E402
 import torch_bridge  # noqa: E402
@@ -177,7 +179,9 @@ def test_loreft_forward_and_gradients_equal_pyreft_formula():
   """pyreft's LoreftIntervention: ``base + (learned_source(base) - rotate_layer(base)) @
   rotate_layer.weight.T`` with an orthogonal-parametrised LowRankRotateLayer."""
   torch.manual_seed(0)
-  rotate = torch.nn.utils.parametrizations.orthogonal(LowRankRotateLayer(D, 3).double())
+  rotate = torch.nn.utils.parametrizations.orthogonal(
+    LazyModule("pyvene.models.layers").LowRankRotateLayer(D, 3).double()
+  )
   source = torch.nn.Linear(D, 3).double()
   with torch.no_grad():
     # Off the diagonal: torch reads the diagonal through .int() (see jaxlens.train.orthogonal).
