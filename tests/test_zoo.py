@@ -293,6 +293,12 @@ def test_loader_errors_name_the_tensor(llama):
   tensors = _hf_llama_tensors(variables)
   loaded = params_from_hf(LLAMA, tensors)
   assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), loaded, variables))
+  # The parameters are a copy: writing into the caller's arrays afterwards changes nothing
+  # (the norm weight maps as it is, so an adopted buffer would show the write).
+  writable = {k: np.array(v) for k, v in tensors.items()}
+  loaded = params_from_hf(LLAMA, writable)
+  writable["model.norm.weight"][:] = 7.0
+  assert not (np.asarray(loaded["params"]["ln_final"]["weight"]) == 7.0).any()
   missing = dict(tensors)
   del missing["model.layers.1.mlp.up_proj.weight"]
   with pytest.raises(LoadError, match=r"\[missing_tensor\].*model.layers.1.mlp.up_proj") as e:
