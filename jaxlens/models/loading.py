@@ -675,6 +675,10 @@ class _Dequantised(Mapping):
     gguf_name, finish = self._names[name]
     return finish(_dequant(self._tensors, gguf_name))
 
+  def __contains__(self, name):
+    # Mapping's own __contains__ reads the item: a dequantisation per membership test.
+    return name in self._names
+
   def __iter__(self):
     return iter(self._names)
 
@@ -1078,14 +1082,10 @@ def _gemma3_from_gguf(reader, dtype, tokenizer: bool, name: str) -> Pretrained:
     )
   hf = _Dequantised(
     tensors,
-    {h: (g, _minus_one if g.endswith("norm.weight") else _same) for g, h in names.items()},
+    {h: (g, _minus_one if g.endswith("norm.weight") else _ident) for g, h in names.items()},
   )
   tok = tokenizer_from_gguf(reader) if tokenizer else None
   return Pretrained(Gemma3(config), params_from_hf(config, hf), tok, config)
-
-
-def _same(w):
-  return w
 
 
 def _minus_one(w):
@@ -1184,21 +1184,16 @@ def load_gguf(
   for i in range(config.n_layers):
     for g, h in _GGUF_LLAMA.items():
       names[f"blk.{i}.{g}.weight"] = f"model.layers.{i}.{h}.weight"
-  hf = _Dequantised(
-    tensors,
-    {
-      h: (
-        g,
-        functools.partial(_unpermute, n_heads=config.n_heads)
-        if g.endswith("attn_q.weight")
-        else functools.partial(_unpermute, n_heads=config.n_kv_heads)
-        if g.endswith("attn_k.weight")
-        else _same,
-      )
-      for g, h in names.items()
-      if g in tensors
-    },
-  )
+
+  def finish(g):
+    """llama.cpp permuted each head's q/k rows; the other tensors load as they are."""
+    if g.endswith("attn_q.weight"):
+      return functools.partial(_unpermute, n_heads=config.n_heads)
+    if g.endswith("attn_k.weight"):
+      return functools.partial(_unpermute, n_heads=config.n_kv_heads)
+    return _ident
+
+  hf = _Dequantised(tensors, {h: (g, finish(g)) for g, h in names.items() if g in tensors})
   missing = [g for g, h in names.items() if g not in tensors and g != "output.weight"]
   if missing:
     raise LoadError(
