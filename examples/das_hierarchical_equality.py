@@ -194,13 +194,14 @@ def run(
   return out
 
 
-if __name__ == "__main__":
+def main(argv=None):
+  """The command line: ``run`` with its step counts; prints and returns the figures."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--model-steps", type=int, default=3000)
   parser.add_argument("--das-steps", type=int, default=300)
   parser.add_argument("--boundless-steps", type=int, default=1000)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   result = run(
     model_steps=args.model_steps,
     das_steps=args.das_steps,
@@ -209,3 +210,8 @@ if __name__ == "__main__":
     progress=True,
   )
   print(json.dumps(result, indent=2))
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -28,7 +28,8 @@ import jaxlens as jl
 import jaxlens.models as jm
 
 
-def main(argv=None):
+def main(argv=None) -> dict:
+  """Runs both checks (each asserts its claim); returns their figures."""
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--half", type=int, default=600, help="length of each copy")
   p.add_argument("--new", type=int, default=700, help="tokens to generate")
@@ -77,6 +78,14 @@ def main(argv=None):
   # a ring of the window's length (of the whole sequence when it is shorter than the window)
   assert local == {min(lm.config.sliding_window, total)} and glob == {total}
   print(lm.decode(out.tokens[0][:60]))
+  return {
+    "induction_nats": (float(first), float(second)),
+    "tokens": total,
+    "agree": int(agree.sum()),
+    "max_relative_logit_difference": err,
+    "cache_local": sorted(local),
+    "cache_global": sorted(glob),
+  }
 
 
 if __name__ == "__main__":

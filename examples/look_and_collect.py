@@ -23,7 +23,8 @@ from jaxlens.models import demo, hub
 from jaxlens.models._layers import RMSNorm
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
+  """Writes the pages, figures and activations under ``--out``; returns the figures."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default="look", help="output directory (default look/)")
   p.add_argument("--every", type=int, default=3, help="patch every n-th layer (default 3)")
@@ -145,6 +146,14 @@ def main(argv=None) -> None:
     f"collected {acts.num_rows} sequences x 2 sites in {took:.1f}s ({acts!r}); "
     f"first flattened batch {rows.shape}"
   )
+  return {
+    "saved_sites": len(replayed.values),
+    "patching_shape": effect.shape,
+    "correlation": corr,
+    "logit_diff": (m_clean, m_corrupt),
+    "collected": acts.num_rows,
+    "batch_shape": tuple(rows.shape),
+  }
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ a time with ``jl.at_positions([p], jl.patch_from(clean_trace))``.
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import jax
@@ -28,7 +28,9 @@ def logit_diff(out):
   return (out[:, -1, 0] - out[:, -1, 1]).mean()
 
 
-def main() -> int:
+def main(argv=None) -> float:
+  """Runs the sweep and the loop; returns the largest difference between their grids."""
+  argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
   model, variables, clean = init_gpt(
     0, n_layers=3, d_model=32, n_heads=2, max_len=8, batch=4, vocab_size=16, dtype=jnp.float64
   )
@@ -64,13 +66,14 @@ def main() -> int:
   # The GPT runs its softmax in float32 even in a float64 model, so the batched and the
   # unbatched programs agree to float32 rounding here; on a model computed wholly in
   # float64 they agree to 1e-10 (tests/test_sweeps.py).
-  print(f"largest |sweep - loop|: {np.abs(np.asarray(grid) - loop).max():.2e}")
+  gap = float(np.abs(np.asarray(grid) - loop).max())
+  print(f"largest |sweep - loop|: {gap:.2e}")
   print(
     f"sweep: {first:.2f}s with compilation, {second:.3f}s after; "
     f"loop of {loop.size} jitted single patches: {loop_time:.2f}s"
   )
-  return 0
+  return gap
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  main()

@@ -75,7 +75,9 @@ def next_token_table(lm, logits, k=5):
   return [(lm.decode(int(i)), round(float(p[i]), 3)) for i in top]
 
 
-def main(argv=None):
+def main(argv=None) -> dict:
+  """Collects, trains, evaluates, draws the feature view and uses a feature; returns the
+  figures."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=None, help="where the page and the figure go")
   parser.add_argument("--steps", type=int, default=800)
@@ -192,6 +194,16 @@ def main(argv=None):
   print(f"prompt ...{lm.decode(other[0, -12:])!r}")
   print(f"  next token, as is:            {next_token_table(lm, plain)}")
   print(f"  feature {feature} steered (+{2 * peak:.1f}): {next_token_table(lm, steered)}")
+  return {
+    "rows": rows.shape[0],
+    "explained_variance": ev,
+    "l0": l0,
+    "loss_recovered": ce["loss_recovered"],
+    "features": chosen,
+    "ablated_change": float(jnp.abs(ablated - base).max()),
+    "steered_change": float(jnp.abs(steered - plain).max()),
+    "page": page,
+  }
 
 
 if __name__ == "__main__":

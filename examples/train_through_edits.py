@@ -20,7 +20,6 @@ The task is the demo's (``jaxlens.demo``): predict the token after a marker.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +61,8 @@ def train(loss, params, keys, lr=3e-3):
   return params, losses[0], sum(losses[-10:]) / len(losses[-10:])
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> dict:
+  """Runs (a)-(c) and the recompilation check; returns their figures."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=150)
   args = parser.parse_args(argv)
@@ -75,6 +75,7 @@ def main(argv=None) -> int:
   steered = jl.when(jl.module("block_0"), keep_grad(jl.steer(direction, 0.05))).bind(MODEL)
   loss_a = lambda p, t, a: cross_entropy(steered(p, t), a)
   trained, first, last = train(loss_a, init, keys)
+  report = {"a": (first, last)}
   print(f"(a) whole model, steer at block_0 live:     loss {first:.3f} -> {last:.3f}")
 
   # (b) Freeze the model; the steering vector is the trained parameter. The goal: answer 5.
@@ -86,6 +87,7 @@ def main(argv=None) -> int:
     return cross_entropy(out, jnp.full((tokens.shape[0],), target))
 
   vec, first, last = train(loss_b, jnp.zeros((32,)), keys, lr=0.2)
+  report["b"] = (first, last)
   print(
     f"(b) frozen model, trained steering vector:  loss {first:.3f} -> {last:.3f} "
     f"(|vec| = {float(jnp.linalg.norm(vec)):.2f})"
@@ -99,6 +101,7 @@ def main(argv=None) -> int:
     float(jnp.abs(g).max()) for g in jax.tree.leaves(grads["params"]["block_0"]["mlp"])
   )
   _, first, last = train(loss_c, init, keys)
+  report["c"], report["ablated_mlp_gradient"] = (first, last), mlp_grad
   print(
     f"(c) whole model, block_0/mlp zero-ablated:  loss {first:.3f} -> {last:.3f} "
     f"(largest gradient reaching the ablated MLP: {mlp_grad})"
@@ -113,6 +116,7 @@ def main(argv=None) -> int:
       )
     )(init)
   except jl.GradientContractError as error:
+    report["refused"] = error.code
     print(
       f"keep_grad(zero_ablate) refused: code {error.fields['code']}, fix: {error.fields['fix']}"
     )
@@ -136,8 +140,9 @@ def main(argv=None) -> int:
     spec = jl.when(jl.module("block_0"), jl.steer(jnp.roll(direction, i), 0.1 * i))
     params, state, _ = step(params, state, spec, k)
   print(f"20 steps with a new steering direction and magnitude each: traced {len(traces)} time")
-  return 0
+  report["traces"] = len(traces)
+  return report
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  main()

@@ -13,6 +13,10 @@ class LazyModule:
     self._name = name
 
   def __getattr__(self, attr):
+    # Private and special names are not the module's API: pytest's collection probes every
+    # module-level object for some (``_mock_name``, ``__test__``), which must not import it.
+    if attr.startswith("_"):
+      raise AttributeError(attr)
     return getattr(importlib.import_module(self._name), attr)
 
 
