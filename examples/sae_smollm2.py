@@ -83,7 +83,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--steps", type=int, default=800)
   parser.add_argument("--width", type=int, default=2, help="features per model dimension")
   parser.add_argument("--batch", type=int, default=512, help="activations per step")
-  parser.add_argument("--sequences", type=int, default=640)
+  parser.add_argument("--sequences", type=int, default=640, help="sequences of 64 tokens")
+  parser.add_argument("--held", type=int, default=64, help="of which held out for evaluation")
   args = parser.parse_args(argv)
   out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="sae_smollm2_"))
   out.mkdir(parents=True, exist_ok=True)
@@ -96,7 +97,7 @@ def main(argv=None) -> dict:
   trunk_vars = {"params": {k: params[k] for k in ["embed"] + [f"blocks_{i}" for i in range(4)]}}
 
   seqs = sequences(lm, args.sequences)
-  train_seqs, held_seqs = seqs[:-64], seqs[-64:]
+  train_seqs, held_seqs = seqs[: -args.held], seqs[-args.held :]
   batches = [train_seqs[i : i + 16] for i in range(0, len(train_seqs), 16)]
   store = jl.store.collect(trunk, trunk_vars, batches, out / "acts", sites=[SITE], progress=True)
   acts = store.array(SITE)[:, 1:]  # position 0 (no BOS here) is an outlier: left out

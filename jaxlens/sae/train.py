@@ -751,25 +751,33 @@ def _flush(pending, history, bar, callback):
 # Evaluation by splicing.
 
 
-def ce_loss_recovered(model, variables, tokens, site, dictionary, *, method=None):
+def ce_loss_recovered(model, variables, tokens, site, dictionary):
   """Cross-entropy loss recovered by splicing ``dictionary`` at ``site`` (without its error).
 
   ``(ce_zero - ce_spliced) / (ce_zero - ce_clean)`` with the next-token cross-entropy of
   the model as it is (``ce_clean``), with the site replaced by the dictionary's
-  reconstruction (``ce_spliced``) and with the site zero-ablated (``ce_zero``).
+  reconstruction (``ce_spliced``) and with the site zero-ablated (``ce_zero``). The three
+  forward passes are one compiled program.
 
   Returns:
     ``{"ce_clean", "ce_spliced", "ce_zero", "loss_recovered"}`` (floats).
   """
 
-  def ce(logits):
+  def ce(logits, tokens):
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-    return float(-picked.mean())
+    return -picked.mean()
 
-  clean = ce(model.apply(variables, tokens))
-  spliced = ce(splice(model, site, dictionary, keep_error=False).apply(variables, tokens))
-  zero = ce(jl.when(jl.module(site), zero_ablate()).bind(model)(variables, tokens))
+  @jax.jit
+  def losses(variables, tokens, dictionary):
+    zeroed = jl.when(jl.module(site), zero_ablate()).bind(model)
+    return (
+      ce(model.apply(variables, tokens), tokens),
+      ce(splice(model, site, dictionary, keep_error=False).apply(variables, tokens), tokens),
+      ce(zeroed(variables, tokens), tokens),
+    )
+
+  clean, spliced, zero = (float(x) for x in losses(variables, tokens, dictionary))
   recovered = (zero - spliced) / (zero - clean) if zero != clean else math.nan
   return {
     "ce_clean": clean,
