@@ -125,7 +125,7 @@ def test_das_smollm2():
 
 @smollm2
 def test_reft_smollm2(tmp_path):
-  report = run("reft_smollm2", ["--steps", "3", "--out", str(tmp_path / "reft.json")])
+  report = run("reft_smollm2", ["--steps", "2", "--out", str(tmp_path / "reft.json")])
   assert report["weights_unchanged"] and (tmp_path / "reft.json").is_file()
   assert math.isfinite(report["loss_first"]) and math.isfinite(report["loss_last"])
   assert report["examples"] == 32 and len(report["examples_out"]) == 3
@@ -135,8 +135,8 @@ def test_reft_smollm2(tmp_path):
 def test_gemma3_long_context():
   # A short sequence, inside the 512-token window (the example's default run goes past it;
   # tests/test_zoo_window.py checks the ring cache on a window of 3).
-  report = run("gemma3_long_context", ["--half", "40", "--new", "24"])
-  assert report["agree"] == 24
+  report = run("gemma3_long_context", ["--half", "24", "--new", "8"])
+  assert report["agree"] == 8
   assert report["cache_local"] == report["cache_global"] == [report["tokens"]]
   first, second = report["induction_nats"]
   assert second < 0.3 * first
