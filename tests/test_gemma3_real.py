@@ -8,7 +8,6 @@ in tests/test_zoo_window.py on a tiny config with a window of 3."""
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
