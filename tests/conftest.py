@@ -204,7 +204,7 @@ def standard_promotion():
 # Groups whose tests share no compiled program, only what a cache outside JAX holds (the
 # pretrained models, which ``jm.smollm2()`` and ``jm.gemma3()`` keep for the process): each
 # example and docs page there jits its own functions, so keeping their programs until the end
-# of the group only grew the worker (7.3 GB at its peak, 4.7 GB when dropped after each test).
+# of the group only grew the worker (7.3 GB at its peak, 4.9 GB when dropped after each test).
 _NOTHING_SHARED = {"pretrained"}
 
 
@@ -224,5 +224,5 @@ def _free_between_tests(request):
   """After each test of a group in ``_NOTHING_SHARED``, JAX's caches are dropped (the
   collector is left to its thresholds: a full collection per test cost more than it freed)."""
   yield
-  if _file_groups().get(request.node.nodeid.split("::")[0]) in _NOTHING_SHARED:
+  if _scope(request.node.nodeid, _file_groups()) in _NOTHING_SHARED:
     jax.clear_caches()
