@@ -226,7 +226,10 @@ class Embed(nn.Module):
       (query,) = promote_dtype(query, dtype=dtype)
       return times_transpose(self.embedding, query, dtype)
     query, embedding = promote_dtype(query, self.embedding, dtype=self.dtype)
-    return jnp.dot(query, embedding.T)
+    # The contraction over the table's feature axis as it is stored: ``embedding.T`` is a
+    # transpose that XLA without its optimising passes copies on every call (the whole table,
+    # 671 MB for Gemma 3 270M).
+    return jax.lax.dot_general(query, embedding, (((query.ndim - 1,), (1,)), ((), ())))
 
 
 # ------------------------------------------------------------------------------ conversion

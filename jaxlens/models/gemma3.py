@@ -67,6 +67,7 @@ from jaxlens.models._layers import (
   unembed_after,
   window_mask,
 )
+from jaxlens.models.compact import Embed
 from jaxlens.models.llama import rotary
 
 __all__ = ["Gemma3", "Gemma3Attention", "Gemma3Block", "Gemma3Config", "Gemma3MLP", "GemmaRMSNorm"]
@@ -251,7 +252,7 @@ class Gemma3(LayerSites, nn.Module):
   def __call__(self, tokens, attention_mask=None, positions=None, decode: bool = False):
     cfg = self.config
     positions, cache_index = decoder_inputs(self, tokens, attention_mask, positions, decode)
-    embed = nn.Embed(
+    embed = Embed(
       cfg.vocab_size,
       cfg.d_model,
       dtype=cfg.dtype,

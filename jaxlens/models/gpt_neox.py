@@ -44,6 +44,7 @@ from jaxlens.models._layers import (
   run_block_after,
   unembed_after,
 )
+from jaxlens.models.compact import Embed
 from jaxlens.models.llama import rotary
 
 __all__ = ["GPTNeoX", "GPTNeoXAttention", "GPTNeoXBlock", "GPTNeoXConfig", "GPTNeoXMLP"]
@@ -193,7 +194,7 @@ class GPTNeoX(LayerSites, nn.Module):
   def __call__(self, tokens, attention_mask=None, positions=None, decode: bool = False):
     cfg = self.config
     positions, cache_index = decoder_inputs(self, tokens, attention_mask, positions, decode)
-    embed = nn.Embed(
+    embed = Embed(
       cfg.vocab_size,
       cfg.d_model,
       dtype=cfg.dtype,
