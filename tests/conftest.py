@@ -55,14 +55,15 @@ _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 _CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 _SHARE = max(1, len(_CORES) // max(1, _WORKERS))
-if _WORKER and _SHARE < len(_CORES):
+_SHARED_OUT = bool(_WORKER) and _SHARE < len(_CORES)  # a worker that gets part of the cores
+if _SHARED_OUT:
   for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, str(_SHARE))
 
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
-if _WORKER and _SHARE < len(_CORES):
+if _SHARED_OUT:
   _start = int(_WORKER.removeprefix("gw")) % (len(_CORES) // _SHARE) * _SHARE
   os.sched_setaffinity(0, _CORES[_start : _start + _SHARE])
   jax.devices()  # the CPU client and its thread pool, sized by the affinity

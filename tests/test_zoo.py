@@ -473,11 +473,8 @@ def _transposed_shapes(jaxpr):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "transpose":
       yield tuple(eqn.invars[0].aval.shape)
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr, or a Jaxpr
-        if hasattr(inner, "eqns"):
-          yield from _transposed_shapes(inner)
+    for sub in jax.core.jaxprs_in_params(eqn.params):
+      yield from _transposed_shapes(sub)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt_neox", "gemma3"])

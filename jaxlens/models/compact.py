@@ -109,6 +109,13 @@ _COMPACT = (Int8Rows, Blocks)
 _CHUNK = 2**22
 
 
+def _times_rows(x, w):
+  """``x @ w.T`` as one contraction of the last axes of both, ``w`` read as stored: a
+  ``w.T`` in the program is a transpose that XLA without its optimising passes copies on every
+  call (for a tied unembedding, the whole table: 671 MB for Gemma 3 270M)."""
+  return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
 def times_transpose(m, x, dtype):
   """``x @ m.matrix(dtype).T`` for a compact matrix ``m``, dequantised right before the product.
 
@@ -128,8 +135,7 @@ def times_transpose(m, x, dtype):
     # A zero that depends on x (0 even where x is NaN), added to the dequantised weight.
     first = jax.lax.stop_gradient(x.reshape(-1)[:1])
     zero = (first != first).astype(dtype)[0] * 0
-    w = part.matrix(dtype) + zero
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+    return _times_rows(x, part.matrix(dtype) + zero)
 
   if rows <= per:
     return product(x, m)
@@ -226,10 +232,7 @@ class Embed(nn.Module):
       (query,) = promote_dtype(query, dtype=dtype)
       return times_transpose(self.embedding, query, dtype)
     query, embedding = promote_dtype(query, self.embedding, dtype=self.dtype)
-    # The contraction over the table's feature axis as it is stored: ``embedding.T`` is a
-    # transpose that XLA without its optimising passes copies on every call (the whole table,
-    # 671 MB for Gemma 3 270M).
-    return jax.lax.dot_general(query, embedding, (((query.ndim - 1,), (1,)), ((), ())))
+    return _times_rows(query, embedding)
 
 
 # ------------------------------------------------------------------------------ conversion
