@@ -47,10 +47,10 @@ def main(argv=None) -> dict:
     | jl.module("blocks_*/attn_out")
     | jl.module("blocks_*/attn/pattern")
   )
-  t = jax.jit(lambda v, x: jl.trace(lm.model, v, x, intervene=steer, save=sites))(
-    lm.variables, clean
-  )
-  replayed = jax.jit(lambda t: t.fork().do(jl.module("blocks_20/attn_out"), jl.zero_ablate()))(t)
+  # Called eagerly, a trace holds the caller's variables for replay; returned from jax.jit,
+  # it would hold a copy of them (jit copies an input it returns), 538 MB per trace here.
+  t = jl.trace(lm.model, lm.variables, clean, intervene=steer, save=sites)
+  replayed = t.fork().do(jl.module("blocks_20/attn_out"), jl.zero_ablate())
   views.to_html(replayed, out / "trace.html", title="SmolLM2: a replayed trace")
   print(f"wrote {out / 'trace.html'} ({len(replayed.values)} saved sites)")
 
