@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _jaxprs import equations
 
 import jaxlens as jl
 
@@ -204,12 +205,7 @@ def _bind(model, variables, x, edit):
 
 
 def _primitives(jaxpr):
-  out = []
-  for eqn in jaxpr.eqns:
-    out.append(eqn.primitive.name)
-    for sub in jax.core.jaxprs_in_params(eqn.params):
-      out.extend(_primitives(sub))
-  return out
+  return [eqn.primitive.name for eqn in equations(jaxpr)]
 
 
 def _replay_scale(t, opts):
