@@ -243,8 +243,15 @@ def _matmul(a, b):
   return jnp.matmul(a, b, precision=HI)
 
 
+def _times_rows(x, w):
+  """``x @ w.T`` for a weight ``w`` of shape (out, in), read as stored: one contraction of the
+  last axes of both. A ``w.T`` in the program is a transpose that XLA without its optimising
+  passes copies on every call (as jaxlens.models does for a tied unembedding)."""
+  return jnp.einsum("...i,oi->...o", x, w, precision=HI)
+
+
 def _linear(x, w, b=None):
-  y = jnp.matmul(x, w.T, precision=HI)
+  y = _times_rows(x, w) if w.ndim == 2 else jnp.matmul(x, w, precision=HI)
   return y if b is None else y + b
 
 
@@ -582,7 +589,7 @@ def _rnn(cell, n_state):
         b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
         state = tuple(h[i] for h in hx)
         xs = seq[::-1] if d == 1 else seq
-        pre = jnp.matmul(xs, w_ih.T, precision=HI)
+        pre = _times_rows(xs, w_ih)
         if b_ih is not None:
           pre = pre + b_ih
 
@@ -607,7 +614,7 @@ def _rnn(cell, n_state):
 
 def _lstm_cell(carry, pre, w_hh, b_hh):
   h, c = carry
-  g = pre + jnp.matmul(h, w_hh.T, precision=HI)
+  g = pre + _times_rows(h, w_hh)
   if b_hh is not None:
     g = g + b_hh
   i, f, gg, o = jnp.split(g, 4, axis=-1)
@@ -618,7 +625,7 @@ def _lstm_cell(carry, pre, w_hh, b_hh):
 
 def _gru_cell(carry, pre, w_hh, b_hh):
   (h,) = carry
-  gh = jnp.matmul(h, w_hh.T, precision=HI)
+  gh = _times_rows(h, w_hh)
   if b_hh is not None:
     gh = gh + b_hh
   xr, xz, xn = jnp.split(pre, 3, axis=-1)
