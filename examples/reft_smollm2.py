@@ -1,6 +1,7 @@
 """LoReFT of rank 4 on SmolLM2-135M-Instruct: learn a fixed answer format from 32 examples.
 
-``PYTHONPATH=. python examples/reft_smollm2.py [--steps 60] [--out reft_smollm2.json]``
+``PYTHONPATH=. python examples/reft_smollm2.py [--steps 60] [--batch 8] [--held 12]
+[--out reft_smollm2.json]``
 
 The base model answers "What is 3 + 4?" in its own words. 32 (question, answer) pairs whose
 answers all read "The answer is N." train a rank-4 LoReFT at one layer's residual stream with
@@ -64,13 +65,15 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=60)
   parser.add_argument("--rank", type=int, default=4)
   parser.add_argument("--lr", type=float, default=1e-2)
+  parser.add_argument("--batch", type=int, default=8, help="training examples a step")
+  parser.add_argument("--held", type=int, default=12, help="held-out questions generated")
   parser.add_argument("--out", default=None, help="a JSON file, or a directory to write one in")
   args = parser.parse_args(argv)
 
   lm = jm.smollm2()
   before = _digest(lm.variables)
   rng = np.random.default_rng(0)
-  train_q, test_q = _questions(rng, 32), _questions(rng, 12)
+  train_q, test_q = _questions(rng, 32), _questions(rng, args.held)
   pairs = [(_chat(lm, q), lm.encode(f"{FORMAT} {a}.")[0].tolist()) for q, a in train_q]
   method = jt.LoReFT(rank=args.rank)
   params = method.init(jax.random.key(0), 576)
@@ -83,7 +86,7 @@ def main(argv=None):
     params,
     pairs,
     steps=args.steps,
-    batch_size=8,
+    batch_size=args.batch,
     optimizer=optax.adam(args.lr),
   )
   train_s = time.perf_counter() - t0

@@ -107,7 +107,8 @@ def test_das_smollm2():
 
 @needs_smollm2
 def test_reft_smollm2(tmp_path):
-  report = run("reft_smollm2", ["--steps", "2", "--out", str(tmp_path / "reft.json")])
+  argv = ["--steps", "2", "--batch", "2", "--held", "3", "--out", str(tmp_path / "reft.json")]
+  report = run("reft_smollm2", argv)
   assert report["weights_unchanged"] and (tmp_path / "reft.json").is_file()
   assert math.isfinite(report["loss_first"]) and math.isfinite(report["loss_last"])
   assert report["examples"] == 32 and len(report["examples_out"]) == 3
