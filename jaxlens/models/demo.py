@@ -12,46 +12,13 @@ layers (the pattern reported for factual recall, Meng et al. 2022).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jaxlens as jl
 
-__all__ = ["factual_recall", "patching_grid"]
-
-
-def patching_grid(
-  model, variables, clean, corrupt, metric: Callable[[Any], Any], *, sites, batch_size: int = 50
-):
-  """``grid[i, p]``: ``metric`` of the corrupt run with ``sites[i]`` at position ``p`` patched
-  from the clean run. One compiled program for the whole grid: every site has a rule
-  ``jl.gate(layer == i, ...)``, and the cells are mapped over (``lax.map``, vectorised in
-  chunks of ``batch_size``)."""
-  return _grid(
-    model, variables, clean, corrupt, metric=metric, sites=tuple(sites), batch_size=batch_size
-  )
-
-
-@functools.partial(jax.jit, static_argnames=("model", "metric", "sites", "batch_size"))
-def _grid(model, variables, clean, corrupt, *, metric, sites, batch_size):
-  n_pos = clean.shape[1]
-  donor = jl.trace(model, variables, clean, save=[jl.module(s) for s in sites], keep_inputs=False)
-
-  def cell(c):
-    layer, pos = c // n_pos, c % n_pos
-    spec = None
-    for i, site in enumerate(sites):
-      edit = jl.gate(layer == i, jl.at_positions(pos[None], jl.patch_from(donor)))
-      rule = jl.when(jl.module(site), edit)
-      spec = rule if spec is None else spec + rule
-    return metric(spec.bind(model)(variables, corrupt))
-
-  cells = jnp.arange(len(sites) * n_pos)
-  return jax.lax.map(cell, cells, batch_size=batch_size).reshape(len(sites), n_pos)
+__all__ = ["factual_recall"]
 
 
 @functools.cache
@@ -76,7 +43,9 @@ def factual_recall(
   metric = _logit_diff(good, bad)
   layers = range(lm.config.n_layers) if layers is None else layers
   sites = [f"blocks_{i}/resid_pre" for i in layers]
-  grid = patching_grid(lm.model, lm.variables, clean_ids, corrupt_ids, metric, sites=sites)
+  grid = jl.sweep.patching_sweep(
+    lm.model, lm.variables, clean_ids, corrupt_ids, metric, sites=sites
+  )
   f = jax.jit(lm.model.apply)
   base = (float(metric(f(lm.variables, clean_ids))), float(metric(f(lm.variables, corrupt_ids))))
   tokens = [t.replace("Ġ", " ") for t in lm.tokens(clean)]
