@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import flax
 import flax.linen as nn
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -501,3 +503,42 @@ def test_the_tied_unembedding_reads_the_table_as_stored(kind):
   t = jl.trace(model, variables, TOKENS, save=jl.module("ln_final"))
   hidden = t["ln_final"].out
   np.testing.assert_allclose(t.output, hidden @ table.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt_neox", "gemma3", "bert", "demo_gpt"])
+def test_a_call_reads_the_stored_parameters_and_checks_their_shapes(kind, monkeypatch):
+  # flax's Module.param checks a stored parameter's shape by tracing its initializer under
+  # jax.eval_shape, once per parameter per call; the zoo's layers compare the shapes directly.
+  from flax.errors import ScopeParamShapeError
+
+  from jaxlens.models import GPT, gemma3, gpt_neox
+
+  model = {
+    "llama": lambda: Llama(LLAMA),
+    "gpt2": lambda: GPT2(GPT2_),
+    "gpt_neox": lambda: gpt_neox.GPTNeoX(
+      gpt_neox.GPTNeoXConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4)
+    ),
+    "gemma3": lambda: gemma3.Gemma3(
+      gemma3.Gemma3Config(
+        vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, d_mlp=48
+      )
+    ),
+    "bert": lambda: Bert(BERT),
+    "demo_gpt": lambda: GPT(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_len=8),
+  }[kind]()
+  variables = model.init(jax.random.key(0), TOKENS)
+  expected = model.apply(variables, TOKENS)
+
+  traced = []
+  eval_shape = jax.eval_shape
+  monkeypatch.setattr(jax, "eval_shape", lambda *a, **k: traced.append(a) or eval_shape(*a, **k))
+  np.testing.assert_array_equal(model.apply(variables, TOKENS), expected)
+  assert traced == []  # no initializer traced
+  # A stored parameter of the wrong shape is still refused, by name and module path.
+  params = flax.traverse_util.flatten_dict(variables["params"])
+  path = next(p for p in sorted(params) if p[-1] == "kernel")
+  params[path] = jnp.zeros(params[path].shape[:-1] + (params[path].shape[-1] + 1,))
+  bad = {"params": flax.traverse_util.unflatten_dict(params)}
+  with pytest.raises(ScopeParamShapeError, match=f'parameter "kernel" in "/{"/".join(path[:-1])}"'):
+    model.apply(bad, TOKENS)

@@ -27,7 +27,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxlens.models._layers import layer_norm_options
+from jaxlens.models._layers import FlaxLayerNorm, layer_norm_options
+from jaxlens.models.compact import Dense, Embed
 
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "gpt_config", "init_gpt"]
 
@@ -39,12 +40,12 @@ _CONFIGS = {
 _INIT = nn.initializers.normal(stddev=0.02)
 
 
-def _layer_norm(dtype, name: str) -> nn.LayerNorm:
+def _layer_norm(dtype, name: str) -> FlaxLayerNorm:
   """A LayerNorm computing in ``dtype``. Its parameters are float32, as the other layers', or
   ``dtype`` where that is wider: flax multiplies the normalised value by the scale without a
   cast, a float64 x float32 mix that strict dtype promotion refuses."""
   param_dtype = dtype if jnp.dtype(dtype).itemsize > 4 else jnp.float32
-  return nn.LayerNorm(dtype=dtype, param_dtype=param_dtype, name=name, **layer_norm_options(dtype))
+  return FlaxLayerNorm(dtype=dtype, param_dtype=param_dtype, name=name, **layer_norm_options(dtype))
 
 
 class CausalSelfAttention(nn.Module):
@@ -76,7 +77,7 @@ class CausalSelfAttention(nn.Module):
     head_dim = self.d_model // self.n_heads
 
     def dense(name):
-      return nn.Dense(
+      return Dense(
         self.d_model, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_INIT, name=name
       )
 
@@ -111,7 +112,7 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    h = nn.Dense(
+    h = Dense(
       self.mlp_ratio * self.d_model,
       dtype=self.dtype,
       param_dtype=jnp.float32,
@@ -119,7 +120,7 @@ class MLP(nn.Module):
       name="fc",
     )(x)
     h = nn.gelu(h)
-    return nn.Dense(
+    return Dense(
       self.d_model, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_INIT, name="proj"
     )(h)
 
@@ -181,7 +182,7 @@ class GPT(nn.Module):
     _, seq = tokens.shape
     if seq > self.max_len:
       raise ValueError(f"sequence length {seq} is longer than max_len={self.max_len}")
-    x = nn.Embed(
+    x = Embed(
       self.vocab_size,
       self.d_model,
       dtype=self.dtype,
@@ -190,7 +191,7 @@ class GPT(nn.Module):
       name="embed",
     )(tokens)
     positions = jnp.arange(seq, dtype=jnp.int32)[None, :]
-    x = x + nn.Embed(
+    x = x + Embed(
       self.max_len,
       self.d_model,
       dtype=self.dtype,
@@ -201,7 +202,7 @@ class GPT(nn.Module):
     for i in range(self.n_layers):
       x = Block(self.d_model, self.n_heads, self.mlp_ratio, self.dtype, name=f"block_{i}")(x)
     x = _layer_norm(self.dtype, "ln_f")(x)
-    return nn.Dense(
+    return Dense(
       self.vocab_size, dtype=self.dtype, param_dtype=jnp.float32, kernel_init=_INIT, name="head"
     )(x)
 

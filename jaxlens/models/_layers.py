@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlens.models._params import StoredParams
 from jaxlens.models.compact import Dense, Embed
 from jaxlens.core import InvalidArgumentError, ShapeError, named
 
@@ -313,7 +314,7 @@ def cached_attention(
   return attend(q, k, v, mask, dtype=dtype, scale=scale, softcap=softcap)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(StoredParams, nn.Module):
   """Root-mean-square norm: ``weight * x / sqrt(mean(x²) + eps)``, computed in at least float32."""
 
   eps: float = 1e-5
@@ -327,7 +328,7 @@ class RMSNorm(nn.Module):
     return weight * h.astype(self.dtype)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(StoredParams, nn.Module):
   """LayerNorm with ``scale`` and ``bias`` (``nn.LayerNorm``'s parameter names), its statistics
   in at least float32 and the result cast to ``dtype``; unlike ``nn.LayerNorm`` it runs in
   bfloat16 under strict dtype promotion."""
@@ -345,6 +346,11 @@ class LayerNorm(nn.Module):
     var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
     h = (h - mean) * jax.lax.rsqrt(var + self.eps)
     return (h * scale.astype(sdt) + bias.astype(sdt)).astype(self.dtype)
+
+
+class FlaxLayerNorm(StoredParams, nn.LayerNorm):
+  """``flax.linen.LayerNorm``, its stored parameters read without tracing their initializers
+  (:class:`~jaxlens.models._params.StoredParams`)."""
 
 
 class LayerSites:

@@ -18,7 +18,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxlens.core import InvalidArgumentError, named
+from jaxlens.models.compact import Dense, Embed
 from jaxlens.models._layers import (
+  FlaxLayerNorm,
   LayerSites,
   attend,
   attention_mask,
@@ -60,11 +62,11 @@ class BertConfig:
 
 
 def _dense(cfg, n, name):
-  return nn.Dense(n, dtype=cfg.dtype, param_dtype=cfg.dtype, kernel_init=_INIT, name=name)
+  return Dense(n, dtype=cfg.dtype, param_dtype=cfg.dtype, kernel_init=_INIT, name=name)
 
 
 def _norm(cfg, name):
-  return nn.LayerNorm(
+  return FlaxLayerNorm(
     cfg.norm_eps,
     dtype=cfg.dtype,
     param_dtype=cfg.dtype,
@@ -143,9 +145,9 @@ class Bert(LayerSites, nn.Module):
   def setup(self):
     cfg = self.config
     emb = {"dtype": cfg.dtype, "param_dtype": cfg.dtype, "embedding_init": _INIT}
-    self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, **emb)
-    self.pos_embed = nn.Embed(cfg.max_len, cfg.d_model, **emb)
-    self.type_embed = nn.Embed(cfg.type_vocab_size, cfg.d_model, **emb)
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, **emb)
+    self.pos_embed = Embed(cfg.max_len, cfg.d_model, **emb)
+    self.type_embed = Embed(cfg.type_vocab_size, cfg.d_model, **emb)
     self.ln_embed = _norm(cfg, None)
     self.blocks = [BertBlock(cfg) for _ in range(cfg.n_layers)]
     self.pooler = _dense(cfg, cfg.d_model, None)

@@ -35,6 +35,7 @@ import numpy as np
 from flax.linen.dtypes import promote_dtype
 
 from jaxlens.core import InvalidArgumentError
+from jaxlens.models._params import StoredParams
 
 __all__ = [
   "WEIGHTS",
@@ -167,10 +168,11 @@ def dequantize(params, dtype=jnp.float32):
   return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_compact)
 
 
-class Dense(nn.Dense):
+class Dense(StoredParams, nn.Dense):
   """``flax.linen.Dense`` that also takes a compact kernel (``params[...]["kernel"]`` an
   :class:`Int8Rows` or :class:`Blocks` of shape ``(features, in)``). With a float kernel it
-  computes what ``nn.Dense`` computes."""
+  computes what ``nn.Dense`` computes. Stored parameters are read directly
+  (:class:`~jaxlens.models._params.StoredParams`)."""
 
   @nn.compact
   def __call__(self, inputs):
@@ -195,10 +197,10 @@ class Dense(nn.Dense):
     return y
 
 
-class Embed(nn.Module):
+class Embed(StoredParams, nn.Module):
   """``flax.linen.Embed`` (the same parameter, ``embedding``, and the same ``__call__`` /
   ``attend``) that also takes a compact table (:class:`Int8Rows` or :class:`Blocks` of shape
-  ``(num_embeddings, features)``)."""
+  ``(num_embeddings, features)``). A stored table is read directly (``StoredParams``)."""
 
   num_embeddings: int
   features: int

@@ -67,7 +67,8 @@ from jaxlens.models._layers import (
   unembed_after,
   window_mask,
 )
-from jaxlens.models.compact import Embed
+from jaxlens.models._params import StoredParams
+from jaxlens.models.compact import Dense, Embed
 from jaxlens.models.llama import rotary
 
 __all__ = ["Gemma3", "Gemma3Attention", "Gemma3Block", "Gemma3Config", "Gemma3MLP", "GemmaRMSNorm"]
@@ -137,7 +138,7 @@ class Gemma3Config:
     return self.sliding_window
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(StoredParams, nn.Module):
   """Gemma's RMSNorm: ``x / sqrt(mean(x²) + eps) * (1 + weight)``, all in at least float32,
   then cast to the model's dtype (the stored ``weight`` is zero at init)."""
 
@@ -154,7 +155,7 @@ class GemmaRMSNorm(nn.Module):
 
 
 def _dense(cfg, n, name):
-  return nn.Dense(
+  return Dense(
     n, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype, kernel_init=_INIT, name=name
   )
 

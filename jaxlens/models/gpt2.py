@@ -21,6 +21,7 @@ from jaxlens.models.compact import Dense, Embed
 from jaxlens.models.scan import ScanForm, scan_blocks
 from jaxlens.models._layers import (
   decoder_inputs,
+  FlaxLayerNorm,
   LayerSites,
   attend,
   attention_mask,
@@ -73,7 +74,7 @@ def _dense(cfg, n, name):
 
 
 def _norm(cfg, name):
-  return nn.LayerNorm(
+  return FlaxLayerNorm(
     cfg.norm_eps,
     dtype=cfg.dtype,
     param_dtype=cfg.dtype,

@@ -44,7 +44,7 @@ from jaxlens.models._layers import (
   run_block_after,
   unembed_after,
 )
-from jaxlens.models.compact import Embed
+from jaxlens.models.compact import Dense, Embed
 from jaxlens.models.llama import rotary
 
 __all__ = ["GPTNeoX", "GPTNeoXAttention", "GPTNeoXBlock", "GPTNeoXConfig", "GPTNeoXMLP"]
@@ -98,7 +98,7 @@ class GPTNeoXConfig:
 
 
 def _dense(cfg, n, name, bias=True):
-  return nn.Dense(
+  return Dense(
     n, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.dtype, kernel_init=_INIT, name=name
   )
 
