@@ -471,26 +471,36 @@ def test_the_gguf_reader_reads_what_gguf_reads(tmp_path):
     np.testing.assert_array_equal(a.data, b.data)
 
 
+def _one_layer(kind: str, vocab: int = 64, **options):
+  """A one-layer GPT-NeoX or Gemma 3 with d_model 32 and 4 heads (``options``: config fields)."""
+  from jaxlens.models import gemma3, gpt_neox
+
+  if kind == "gpt_neox":
+    config = gpt_neox.GPTNeoXConfig(vocab_size=vocab, d_model=32, n_layers=1, n_heads=4, **options)
+    return gpt_neox.GPTNeoX(config)
+  config = gemma3.Gemma3Config(
+    vocab_size=vocab,
+    d_model=32,
+    n_layers=1,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    d_mlp=48,
+    **options,
+  )
+  return gemma3.Gemma3(config)
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt_neox", "gemma3"])
 def test_the_tied_unembedding_reads_the_table_as_stored(kind):
   # XLA without its optimising passes (the tests' setting, a user's choice for compile time)
   # copies a transposed table on every call: the whole vocabulary, 671 MB for Gemma 3 270M.
-  from jaxlens.models import gemma3, gpt_neox
-
-  vocab, d = 40, 32
+  vocab = 40
   model = {
     "llama": lambda: Llama(dataclasses.replace(LLAMA, tie_embeddings=True)),
     "gpt2": lambda: GPT2(dataclasses.replace(GPT2_, tie_embeddings=True)),
-    "gpt_neox": lambda: gpt_neox.GPTNeoX(
-      gpt_neox.GPTNeoXConfig(
-        vocab_size=vocab, d_model=d, n_layers=1, n_heads=4, tie_embeddings=True
-      )
-    ),
-    "gemma3": lambda: gemma3.Gemma3(
-      gemma3.Gemma3Config(
-        vocab_size=vocab, d_model=d, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, d_mlp=48
-      )
-    ),
+    "gpt_neox": lambda: _one_layer("gpt_neox", vocab, tie_embeddings=True),
+    "gemma3": lambda: _one_layer("gemma3", vocab),
   }[kind]()
   variables = model.init(jax.random.key(0), TOKENS)
   table = variables["params"]["embed"]["embedding"]
@@ -511,19 +521,13 @@ def test_a_call_reads_the_stored_parameters_and_checks_their_shapes(kind, monkey
   # jax.eval_shape, once per parameter per call; the zoo's layers compare the shapes directly.
   from flax.errors import ScopeParamShapeError
 
-  from jaxlens.models import GPT, gemma3, gpt_neox
+  from jaxlens.models import GPT
 
   model = {
     "llama": lambda: Llama(LLAMA),
     "gpt2": lambda: GPT2(GPT2_),
-    "gpt_neox": lambda: gpt_neox.GPTNeoX(
-      gpt_neox.GPTNeoXConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4)
-    ),
-    "gemma3": lambda: gemma3.Gemma3(
-      gemma3.Gemma3Config(
-        vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, d_mlp=48
-      )
-    ),
+    "gpt_neox": lambda: _one_layer("gpt_neox"),
+    "gemma3": lambda: _one_layer("gemma3"),
     "bert": lambda: Bert(BERT),
     "demo_gpt": lambda: GPT(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_len=8),
   }[kind]()

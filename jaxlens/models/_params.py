@@ -4,8 +4,8 @@
 ``init``) returns the stored value, but first checks its shape by tracing the initializer under
 ``jax.eval_shape``: for a normal initializer, its random-number program, once per parameter per
 call. On a 30-layer model that is about 270 initializer traces for every trace of a forward,
-about 40% of the time to trace SmolLM2's forward (0.50 s against 0.28 s). The
-layers here check the same shape against the shape they ask for, without the initializer.
+about 40% of the time to trace SmolLM2's forward (0.50 s against 0.28 s). The layers here
+check the same shape against the shape they ask for, without the initializer.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from flax.core import meta
 
 class StoredParams(nn.Module):
   """Mixin for a layer whose ``self.param(name, init, shape, ...)`` calls give the shape first,
-  a tuple or list of ints (flax's ``Dense``, ``Embed`` and ``LayerNorm``, the zoo's own layers). A stored parameter is read and
-  its shape compared with ``shape`` (flax's ``ScopeParamShapeError`` on a mismatch, as
-  ``Module.param`` raises); at ``init``, or for a call that gives no shape, ``Module.param``
-  runs as it is. A stored value without a shape is returned as it is.
+  a tuple or list of ints (flax's ``Dense``, ``Embed`` and ``LayerNorm``, the zoo's own
+  layers). A stored parameter is read and its shape compared with ``shape`` (flax's
+  ``ScopeParamShapeError`` on a mismatch, as ``Module.param`` raises); at ``init``, or for a
+  call that gives no shape, ``Module.param`` runs as it is. A stored value without a shape is
+  returned as it is.
   """
 
   @nn.nowrap  # not a module method of its own: no site, no interception

@@ -42,7 +42,8 @@ def factual_recall(
   good, bad = (lm.tokenizer.encode(a).ids[0] for a in answers)
   metric = _logit_diff(good, bad)
   layers = range(lm.config.n_layers) if layers is None else layers
-  sites = [lm.model.layer_sites()[i] for i in layers]
+  layer_sites = lm.model.layer_sites()
+  sites = [layer_sites[i] for i in layers]
   grid = jl.sweep.patching_sweep(
     lm.model, lm.variables, clean_ids, corrupt_ids, metric, sites=sites
   )
