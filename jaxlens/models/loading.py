@@ -15,6 +15,8 @@ import dataclasses
 import functools
 import io
 import json
+import math
+import mmap
 import struct
 import zipfile
 from collections.abc import Callable, Mapping
@@ -539,7 +541,11 @@ def _as_numpy(x):
   if hasattr(x, "detach"):  # a torch tensor; torch itself is never imported here
     x = x.detach().cpu()
     if str(x.dtype) == "torch.bfloat16":
-      x = x.float()
+      # numpy has no bfloat16: the same bits read as int16, then viewed as ml_dtypes' bfloat16
+      # (no float32 copy of the tensor). The tensor is a torch one, so torch is imported.
+      import sys
+
+      return x.view(sys.modules["torch"].int16).numpy().view(jnp.bfloat16)
     return x.numpy()
   return np.asarray(x)
 
@@ -554,11 +560,11 @@ def _param_shapes(config):
   return shapes, shapes.pop("blocks_0")
 
 
-def _check_values(value, name: str) -> None:
+def _check_dtype(value, name: str) -> None:
   """Refuses a weight that is not a real float array (an integer one is a quantised tensor
-  without its scales, cast silently it would be a wrong model) or holds NaN or infinity."""
-  dtype = np.asarray(value).dtype
-  if not (np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"):
+  without its scales, cast silently it would be a wrong model)."""
+  dtype = value.dtype
+  if not jnp.issubdtype(dtype, jnp.floating):  # numpy's floats and ml_dtypes' (bfloat16, fp8)
     raise LoadError(
       f"tensor {name!r} has dtype {dtype}, not a float dtype",
       code="tensor_dtype",
@@ -566,23 +572,35 @@ def _check_values(value, name: str) -> None:
       received=str(dtype),
       fix="a float checkpoint (dequantise a quantised one first)",
     )
-  value = np.asarray(value)
-  if dtype.name == "bfloat16":
-    value = value.astype(np.float32)
+
+
+def _finite(part: np.ndarray) -> bool:
+  """Whether a float array holds no NaN or infinity, without a boolean mask of its size."""
+  if part.size == 0:
+    return True
+  if part.dtype.itemsize == 2 and part.dtype != np.float16:  # bfloat16: exponent bits all set
+    return int(np.bitwise_and(part.view(np.uint16), 0x7FFF).max()) < 0x7F80
   # NaN propagates through min and max and an infinity is one of them: two reductions find
-  # any non-finite value without the boolean mask's copy of the tensor (a third of the check's
-  # time, and most of its memory, on a 1 GB model).
-  if value.size == 0 or (np.isfinite(value.min()) and np.isfinite(value.max())):
-    return
-  bad = ~np.isfinite(value)
-  if bad.any():
+  # any non-finite value (a third of the boolean mask's time, and none of its memory).
+  return bool(np.isfinite(part.min()) and np.isfinite(part.max()))
+
+
+def _refuse_not_finite(value, name: str, dtype=None):
+  bad = ~np.isfinite(np.asarray(value, np.float64))
+  if not bad.any():  # finite in the file, out of range of the dtype it is cast to
     raise LoadError(
-      f"tensor {name!r} holds {int(bad.sum())} NaN or infinite values (first at index "
-      f"{tuple(int(i) for i in np.argwhere(bad)[0])})",
+      f"tensor {name!r} holds values beyond the range of {dtype}",
       code="tensor_not_finite",
       tensor=name,
-      fix="download the checkpoint again; a damaged or diverged one cannot be loaded",
+      fix="load the model in a wider dtype (dtype=jnp.float32)",
     )
+  raise LoadError(
+    f"tensor {name!r} holds {int(bad.sum())} NaN or infinite values (first at index "
+    f"{tuple(int(i) for i in np.argwhere(bad)[0])})",
+    code="tensor_not_finite",
+    tensor=name,
+    fix="download the checkpoint again; a damaged or diverged one cannot be loaded",
+  )
 
 
 def params_from_hf(config, tensors: Mapping[str, Any]):
@@ -617,7 +635,7 @@ def params_from_hf(config, tensors: Mapping[str, Any]):
         )
     else:
       value = fn(_as_numpy(raw))
-      _check_values(value, name)
+      _check_dtype(value, name)
     if tuple(value.shape) != tuple(expected.shape):
       raise LoadError(
         f"tensor {name!r} has shape {tuple(value.shape)} where {'/'.join(path)} needs "
@@ -631,7 +649,13 @@ def params_from_hf(config, tensors: Mapping[str, Any]):
     node = params
     for p in path[:-1]:
       node = node.setdefault(p, {})
-    node[path[-1]] = _device_array(value, config.dtype, owned=isinstance(tensors, _Dequantised))
+    node[path[-1]] = _device_array(
+      value,
+      config.dtype,
+      owned=isinstance(tensors, _Dequantised),
+      name=name,
+      release=getattr(tensors, "release", None),
+    )
   return {"params": params}
 
 
@@ -645,22 +669,57 @@ def _aligned_empty(shape, dtype) -> np.ndarray:
   return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def _device_array(value, dtype, owned: bool = False) -> jax.Array:
+# Bytes of a tensor copied (and cast) at a time: a mapped file's pages are released after
+# each part, so a load holds the parameters made so far plus one part of the file.
+_PART_BYTES = 1 << 26
+_TILE = 128  # a transposed view is copied in square tiles: numpy's strided copy is 2x slower
+
+
+def _device_array(value, dtype, owned: bool = False, name=None, release=None) -> jax.Array:
   """``value`` as a jax array of ``dtype``, with at most one copy. ``jnp.asarray`` copies
   always, twice for an array not 64-byte aligned: 2 GB of fresh pages for Gemma 3's 1 GB of
   weights. Here numpy casts ``value`` into an aligned buffer of the loader's own, which
   XLA:CPU adopts; an ``owned`` array (one the loader made and holds no other reference to)
   already aligned and of ``dtype`` is adopted as it is. A caller's array is always copied, so
-  no one else can write to the parameters' memory."""
+  no one else can write to the parameters' memory.
+
+  The copy goes part by part along ``value``'s outermost axis in memory (a transposed view of
+  a file's tensor is read row block by row block of the file): each part is cast, checked for
+  NaN and infinity when ``name`` is given (``tensor_not_finite``), and handed to ``release``
+  (a memory-mapped file's, which gives its pages back), so that a checkpoint mapped from disk
+  is never resident beyond one part at a time."""
   value = np.asarray(value)
   dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-  if not (
-    owned and value.dtype == dtype and value.flags.c_contiguous and value.ctypes.data % 64 == 0
-  ):
-    out = _aligned_empty(value.shape, dtype)
+  if owned and value.dtype == dtype and value.flags.c_contiguous and value.ctypes.data % 64 == 0:
+    if name is not None and not _finite(value):
+      _refuse_not_finite(value, name)
+    return jax.device_put(value)
+  out = _aligned_empty(value.shape, dtype)
+  if value.ndim == 0:
     np.copyto(out, value, casting="unsafe")
-    value = out
-  return jax.device_put(value)
+    if name is not None and not _finite(out):
+      _refuse_not_finite(value, name, dtype)
+    return jax.device_put(out)
+  axis = int(np.argmax(np.abs(value.strides))) if value.size else 0
+  rows = value.shape[axis]
+  tiled = value.ndim == 2 and not value.flags.c_contiguous and min(value.shape) > _TILE
+  per_row = max(1, value.nbytes // max(rows, 1))
+  step = _TILE if tiled else max(1, _PART_BYTES // per_row)
+  for start in range(0, rows, step):
+    part = (slice(None),) * axis + (slice(start, start + step),)
+    src, dst = value[part], out[part]
+    if tiled:  # the other axis in tiles, so both sides are read and written a tile at a time
+      other = 1 - axis
+      for t in range(0, value.shape[other], _TILE):
+        tile = (slice(None),) * other + (slice(t, t + _TILE),)
+        np.copyto(dst[tile], src[tile], casting="unsafe")
+    else:
+      np.copyto(dst, src, casting="unsafe")
+    if name is not None and not _finite(dst):
+      _refuse_not_finite(value, name, dtype)
+    if release is not None:
+      release(src)
+  return jax.device_put(out)
 
 
 class _Dequantised(Mapping):
@@ -731,31 +790,216 @@ class _Source:
         fix="download the file again",
       ) from None
 
+  def map(self, name):
+    """The file's bytes: a read-only memory map of a file of a directory (its pages are read
+    from disk when touched, and can be given back), the bytes of a zip archive's member."""
+    if self.zip:
+      return self.read(name)
+    try:
+      with (self.path / name).open("rb") as f:
+        if f.seek(0, 2) == 0:
+          return b""
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:
+      raise LoadError(
+        f"{name} of {self.path} cannot be read: {e}",
+        code="truncated_file",
+        tensor=name,
+        fix="download the file again",
+      ) from None
 
-def _safetensors(data: bytes, name: str) -> dict:
-  from safetensors import SafetensorError
-  from safetensors.numpy import load
 
-  try:
-    return load(data)
-  except SafetensorError as e:
-    raise LoadError(
-      f"{name} is truncated or corrupt: {e}",
+# safetensors' dtype names; BF16 and the float8 types are ml_dtypes' (numpy has none).
+_ST_DTYPES = {
+  "F64": np.float64,
+  "F32": np.float32,
+  "F16": np.float16,
+  "BF16": jnp.bfloat16,
+  "F8_E4M3": jnp.float8_e4m3fn,
+  "F8_E5M2": jnp.float8_e5m2,
+  "I64": np.int64,
+  "I32": np.int32,
+  "I16": np.int16,
+  "I8": np.int8,
+  "U64": np.uint64,
+  "U32": np.uint32,
+  "U16": np.uint16,
+  "U8": np.uint8,
+  "BOOL": np.bool_,
+}
+_ST_HEADER_MAX = 100_000_000  # the safetensors library's own bound on a header
+
+
+class _SafetensorsFile:
+  """The tensors of one safetensors file, each a numpy view of the file's bytes (no copy).
+
+  The header is checked as the safetensors library checks it: JSON, every entry a known dtype
+  with a shape and byte range that agree, the ranges back to back from the first byte of the
+  data to the file's last. So a file cut short, or a byte of its header changed, is refused
+  (``truncated_file``) instead of read as other weights."""
+
+  def __init__(self, data, name: str):
+    self.name, self._data = name, data
+    self._buf = np.frombuffer(data, np.uint8) if len(data) else np.zeros(0, np.uint8)
+    size = self._buf.size
+    n = int(self._buf[:8].view("<u8")[0]) if size >= 8 else -1
+    if n < 0 or n > _ST_HEADER_MAX or 8 + n > size:
+      raise self._damaged(f"its header size {n} does not fit in its {size} bytes")
+    try:
+      header = json.loads(bytes(self._buf[8 : 8 + n]).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+      raise self._damaged(f"its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+      raise self._damaged("its header is not a JSON object")
+    header.pop("__metadata__", None)
+    self._entries: dict[str, tuple] = {}
+    for key, info in header.items():
+      try:
+        dtype = np.dtype(_ST_DTYPES[info["dtype"]])
+        shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
+        ok = all(type(d) is int and d >= 0 for d in (*shape, begin, end))
+      except (KeyError, TypeError, ValueError):
+        ok = False
+      if not ok or end - begin != math.prod(shape) * dtype.itemsize:
+        raise self._damaged(f"its header entry for {key!r} is malformed: {str(info)[:200]}")
+      self._entries[key] = (dtype, shape, 8 + n + begin, 8 + n + end)
+    at = 8 + n
+    for key, (_, _, begin, end) in sorted(self._entries.items(), key=lambda e: e[1][2:]):
+      if begin != at:
+        raise self._damaged(f"tensor {key!r} starts at byte {begin}, not {at}")
+      at = end
+    if at != size:
+      raise self._damaged(f"its tensors end at byte {at} of its {size}")
+
+  def _damaged(self, why: str) -> LoadError:
+    return LoadError(
+      f"{self.name} is truncated or corrupt: {why}",
       code="truncated_file",
-      tensor=name,
+      tensor=self.name,
       fix="download the file again",
-    ) from None
+    )
+
+  def keys(self):
+    return self._entries.keys()
+
+  def __getitem__(self, key) -> np.ndarray:
+    dtype, shape, begin, end = self._entries[key]
+    return self._buf[begin:end].view(dtype).reshape(shape)
+
+  def release(self, view) -> bool:
+    """Gives back the pages of a memory-mapped file under ``view`` (they stay in the page
+    cache, out of this process's resident memory); False when ``view`` is not this file's."""
+    lo, hi = np.lib.array_utils.byte_bounds(view)
+    base = self._buf.ctypes.data
+    if not isinstance(self._data, mmap.mmap) or not base <= lo < base + self._buf.size:
+      return False
+    page = mmap.PAGESIZE
+    lo, hi = (lo - base) // page * page, min(self._buf.size, -(-(hi - base) // page) * page)
+    if lo < hi:
+      self._data.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    return True
+
+
+_INDEX = "model.safetensors.index.json"
+
+
+class _Checkpoint(Mapping):
+  """A Hugging Face directory's tensors by name, read from the files as they are asked for:
+  ``model.safetensors``, or the shards that ``model.safetensors.index.json``'s
+  ``weight_map`` names (every shard's header is read and checked at once, so a missing shard
+  or a tensor no shard holds is refused before any weight is read).
+
+  ``release(view)`` gives back the memory-mapped pages under a tensor's view once its values
+  are copied (``params_from_hf`` calls it), so that loading holds at most a part of the
+  files besides the parameters made."""
+
+  def __init__(self, src: _Source):
+    if src.has("model.safetensors"):
+      one = _SafetensorsFile(src.map("model.safetensors"), "model.safetensors")
+      self._files, self._where = [one], dict.fromkeys(one.keys(), one)
+      return
+    try:
+      index = json.loads(src.read(_INDEX))
+      weight_map = index["weight_map"]
+      ok = isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+    except (ValueError, UnicodeDecodeError, TypeError, KeyError):
+      ok = False
+    if not ok:
+      raise LoadError(
+        f"{_INDEX} of {src.path} is not an index: no JSON object with a weight_map of "
+        "tensor name -> shard file name",
+        code="truncated_file",
+        tensor=_INDEX,
+        fix="download the index again",
+      )
+    shards: dict[str, _SafetensorsFile] = {}
+    for file in sorted(set(weight_map.values())):
+      if Path(file).name != file or file in (".", ".."):
+        raise LoadError(
+          f"{_INDEX} names the shard {file!r}, not a file of the directory",
+          code="shard_index",
+          tensor=file,
+          fix="download the index again",
+        )
+      if not src.has(file):
+        raise LoadError(
+          f"the shard {file} that {_INDEX} names is not in {src.path}",
+          code="missing_shard",
+          tensor=file,
+          fix="download every shard of the checkpoint (the index lists them)",
+        )
+      shards[file] = _SafetensorsFile(src.map(file), file)
+    self._files = list(shards.values())
+    self._where = {}
+    for name, file in weight_map.items():
+      if name not in shards[file].keys():
+        raise LoadError(
+          f"{_INDEX} puts the tensor {name!r} in {file}, which does not hold it",
+          code="shard_index",
+          tensor=name,
+          fix="download the index and the shards again (they are of different versions)",
+        )
+      self._where[name] = shards[file]
+
+  def __getitem__(self, name) -> np.ndarray:
+    return self._where[name][name]
+
+  def __contains__(self, name) -> bool:
+    return name in self._where
+
+  def __iter__(self):
+    return iter(self._where)
+
+  def __len__(self) -> int:
+    return len(self._where)
+
+  def release(self, view) -> None:
+    for f in self._files:
+      if f.release(view):
+        return
 
 
 def load_hf(path, dtype=jnp.float32) -> Pretrained:
   """Loads a Hugging Face-style model from a directory or a zip archive of one.
 
-  Reads ``config.json``, ``model.safetensors`` (or ``pytorch_model.bin`` when torch is
-  installed) and, if present, ``tokenizer.json`` (through the ``tokenizers`` package).
+  Reads ``config.json``, ``model.safetensors`` or the shards listed by
+  ``model.safetensors.index.json`` (or ``pytorch_model.bin`` when torch is installed) and, if
+  present, ``tokenizer.json`` (through the ``tokenizers`` package).
+
+  Safetensors files of any float dtype (float32, float16, bfloat16, float64) load into a model
+  of any ``dtype``. The files of a directory are memory-mapped and copied into the parameters
+  tensor by tensor, a part at a time, giving each part's pages back once it is cast: loading
+  peaks at the parameters' own size plus a few tens of MiB, whatever the files' dtype.
 
   Args:
     path: the directory (or ``.zip``).
     dtype: the zoo model's dtype (float32, bfloat16 or float64).
+
+  Raises:
+    LoadError: ``file_not_found``, ``truncated_file`` (a damaged file or index),
+      ``missing_shard`` (the index names a shard the directory lacks), ``shard_index`` (the
+      index puts a tensor in a shard that does not hold it), and those of
+      :func:`params_from_hf`.
   """
   src = _Source(path)
   if not src.has("config.json"):
@@ -775,8 +1019,8 @@ def load_hf(path, dtype=jnp.float32) -> Pretrained:
       fix="download config.json again",
     ) from None
   config = config_from_hf(raw_config, dtype)
-  if src.has("model.safetensors"):
-    tensors = _safetensors(src.read("model.safetensors"), "model.safetensors")
+  if src.has("model.safetensors") or src.has(_INDEX):
+    tensors = _Checkpoint(src)
   elif src.has("pytorch_model.bin"):
     import torch  # only for the legacy pickle format
 
@@ -785,7 +1029,7 @@ def load_hf(path, dtype=jnp.float32) -> Pretrained:
     )
   else:
     raise LoadError(
-      f"{path} has no model.safetensors",
+      f"{path} has no model.safetensors (nor {_INDEX})",
       code="file_not_found",
       tensor="model.safetensors",
       fix="save the model with safetensors",
