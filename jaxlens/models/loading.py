@@ -6,7 +6,8 @@ the ``gguf`` package's own quantisation code. ``from_state_dict`` accepts torch 
 ``.numpy()`` on them) but never imports torch itself.
 
 Every refusal is a :class:`LoadError` with a ``code`` (``missing_tensor``, ``tensor_shape``,
-``unknown_architecture``, ``truncated_file``, ``file_not_found``) and the tensor's name.
+``unknown_architecture``, ``truncated_file``, ``file_not_found``, ``missing_shard``,
+``shard_index``) and the tensor's name.
 """
 
 from __future__ import annotations
@@ -671,7 +672,7 @@ def _aligned_empty(shape, dtype) -> np.ndarray:
 
 # Bytes of a tensor copied (and cast) at a time: a mapped file's pages are released after
 # each part, so a load holds the parameters made so far plus one part of the file.
-_PART_BYTES = 1 << 26
+_PART_BYTES = 1 << 24
 _TILE = 128  # a transposed view is copied in square tiles: numpy's strided copy is 2x slower
 
 
