@@ -148,7 +148,8 @@ def measure_torch(lm, prompt, n, ours) -> dict:
 def _hf_llama(lm, torch, transformers):
   """transformers' LlamaForCausalLM holding the zoo model's weights (the zoo's HF name map,
   inverted: kernels transposed back)."""
-  from jaxlens.models.loading import _llama_map, _t
+  from jaxlens.models._hf import t as _t
+  from jaxlens.models.llama import hf_weights as _llama_map
 
   cfg = lm.config
   hf_cfg = transformers.LlamaConfig(

@@ -473,7 +473,7 @@ def test_the_gguf_reader_reads_what_gguf_reads(tmp_path):
 
 def _one_layer(kind: str, vocab: int = 64, **options):
   """A one-layer GPT-NeoX or Gemma 3 with d_model 32 and 4 heads (``options``: config fields)."""
-  from jaxlens.models import gemma3, gpt_neox
+  from jaxlens.models import gemma as gemma3, gpt_neox
 
   if kind == "gpt_neox":
     config = gpt_neox.GPTNeoXConfig(vocab_size=vocab, d_model=32, n_layers=1, n_heads=4, **options)

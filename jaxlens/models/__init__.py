@@ -3,8 +3,10 @@ Qwen2 and Qwen3), GPT-NeoX, Gemma 3 and BERT with named sites (``docs/models.md`
 offline loaders, and the small demo GPT.
 
 One family per module: :mod:`jaxlens.models.gpt2`, :mod:`jaxlens.models.llama`,
-:mod:`jaxlens.models.gpt_neox`, :mod:`jaxlens.models.gemma3`, :mod:`jaxlens.models.bert`; loaders in :mod:`jaxlens.models.loading`; the pretrained models
-published as Python wheels in :mod:`jaxlens.models.hub`.
+:mod:`jaxlens.models.gpt_neox`, :mod:`jaxlens.models.gemma`, :mod:`jaxlens.models.bert`, all
+composed of the shared blocks of :mod:`jaxlens.models.blocks` and :mod:`jaxlens.models.rope`;
+file formats in :mod:`jaxlens.models.loading`; the pretrained models published as Python wheels
+in :mod:`jaxlens.models.hub` (``jm.smollm2()``, ``jm.gemma3()``, ``jm.minilm()``).
 """
 
 from jaxlens.models import compact as compact
@@ -20,13 +22,15 @@ from jaxlens.models._demo_gpt import init_gpt as init_gpt
 from jaxlens.models.bert import Bert as Bert
 from jaxlens.models.bert import BertConfig as BertConfig
 from jaxlens.models.bert import mean_pool as mean_pool
-from jaxlens.models.gemma3 import Gemma3 as Gemma3
-from jaxlens.models.gemma3 import Gemma3Config as Gemma3Config
+from jaxlens.models import blocks as blocks
+from jaxlens.models import rope as rope
+from jaxlens.models.gemma import Gemma3 as Gemma3
+from jaxlens.models.gemma import Gemma3Config as Gemma3Config
 from jaxlens.models.gpt2 import GPT2 as GPT2
 from jaxlens.models.gpt2 import GPT2Config as GPT2Config
 from jaxlens.models.gpt_neox import GPTNeoX as GPTNeoX
 from jaxlens.models.gpt_neox import GPTNeoXConfig as GPTNeoXConfig
-from jaxlens.models import gemma3 as gemma3  # a callable module: jm.gemma3() = hub.gemma3()
+from jaxlens.models.hub import gemma3 as gemma3
 from jaxlens.models.hub import minilm as minilm
 from jaxlens.models.hub import smollm2 as smollm2
 from jaxlens.models.llama import Llama as Llama
@@ -57,6 +61,7 @@ __all__ = [
   "LlamaConfig",
   "LoadError",
   "Pretrained",
+  "blocks",
   "config_from_hf",
   "compact",
   "demo",
@@ -71,6 +76,7 @@ __all__ = [
   "mean_pool",
   "minilm",
   "params_from_hf",
+  "rope",
   "smollm2",
   "tokenizer_from_gguf",
 ]

@@ -17,6 +17,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxlens.models import _hf
+from jaxlens.models.blocks import MLP
 from jaxlens.core import InvalidArgumentError, named
 from jaxlens.models.compact import Dense, Embed
 from jaxlens.models._layers import (
@@ -32,7 +34,7 @@ from jaxlens.models._layers import (
   real_tokens,
 )
 
-__all__ = ["Bert", "BertAttention", "BertBlock", "BertConfig", "BertMLP", "mean_pool"]
+__all__ = ["Bert", "BertAttention", "BertBlock", "BertConfig", "mean_pool"]
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -97,19 +99,6 @@ class BertAttention(nn.Module):
     return _dense(cfg, cfg.d_model, "o_proj")(z.reshape(batch, seq, cfg.d_model))
 
 
-class BertMLP(nn.Module):
-  """``down(gelu(up(x)))`` (HF: ``intermediate.dense`` and ``output.dense``)."""
-
-  config: BertConfig
-
-  @nn.compact
-  def __call__(self, x):
-    cfg = self.config
-    pre = named(_dense(cfg, cfg.d_mlp, "up")(x), "pre")
-    post = named(nn.gelu(pre, approximate=cfg.activation == "gelu_new"), "post")
-    return _dense(cfg, cfg.d_model, "down")(post)
-
-
 class BertBlock(nn.Module):
   """Post-LN: ``ln_1(x + attn(x))``, then ``ln_2(h + mlp(h))``."""
 
@@ -121,7 +110,8 @@ class BertBlock(nn.Module):
     x = named(x, "resid_pre")
     a = named(BertAttention(cfg, name="attn")(x, key_mask), "attn_out")
     h = named(_norm(cfg, "ln_1")(x + a), "resid_mid")
-    m = named(BertMLP(cfg, name="mlp")(h), "mlp_out")
+    mlp = MLP(cfg.d_mlp, cfg.d_model, cfg.activation, cfg.dtype, names=("up", "down"), name="mlp")
+    m = named(mlp(h), "mlp_out")
     return named(_norm(cfg, "ln_2")(h + m), "resid_post")
 
 
@@ -201,3 +191,60 @@ def mean_pool(hidden, attention_mask=None):
     return hidden.mean(axis=1)
   m = real_tokens(attention_mask).astype(hidden.dtype)[..., None]
   return (hidden * m).sum(axis=1) / jnp.maximum(m.sum(axis=1), 1e-9)
+
+
+# ------------------------------------------------------------------- Hugging Face checkpoints
+
+MODEL_TYPES = ("bert",)
+
+
+def from_hf(config: _hf.HFConfig, dtype) -> BertConfig:
+  """The :class:`BertConfig` of a Hugging Face ``config.json``."""
+  config.require(
+    "position_embedding_type", ("absolute",), "(relative positions) is not implemented"
+  )
+  config.require("add_cross_attention", (False,), "(a BERT decoder) is refused")
+  # The masked-LM head's tying; the encoder and pooler have no unembedding.
+  config.seen("gradient_checkpointing", "tie_word_embeddings")
+  return BertConfig(
+    vocab_size=config["vocab_size"],
+    d_model=config["hidden_size"],
+    n_layers=config["num_hidden_layers"],
+    n_heads=config["num_attention_heads"],
+    d_mlp=config["intermediate_size"],
+    max_len=config["max_position_embeddings"],
+    type_vocab_size=config.get("type_vocab_size", 2),
+    norm_eps=config.get("layer_norm_eps", 1e-12),
+    activation=_hf.activation_field(config, "hidden_act", default="gelu"),
+    dtype=dtype,
+  )
+
+
+def hf_weights(cfg: BertConfig, pooler: bool = True):
+  """``(param path, tensor name, transform)`` for each parameter in a Hugging Face checkpoint
+  (a checkpoint without a pooler loads with a zero one)."""
+
+  def linear(path, hf):
+    yield (*path, "kernel"), hf + ".weight", _hf.t
+    yield (*path, "bias"), hf + ".bias", _hf.ident
+
+  def norm(path, hf):
+    yield (*path, "scale"), hf + ".weight", _hf.ident
+    yield (*path, "bias"), hf + ".bias", _hf.ident
+
+  e = "bert.embeddings."
+  yield ("embed", "embedding"), e + "word_embeddings.weight", _hf.ident
+  yield ("pos_embed", "embedding"), e + "position_embeddings.weight", _hf.ident
+  yield ("type_embed", "embedding"), e + "token_type_embeddings.weight", _hf.ident
+  yield from norm(("ln_embed",), e + "LayerNorm")
+  for i in range(cfg.n_layers):
+    b, h = f"blocks_{i}", f"bert.encoder.layer.{i}."
+    for p, hf in (("q", "query"), ("k", "key"), ("v", "value")):
+      yield from linear((b, "attn", f"{p}_proj"), h + f"attention.self.{hf}")
+    yield from linear((b, "attn", "o_proj"), h + "attention.output.dense")
+    yield from norm((b, "ln_1"), h + "attention.output.LayerNorm")
+    yield from linear((b, "mlp", "up"), h + "intermediate.dense")
+    yield from linear((b, "mlp", "down"), h + "output.dense")
+    yield from norm((b, "ln_2"), h + "output.LayerNorm")
+  if pooler:
+    yield from linear(("pooler",), "bert.pooler.dense")

@@ -15,17 +15,17 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlens.core import named
+from jaxlens.models import _hf
+from jaxlens.models.blocks import MLP, Attention, residual_block
 from jaxlens.models.compact import Dense, Embed
 from jaxlens.models.scan import ScanForm, scan_blocks
 from jaxlens.models._layers import (
   decoder_inputs,
   FlaxLayerNorm,
   LayerSites,
-  attend,
-  attention_mask,
-  cached_keys_values,
   check_ids,
   lookup_ids,
   layer_norm_options,
@@ -33,7 +33,7 @@ from jaxlens.models._layers import (
   unembed_after,
 )
 
-__all__ = ["GPT2", "GPT2MLP", "GPT2Attention", "GPT2Block", "GPT2Config"]
+__all__ = ["GPT2", "GPT2Block", "GPT2Config"]
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -46,7 +46,8 @@ class GPT2Config:
     vocab_size, d_model, n_layers, n_heads: the sizes; ``d_mlp`` defaults to ``4 * d_model``.
     max_len: the number of learned positions.
     norm_eps: the LayerNorm epsilon.
-    activation: ``"gelu_new"`` (tanh approximation, GPT-2's) or ``"gelu"`` (exact).
+    activation: the MLP's activation, a Hugging Face name (``"gelu_new"``: the tanh
+      approximation, GPT-2's; ``"gelu"``: exact).
     tie_embeddings: whether the unembedding is the token embedding's transpose (GPT-2: yes).
     dtype: computation and parameter dtype.
     scan_layers: the blocks as one ``nn.scan`` over stacked parameters (``jaxlens.models.scan``).
@@ -69,10 +70,6 @@ class GPT2Config:
     return self.d_mlp or 4 * self.d_model
 
 
-def _dense(cfg, n, name):
-  return Dense(n, dtype=cfg.dtype, param_dtype=cfg.dtype, kernel_init=_INIT, name=name)
-
-
 def _norm(cfg, name):
   return FlaxLayerNorm(
     cfg.norm_eps,
@@ -83,8 +80,8 @@ def _norm(cfg, name):
   )
 
 
-class GPT2Attention(nn.Module):
-  """Causal multi-head self-attention.
+class GPT2Block(nn.Module):
+  """``resid_mid = x + attn(ln_1(x))``; ``resid_post = resid_mid + mlp(ln_2(resid_mid))``.
 
   ``mask``, when given, is the boolean attention mask (broadcastable to ``(batch, heads, q,
   k)``) used instead of the causal and padding one; the causal-cone sweep passes it.
@@ -97,59 +94,25 @@ class GPT2Attention(nn.Module):
     self, x, positions, key_mask=None, decode: bool = False, cache_index=None, mask=None
   ):
     cfg = self.config
-    batch, seq, _ = x.shape
-    hd = cfg.d_model // cfg.n_heads
-
-    def heads(name):
-      return named(
-        _dense(cfg, cfg.d_model, f"{name}_proj")(x).reshape(batch, seq, cfg.n_heads, hd), name
-      )
-
-    q, k, v = heads("q"), heads("k"), heads("v")
-    q_positions = k_positions = positions
-    if decode:
-      k, v, initialised = cached_keys_values(self, k, v, cache_index)
-      if initialised:
-        # Causality in the cache is by slot (a query at slot cache_index + i sees the slots up
-        # to its own); positions, which left padding shifts per row, only embed or rotate.
-        q_positions = cache_index + jnp.arange(seq, dtype=cache_index.dtype)
-        k_positions = jnp.arange(k.shape[1], dtype=cache_index.dtype)
-    if mask is None:
-      mask = attention_mask(q_positions, k_positions, causal=True, key_mask=key_mask)
-    z = attend(q, k, v, mask, dtype=cfg.dtype)
-    return _dense(cfg, cfg.d_model, "c_proj")(z.reshape(batch, seq, cfg.d_model))
-
-
-class GPT2MLP(nn.Module):
-  """``c_proj(gelu(c_fc(x)))``."""
-
-  config: GPT2Config
-
-  @nn.compact
-  def __call__(self, x):
-    cfg = self.config
-    pre = named(_dense(cfg, cfg.mlp_width, "c_fc")(x), "pre")
-    post = named(nn.gelu(pre, approximate=cfg.activation == "gelu_new"), "post")
-    return _dense(cfg, cfg.d_model, "c_proj")(post)
-
-
-class GPT2Block(nn.Module):
-  """``resid_mid = x + attn(ln_1(x))``; ``resid_post = resid_mid + mlp(ln_2(resid_mid))``."""
-
-  config: GPT2Config
-
-  @nn.compact
-  def __call__(
-    self, x, positions, key_mask=None, decode: bool = False, cache_index=None, mask=None
-  ):
-    cfg = self.config
-    x = named(x, "resid_pre")
-    a = GPT2Attention(cfg, name="attn")(
-      _norm(cfg, "ln_1")(x), positions, key_mask, decode, cache_index, mask
+    d_head = cfg.d_model // cfg.n_heads
+    attn = Attention(
+      cfg.n_heads,
+      cfg.n_heads,
+      d_head,
+      cfg.d_model,
+      cfg.dtype,
+      qkv_bias=True,
+      o_bias=True,
+      o_name="c_proj",
+      name="attn",
     )
-    x = named(x + named(a, "attn_out"), "resid_mid")
-    m = named(GPT2MLP(cfg, name="mlp")(_norm(cfg, "ln_2")(x)), "mlp_out")
-    return named(x + m, "resid_post")
+    mlp = MLP(cfg.mlp_width, cfg.d_model, cfg.activation, cfg.dtype, name="mlp")
+    return residual_block(
+      x,
+      lambda h: attn(h, positions, key_mask, decode, cache_index, mask),
+      mlp,
+      lambda name: _norm(cfg, name),
+    )
 
 
 class GPT2(ScanForm, LayerSites, nn.Module):
@@ -217,3 +180,67 @@ class GPT2(ScanForm, LayerSites, nn.Module):
   def unembed(self, variables, x):
     """:meth:`jaxlens.protocol.Decoder.unembed`."""
     return unembed_after(_norm(self.config, None), self.config, variables["params"], x)
+
+
+# ------------------------------------------------------------------- Hugging Face checkpoints
+
+MODEL_TYPES = ("gpt2",)
+
+
+def from_hf(config: _hf.HFConfig, dtype) -> GPT2Config:
+  """The :class:`GPT2Config` of a Hugging Face ``config.json``."""
+  config.require("add_cross_attention", (False,), "(an encoder-decoder GPT-2) is refused")
+  config.require("scale_attn_weights", (True,), "(unscaled attention) is not implemented")
+  config.require(
+    "scale_attn_by_inverse_layer_idx", (False,), "(scores scaled per layer) is not implemented"
+  )
+  # Upcasting the scores to float32 changes nothing in a float32 or float64 model, and the
+  # zoo's softmax already runs in at least float32.
+  config.seen("reorder_and_upcast_attn", "n_ctx")
+  for key in (
+    "summary_type",
+    "summary_use_proj",
+    "summary_activation",
+    "summary_proj_to_labels",
+    "summary_first_dropout",
+  ):
+    config.seen(key)  # the sequence-classification head's, not the language model's
+  return GPT2Config(
+    vocab_size=config["vocab_size"],
+    d_model=config["n_embd"],
+    n_layers=config["n_layer"],
+    n_heads=config["n_head"],
+    d_mlp=config.get("n_inner"),
+    max_len=config["n_positions"],
+    norm_eps=config.get("layer_norm_epsilon", 1e-5),
+    activation=_hf.activation_field(config, "activation_function", default="gelu_new"),
+    tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+    dtype=dtype,
+  )
+
+
+def _split3(k):
+  return lambda w: np.split(np.asarray(w), 3, axis=-1)[k]
+
+
+def hf_weights(cfg: GPT2Config):
+  """``(param path, tensor name, transform)`` for each parameter in a Hugging Face checkpoint
+  (GPT-2's ``Conv1D`` weights are stored ``(in, out)``, as flax's kernels)."""
+  ident = _hf.ident
+  yield ("embed", "embedding"), "transformer.wte.weight", ident
+  yield ("pos_embed", "embedding"), "transformer.wpe.weight", ident
+  for i in range(cfg.n_layers):
+    b, h = f"blocks_{i}", f"transformer.h.{i}."
+    for ln in ("ln_1", "ln_2"):
+      yield (b, ln, "scale"), h + f"{ln}.weight", ident
+      yield (b, ln, "bias"), h + f"{ln}.bias", ident
+    for k, p in enumerate("qkv"):
+      yield (b, "attn", f"{p}_proj", "kernel"), h + "attn.c_attn.weight", _split3(k)
+      yield (b, "attn", f"{p}_proj", "bias"), h + "attn.c_attn.bias", _split3(k)
+    for mod in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+      for leaf, hf in (("kernel", "weight"), ("bias", "bias")):
+        yield (b, *mod.split("."), leaf), h + f"{mod}.{hf}", ident
+  yield ("ln_final", "scale"), "transformer.ln_f.weight", ident
+  yield ("ln_final", "bias"), "transformer.ln_f.bias", ident
+  if not cfg.tie_embeddings:
+    yield ("lm_head", "kernel"), "lm_head.weight", _hf.t

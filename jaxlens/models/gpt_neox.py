@@ -33,21 +33,23 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlens.core import named
+from jaxlens.models import _hf
 from jaxlens.models._layers import (
   decoder_inputs,
   LayerNorm,
   LayerSites,
-  cached_attention,
   lookup_ids,
   run_block_after,
   unembed_after,
 )
-from jaxlens.models.compact import Dense, Embed
-from jaxlens.models.llama import rotary
+from jaxlens.models.blocks import MLP, Attention, dense, residual_block
+from jaxlens.models.compact import Embed
+from jaxlens.models.rope import Rope
 
-__all__ = ["GPTNeoX", "GPTNeoXAttention", "GPTNeoXBlock", "GPTNeoXConfig", "GPTNeoXMLP"]
+__all__ = ["GPTNeoX", "GPTNeoXBlock", "GPTNeoXConfig"]
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -62,11 +64,13 @@ class GPTNeoXConfig:
     rope_base: the rotary base.
     norm_eps: the LayerNorm epsilon.
     parallel_residual: attention and MLP both read the block's input (Pythia: True).
-    activation: ``"gelu"`` (exact) or ``"gelu_new"`` / ``"gelu_pytorch_tanh"`` (tanh).
+    activation: the MLP's activation, a Hugging Face ``hidden_act`` (``"gelu"``: exact).
     attention_bias: biases on the attention projections (Pythia: True).
     tie_embeddings: whether the unembedding is the embedding's transpose (Pythia: no).
     max_len: the context length: a longer input is refused with ``index_out_of_range``.
     dtype: computation and parameter dtype.
+    rope_scaling: the rotary scaling (:class:`~jaxlens.models.rope.Rope`; its base and
+      fraction are ``rope_base`` and ``rotary_pct``), or None.
   """
 
   vocab_size: int = 50304
@@ -83,6 +87,7 @@ class GPTNeoXConfig:
   tie_embeddings: bool = False
   max_len: int = 2048
   dtype: Any = jnp.float32
+  rope_scaling: Rope | None = None
 
   @property
   def d_head(self) -> int:
@@ -96,74 +101,25 @@ class GPTNeoXConfig:
   def rotary_dims(self) -> int:
     return int(self.d_head * self.rotary_pct)
 
+  @property
+  def rope(self) -> Rope:
+    """The blocks' rotary embedding (``rope_scaling`` with this base and fraction)."""
+    rope = self.rope_scaling or Rope()
+    return dataclasses.replace(rope, base=self.rope_base, fraction=self.rotary_pct)
+
 
 def _dense(cfg, n, name, bias=True):
-  return Dense(
-    n, use_bias=bias, dtype=cfg.dtype, param_dtype=cfg.dtype, kernel_init=_INIT, name=name
-  )
+  return dense(n, cfg.dtype, name, bias)
 
 
 def _norm(cfg, name):
   return LayerNorm(cfg.norm_eps, cfg.dtype, name=name)
 
 
-class GPTNeoXAttention(nn.Module):
-  """Causal multi-head self-attention with partial rotary embeddings.
-
-  ``mask``, when given, replaces the causal and padding mask (the causal-cone sweep's).
-  """
-
-  config: GPTNeoXConfig
-
-  @nn.compact
-  def __call__(
-    self, x, positions, key_mask=None, decode: bool = False, cache_index=None, mask=None
-  ):
-    cfg = self.config
-    batch, seq, _ = x.shape
-
-    def heads(name):
-      y = _dense(cfg, cfg.d_model, f"{name}_proj", cfg.attention_bias)(x)
-      return y.reshape(batch, seq, cfg.n_heads, cfg.d_head)
-
-    q = named(rotary(heads("q"), positions, cfg.rope_base, cfg.rotary_dims), "q")
-    k = named(rotary(heads("k"), positions, cfg.rope_base, cfg.rotary_dims), "k")
-    v = named(heads("v"), "v")
-    z = cached_attention(
-      self,
-      q,
-      k,
-      v,
-      positions,
-      key_mask=key_mask,
-      decode=decode,
-      cache_index=cache_index,
-      mask=mask,
-      window=None,
-      dtype=cfg.dtype,
-    )
-    return _dense(cfg, cfg.d_model, "dense", cfg.attention_bias)(
-      z.reshape(batch, seq, cfg.n_heads * cfg.d_head)
-    )
-
-
-class GPTNeoXMLP(nn.Module):
-  """``dense_4h_to_h(gelu(dense_h_to_4h(x)))``."""
-
-  config: GPTNeoXConfig
-
-  @nn.compact
-  def __call__(self, x):
-    cfg = self.config
-    pre = named(_dense(cfg, cfg.mlp_width, "dense_h_to_4h")(x), "pre")
-    post = named(nn.gelu(pre, approximate=cfg.activation != "gelu"), "post")
-    return _dense(cfg, cfg.d_model, "dense_4h_to_h")(post)
-
-
 class GPTNeoXBlock(nn.Module):
   """Parallel: ``resid_post = x + attn(ln_1(x)) + mlp(ln_2(x))``; sequential (GPT-J-free
   NeoX configs): ``resid_mid = x + attn(ln_1(x))``, ``resid_post = resid_mid +
-  mlp(ln_2(resid_mid))``."""
+  mlp(ln_2(resid_mid))``. ``mask``, when given, replaces the causal and padding mask."""
 
   config: GPTNeoXConfig
 
@@ -172,16 +128,33 @@ class GPTNeoXBlock(nn.Module):
     self, x, positions, key_mask=None, decode: bool = False, cache_index=None, mask=None
   ):
     cfg = self.config
-    x = named(x, "resid_pre")
-    a = GPTNeoXAttention(cfg, name="attn")(
-      _norm(cfg, "ln_1")(x), positions, key_mask, decode, cache_index, mask
+    attn = Attention(
+      cfg.n_heads,
+      cfg.n_heads,
+      cfg.d_head,
+      cfg.d_model,
+      cfg.dtype,
+      rope=cfg.rope,
+      qkv_bias=cfg.attention_bias,
+      o_bias=cfg.attention_bias,
+      o_name="dense",
+      name="attn",
     )
-    mid = named(x + named(a, "attn_out"), "resid_mid")
-    m = named(
-      GPTNeoXMLP(cfg, name="mlp")(_norm(cfg, "ln_2")(x if cfg.parallel_residual else mid)),
-      "mlp_out",
+    mlp = MLP(
+      cfg.mlp_width,
+      cfg.d_model,
+      cfg.activation,
+      cfg.dtype,
+      names=("dense_h_to_4h", "dense_4h_to_h"),
+      name="mlp",
     )
-    return named(mid + m, "resid_post")
+    return residual_block(
+      x,
+      lambda h: attn(h, positions, key_mask, decode, cache_index, mask),
+      mlp,
+      lambda name: _norm(cfg, name),
+      parallel=cfg.parallel_residual,
+    )
 
 
 class GPTNeoX(LayerSites, nn.Module):
@@ -229,3 +202,87 @@ class GPTNeoX(LayerSites, nn.Module):
     """:meth:`jaxlens.protocol.Decoder.unembed`."""
     norm = LayerNorm(self.config.norm_eps, self.config.dtype)
     return unembed_after(norm, self.config, variables["params"], x)
+
+
+# ------------------------------------------------------------------- Hugging Face checkpoints
+
+MODEL_TYPES = ("gpt_neox",)
+
+
+def from_hf(config: _hf.HFConfig, dtype) -> GPTNeoXConfig:
+  """The :class:`GPTNeoXConfig` of a Hugging Face ``config.json``."""
+  rope = config.config.get("rope_parameters") or {}
+  config.seen("rotary_pct", "rotary_emb_base")
+  pct = rope.get("partial_rotary_factor", config.config.get("rotary_pct", 1.0))
+  base, scaling = _hf.rope_from_hf(config, default_base=config.get("rotary_emb_base", 10000.0))
+  if scaling is not None and scaling.kind == "default":
+    scaling = None  # only partial: rotary_pct says it
+  return GPTNeoXConfig(
+    vocab_size=config["vocab_size"],
+    d_model=config["hidden_size"],
+    n_layers=config["num_hidden_layers"],
+    n_heads=config["num_attention_heads"],
+    d_mlp=config.get("intermediate_size"),
+    rotary_pct=float(pct),
+    rope_base=base,
+    rope_scaling=scaling,
+    norm_eps=config.get("layer_norm_eps", 1e-5),
+    parallel_residual=bool(config.get("use_parallel_residual", True)),
+    activation=_hf.activation_field(config, "hidden_act", default="gelu"),
+    attention_bias=bool(config.get("attention_bias", True)),
+    tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    max_len=config.get("max_position_embeddings", 2048),
+    dtype=dtype,
+  )
+
+
+def _qkv(k, heads):
+  """The ``k``-th of q, k, v from GPT-NeoX's fused projection, whose output rows are per head
+  ``[q | k | v]``; a weight ``(3 d, d_in)`` gives a kernel ``(d_in, d)``, a bias ``(d,)``."""
+
+  def take(w):
+    w = np.asarray(w)
+    if w.shape[0] % (3 * heads):
+      raise _hf.LoadError(
+        f"the fused query_key_value has {w.shape[0]} rows, not a multiple of 3 x {heads} heads",
+        code="tensor_shape",
+        tensor="query_key_value",
+        received=tuple(w.shape),
+        fix="check that config.json's num_attention_heads matches the weights",
+      )
+    rows = w.reshape(heads, 3, -1, *w.shape[1:])[:, k]
+    rows = rows.reshape(-1, *w.shape[1:])
+    return rows.T if rows.ndim == 2 else rows
+
+  return take
+
+
+def hf_weights(cfg: GPTNeoXConfig):
+  """``(param path, tensor name, transform)`` for each parameter in a Hugging Face checkpoint."""
+  t, ident = _hf.t, _hf.ident
+
+  def linear(path, hf, bias=True):
+    yield (*path, "kernel"), hf + ".weight", t
+    if bias:
+      yield (*path, "bias"), hf + ".bias", ident
+
+  def norm(path, hf):
+    yield (*path, "scale"), hf + ".weight", ident
+    yield (*path, "bias"), hf + ".bias", ident
+
+  yield ("embed", "embedding"), "gpt_neox.embed_in.weight", ident
+  for i in range(cfg.n_layers):
+    b, h = f"blocks_{i}", f"gpt_neox.layers.{i}."
+    yield from norm((b, "ln_1"), h + "input_layernorm")
+    yield from norm((b, "ln_2"), h + "post_attention_layernorm")
+    fused = h + "attention.query_key_value"
+    for k, p in enumerate("qkv"):
+      yield (b, "attn", f"{p}_proj", "kernel"), fused + ".weight", _qkv(k, cfg.n_heads)
+      if cfg.attention_bias:
+        yield (b, "attn", f"{p}_proj", "bias"), fused + ".bias", _qkv(k, cfg.n_heads)
+    yield from linear((b, "attn", "dense"), h + "attention.dense", cfg.attention_bias)
+    yield from linear((b, "mlp", "dense_h_to_4h"), h + "mlp.dense_h_to_4h")
+    yield from linear((b, "mlp", "dense_4h_to_h"), h + "mlp.dense_4h_to_h")
+  yield from norm(("ln_final",), "gpt_neox.final_layer_norm")
+  if not cfg.tie_embeddings:
+    yield ("lm_head", "kernel"), "lm_head.weight", t

@@ -1,11 +1,18 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) in ``flax.linen``.
+"""The Llama family (Llama 2/3.x, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, and with a
+mixture of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) in ``flax.linen``, composed of the
+shared blocks of :mod:`jaxlens.models.blocks`.
 
-Pre-RMSNorm decoder blocks, rotary position embeddings with a configurable base (the
-"rotate half" convention of Hugging Face checkpoints), a SwiGLU MLP and grouped-query
-attention; as config options, Qwen2's q/k/v biases (``qkv_bias``), Qwen3's per-head RMSNorm
-of the queries and keys (``qk_norm``: sites ``attn/q_norm``, ``attn/k_norm``) and sliding-window
-attention (``sliding_window``, with ``layer_types`` for models that mix local and global
-layers; a local layer's KV cache is a ring of the window's length). Sites, the same in every family of ``jaxlens.models`` (see ``docs/models.md``):
+Pre-RMSNorm decoder blocks, rotary position embeddings (the "rotate half" convention of
+Hugging Face checkpoints, with every scaling of :mod:`jaxlens.models.rope`: Llama 3.1's
+``llama3``, ``linear``, ``dynamic``, ``yarn``, Phi-3's ``longrope``), a gated MLP (SwiGLU,
+or the config's activation) and grouped-query attention; as config options, Qwen2's q/k/v
+biases (``qkv_bias``), Qwen3's per-head RMSNorm of the queries and keys (``qk_norm``: sites
+``attn/q_norm``, ``attn/k_norm``; OLMo 2's over the whole projection), OLMo 2's norms after
+the sub-blocks (``norm_placement="post"``), a mixture of experts as the MLP
+(``moe``, :mod:`jaxlens.models.moe`) and sliding-window attention (``sliding_window``, with
+``layer_types`` for models that mix local and global layers; a local layer's KV cache is a
+ring of the window's length). Sites, the same in every family of ``jaxlens.models`` (see
+``docs/models.md``):
 
 * ``embed``; per block ``blocks_{i}/``: ``resid_pre``, ``ln_1``, ``attn/q``, ``attn/k``,
   ``attn/v`` (after the rotation for q and k; ``(batch, seq, heads, head_dim)``, k and v
@@ -34,23 +41,25 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlens.core import named
+from jaxlens.models import _hf
+from jaxlens.models.blocks import Attention, GatedMLP, residual_block
 from jaxlens.models.compact import Dense, Embed
+from jaxlens.models.rope import Rope, rotary
 from jaxlens.models.scan import ScanForm, scan_blocks, uniform_window
 from jaxlens.models._layers import (
   decoder_inputs,
   LayerSites,
   RMSNorm,
-  cached_attention,
   lookup_ids,
   run_block_after,
-  softmax_dtype,
   unembed_after,
   window_mask,
 )
 
-__all__ = ["Llama", "LlamaAttention", "LlamaBlock", "LlamaConfig", "LlamaMLP", "rotary"]
+__all__ = ["Llama", "LlamaBlock", "LlamaConfig", "rotary"]
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -79,6 +88,17 @@ class LlamaConfig:
       whatever the depth.
     layer_types: per layer ``"full_attention"`` or ``"sliding_attention"`` (Qwen2/3's
       ``max_window_layers``), or None.
+    rope_scaling: the rotary scaling or partial rotation (:class:`~jaxlens.models.rope.Rope`;
+      its ``base`` is ``rope_base``), or None for the plain rotation.
+    activation: the MLP gate's activation (a Hugging Face ``hidden_act``: ``"silu"``, ...).
+    mlp_bias: biases on the MLP projections.
+    qk_norm_scope: ``"head"`` (each head's queries and keys, Qwen3) or ``"proj"`` (the whole
+      projection before the heads are split, OLMo 2).
+    norm_placement: ``"pre"`` (an RMSNorm before each sub-block) or ``"post"`` (after each,
+      OLMo 2: ``ln_1_post``, ``ln_2_post``).
+    moe: a :class:`jaxlens.models.moe.MoEConfig`: the MLP is a mixture of experts.
+    fused_projections: the Hugging Face checkpoint stores q/k/v as one ``qkv_proj`` and the
+      gate and up projections as one ``gate_up_proj`` (Phi-3); the model is the same.
   """
 
   vocab_size: int = 32000
@@ -99,10 +119,24 @@ class LlamaConfig:
   sliding_window: int | None = None
   layer_types: tuple[str, ...] | None = None
   scan_layers: bool = False
+  rope_scaling: Rope | None = None
+  activation: str = "silu"
+  mlp_bias: bool = False
+  qk_norm_scope: str = "head"
+  norm_placement: str = "pre"
+  moe: Any = None
+  fused_projections: bool = False
 
   @property
   def d_head(self) -> int:
     return self.head_dim or self.d_model // self.n_heads
+
+  @property
+  def rope(self) -> Rope:
+    """The blocks' rotary embedding."""
+    if self.rope_scaling is None:
+      return Rope(base=self.rope_base)
+    return dataclasses.replace(self.rope_scaling, base=self.rope_base)
 
   def window(self, layer: int) -> int | None:
     """The sliding window of block ``layer``, or None for a full-attention block."""
@@ -113,26 +147,9 @@ class LlamaConfig:
     return self.sliding_window
 
 
-def rotary(x, positions, base: float, dims: int | None = None):
-  """Rotates ``x`` (``(batch, seq, heads, head_dim)``) by its positions (``(seq,)`` or
-  ``(batch, seq)``), "rotate half" style. The angles are computed in at least float32
-  (float64 for a float64 model). ``dims``: rotate only the first ``dims`` features of each
-  head (GPT-NeoX's partial rotary); the rest pass through.
-  """
-  if dims is not None and dims < x.shape[-1]:
-    return jnp.concatenate([rotary(x[..., :dims], positions, base), x[..., dims:]], axis=-1)
-  dim = x.shape[-1]
-  adt = softmax_dtype(x.dtype)
-  inv_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=adt) / dim))
-  angles = jnp.atleast_2d(positions).astype(adt)[..., None] * inv_freq  # (b, seq, dim/2)
-  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # (b, seq, 1, dim)
-  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-  x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
-  return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
-
-
-class LlamaAttention(nn.Module):
-  """Grouped-query self-attention with rotary embeddings; ``q_proj .. o_proj`` as in HF.
+class LlamaBlock(nn.Module):
+  """``resid_mid = x + attn(ln_1(x))``; ``resid_post = resid_mid + mlp(ln_2(resid_mid))``
+  (OLMo 2, ``norm_placement="post"``: ``x + ln_1_post(attn(x))`` and likewise the MLP).
 
   ``mask``, when given, is the boolean attention mask (broadcastable to ``(batch, heads, q,
   k)``) used instead of the causal and padding one; the causal-cone sweep passes it.
@@ -146,91 +163,33 @@ class LlamaAttention(nn.Module):
     self, x, positions, key_mask=None, decode: bool = False, cache_index=None, mask=None
   ):
     cfg = self.config
-    batch, seq, _ = x.shape
-
-    def proj(n, name):
-      y = Dense(
-        n * cfg.d_head,
-        use_bias=cfg.qkv_bias,
-        dtype=cfg.dtype,
-        param_dtype=cfg.dtype,
-        kernel_init=_INIT,
-        name=name,
-      )(x)
-      return y.reshape(batch, seq, n, cfg.d_head)
-
-    q, k = proj(cfg.n_heads, "q_proj"), proj(cfg.n_kv_heads, "k_proj")
-    if cfg.qk_norm:
-      q = RMSNorm(cfg.norm_eps, cfg.dtype, name="q_norm")(q)
-      k = RMSNorm(cfg.norm_eps, cfg.dtype, name="k_norm")(k)
-    q = named(rotary(q, positions, cfg.rope_base), "q")
-    k = named(rotary(k, positions, cfg.rope_base), "k")
-    v = named(proj(cfg.n_kv_heads, "v_proj"), "v")
-    z = cached_attention(
-      self,
-      q,
-      k,
-      v,
-      positions,
-      key_mask=key_mask,
-      decode=decode,
-      cache_index=cache_index,
-      mask=mask,
-      window=self.window,
-      dtype=cfg.dtype,
-    )
-    return Dense(
+    attn = Attention(
+      cfg.n_heads,
+      cfg.n_kv_heads,
+      cfg.d_head,
       cfg.d_model,
-      use_bias=cfg.o_bias,
-      dtype=cfg.dtype,
-      param_dtype=cfg.dtype,
-      kernel_init=_INIT,
-      name="o_proj",
-    )(z.reshape(batch, seq, cfg.n_heads * cfg.d_head))
-
-
-class LlamaMLP(nn.Module):
-  """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
-
-  config: LlamaConfig
-
-  @nn.compact
-  def __call__(self, x):
-    cfg = self.config
-
-    def dense(n, name):
-      return Dense(
-        n, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype, kernel_init=_INIT, name=name
-      )
-
-    gate = named(dense(cfg.d_mlp, "gate_proj")(x), "pre")
-    post = named(nn.silu(gate) * dense(cfg.d_mlp, "up_proj")(x), "post")
-    return dense(cfg.d_model, "down_proj")(post)
-
-
-class LlamaBlock(nn.Module):
-  """``resid_mid = x + attn(ln_1(x))``; ``resid_post = resid_mid + mlp(ln_2(resid_mid))``."""
-
-  config: LlamaConfig
-  window: int | None = None  # this layer's sliding window
-
-  @nn.compact
-  def __call__(
-    self, x, positions, key_mask=None, decode: bool = False, cache_index=None, mask=None
-  ):
-    cfg = self.config
-    x = named(x, "resid_pre")
-    h = RMSNorm(cfg.norm_eps, cfg.dtype, name="ln_1")(x)
-    a = named(
-      LlamaAttention(cfg, self.window, name="attn")(
-        h, positions, key_mask, decode, cache_index, mask
-      ),
-      "attn_out",
+      cfg.dtype,
+      rope=cfg.rope,
+      window=self.window,
+      qkv_bias=cfg.qkv_bias,
+      o_bias=cfg.o_bias,
+      qk_norm=(cfg.qk_norm_scope if cfg.qk_norm else None),
+      norm_eps=cfg.norm_eps,
+      name="attn",
     )
-    x = named(x + a, "resid_mid")
-    h = RMSNorm(cfg.norm_eps, cfg.dtype, name="ln_2")(x)
-    m = named(LlamaMLP(cfg, name="mlp")(h), "mlp_out")
-    return named(x + m, "resid_post")
+    if cfg.moe is not None:
+      from jaxlens.models.moe import MoE
+
+      mlp: nn.Module = MoE(cfg, name="mlp")
+    else:
+      mlp = GatedMLP(cfg.d_mlp, cfg.d_model, cfg.activation, cfg.dtype, cfg.mlp_bias, name="mlp")
+    return residual_block(
+      x,
+      lambda h: attn(h, positions, key_mask, decode, cache_index, mask),
+      mlp,
+      lambda name: RMSNorm(cfg.norm_eps, cfg.dtype, name=name),
+      placement=cfg.norm_placement,
+    )
 
 
 class Llama(ScanForm, LayerSites, nn.Module):
@@ -314,3 +273,134 @@ class Llama(ScanForm, LayerSites, nn.Module):
     """:meth:`jaxlens.protocol.Decoder.unembed`."""
     norm = RMSNorm(self.config.norm_eps, self.config.dtype)
     return unembed_after(norm, self.config, variables["params"], x)
+
+
+# ------------------------------------------------------------------- Hugging Face checkpoints
+
+# The Hugging Face model types this family reads (mixtures of experts: jaxlens.models.moe).
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
+
+
+def _layer_types(config: _hf.HFConfig) -> tuple[str, ...]:
+  """Qwen2/3's per-layer attention kinds: ``layer_types``, or (older ``config.json`` files)
+  sliding from layer ``max_window_layers`` on."""
+  config.seen("layer_types", "max_window_layers")
+  if config.config.get("layer_types"):
+    return tuple(config.config["layer_types"])
+  n = config["num_hidden_layers"]
+  first = config.config.get("max_window_layers", n)
+  return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+
+
+def from_hf(config: _hf.HFConfig, dtype, **options) -> LlamaConfig:
+  """The :class:`LlamaConfig` of a Hugging Face ``config.json`` of a ``MODEL_TYPES`` model;
+  ``options`` override fields (the mixtures of experts pass ``moe``)."""
+  kind = config.model_type
+  heads = config["num_attention_heads"]
+  window, layer_types = None, None
+  if kind in ("mistral", "phi3"):
+    window = config.get("sliding_window")
+  elif kind in ("qwen2", "qwen3"):
+    config.seen("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
+    if config.config.get("use_sliding_window"):
+      window, layer_types = config.get("sliding_window"), _layer_types(config)
+      if all(t == "full_attention" for t in layer_types):
+        window, layer_types = None, None
+  elif config.config.get("layer_types"):
+    _layer_types(config)  # read, and all full attention below
+  if layer_types is None and config.config.get("layer_types"):
+    if any(t != "full_attention" for t in _layer_types(config)):
+      raise config.refuse("layer_types", "names layer types this family does not run", "")
+  bias = bool(config.get("attention_bias", False))
+  base, scaling = _hf.rope_from_hf(config)
+  fields = dict(
+    vocab_size=config["vocab_size"],
+    d_model=config["hidden_size"],
+    n_layers=config["num_hidden_layers"],
+    n_heads=heads,
+    n_kv_heads=config.get("num_key_value_heads") or heads,
+    d_mlp=config["intermediate_size"],
+    head_dim=config.get("head_dim"),
+    rope_base=base,
+    rope_scaling=scaling,
+    norm_eps=config.get("rms_norm_eps", 1e-6 if kind == "olmo2" else 1e-5),
+    tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    max_len=config.get("max_position_embeddings", 2048),
+    dtype=dtype,
+    qkv_bias=bias or kind == "qwen2",
+    o_bias=bias and kind != "qwen2",
+    qk_norm=kind in ("qwen3", "olmo2"),
+    qk_norm_scope="proj" if kind == "olmo2" else "head",
+    norm_placement="post" if kind == "olmo2" else "pre",
+    sliding_window=window,
+    layer_types=layer_types,
+    activation=_hf.activation_field(config, "hidden_act", default="silu"),
+    mlp_bias=bool(config.get("mlp_bias", False)),
+  )
+  if scaling is not None and scaling.kind == "dynamic":
+    # Dynamic scaling extends the context past the pretraining one by its factor.
+    fields["max_len"] = int(fields["max_len"] * scaling.factor)
+  if kind == "phi3":
+    config.seen("original_max_position_embeddings")
+    fields["fused_projections"] = True
+  fields.update(options)
+  return LlamaConfig(**fields)
+
+
+def _phi3_split(sizes: tuple[int, ...], k: int):
+  """Part ``k`` of Phi-3's fused projection (``qkv_proj``: q, k, v rows; ``gate_up_proj``:
+  gate, up rows) as a flax kernel."""
+  bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+  return lambda w: np.asarray(w)[bounds[k] : bounds[k + 1]].T
+
+
+def hf_weights(cfg: LlamaConfig):
+  """``(param path, tensor name, transform)`` for each parameter of ``cfg`` in a Hugging Face
+  checkpoint (Phi-3's fused projections when ``cfg.fused_projections``)."""
+  t, ident = _hf.t, _hf.ident
+  yield ("embed", "embedding"), "model.embed_tokens.weight", ident
+  for i in range(cfg.n_layers):
+    b, h = f"blocks_{i}", f"model.layers.{i}."
+    norms = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
+    if cfg.norm_placement == "post":
+      norms = {"ln_1_post": "post_attention_layernorm", "ln_2_post": "post_feedforward_layernorm"}
+    for ours, theirs in norms.items():
+      yield (b, ours, "weight"), h + f"{theirs}.weight", ident
+    if cfg.fused_projections:
+      sizes = (cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head)
+      for k, p in enumerate("qkv"):
+        yield (
+          (b, "attn", f"{p}_proj", "kernel"),
+          h + "self_attn.qkv_proj.weight",
+          _phi3_split(sizes, k),
+        )
+      yield (b, "attn", "o_proj", "kernel"), h + "self_attn.o_proj.weight", t
+    else:
+      for p in "qkvo":
+        yield (b, "attn", f"{p}_proj", "kernel"), h + f"self_attn.{p}_proj.weight", t
+        if (cfg.qkv_bias and p != "o") or (cfg.o_bias and p == "o"):
+          yield (b, "attn", f"{p}_proj", "bias"), h + f"self_attn.{p}_proj.bias", ident
+    if cfg.qk_norm:
+      for p in "qk":
+        yield (b, "attn", f"{p}_norm", "weight"), h + f"self_attn.{p}_norm.weight", ident
+    if cfg.moe is not None:
+      from jaxlens.models.moe import hf_moe_weights
+
+      yield from hf_moe_weights(cfg, (b, "mlp"), h)
+    elif cfg.fused_projections:
+      sizes = (cfg.d_mlp, cfg.d_mlp)
+      for k, p in enumerate(("gate", "up")):
+        yield (
+          (b, "mlp", f"{p}_proj", "kernel"),
+          h + "mlp.gate_up_proj.weight",
+          _phi3_split(sizes, k),
+        )
+      yield (b, "mlp", "down_proj", "kernel"), h + "mlp.down_proj.weight", t
+    else:
+      for p in ("gate", "up", "down"):
+        yield (b, "mlp", f"{p}_proj", "kernel"), h + f"mlp.{p}_proj.weight", t
+        if cfg.mlp_bias:
+          yield (b, "mlp", f"{p}_proj", "bias"), h + f"mlp.{p}_proj.bias", ident
+  yield ("ln_final", "weight"), "model.norm.weight", ident
+  if not cfg.tie_embeddings:
+    yield ("lm_head", "kernel"), "lm_head.weight", t

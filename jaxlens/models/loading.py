@@ -29,10 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens.core import InvalidArgumentError
 from jaxlens.models import compact
+from jaxlens.models import _hf, bert, gemma, gpt2, gpt_neox, llama
+from jaxlens.models._hf import LoadError
+from jaxlens.models._hf import ident as _ident
 from jaxlens.models.bert import Bert, BertConfig
-from jaxlens.models.gemma3 import Gemma3, Gemma3Config
+from jaxlens.models.gemma import Gemma3, Gemma3Config
 from jaxlens.models.gpt2 import GPT2, GPT2Config
 from jaxlens.models.gpt_neox import GPTNeoX, GPTNeoXConfig
 from jaxlens.models.llama import Llama, LlamaConfig
@@ -47,10 +49,6 @@ __all__ = [
   "params_from_hf",
   "tokenizer_from_gguf",
 ]
-
-
-class LoadError(InvalidArgumentError):
-  """A checkpoint that cannot be loaded: ``.fields["code"]`` says why, ``["tensor"]`` names it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,122 +87,27 @@ class Pretrained:
 
 # ---------------------------------------------------------------------------------- configs
 
-
-def _rope_theta(config, default=10000.0, layer_type=None) -> float:
-  """The rotary base of a config dict: ``rope_theta``, or ``rope_parameters`` (transformers 5;
-  per layer type for Gemma 3). Scaled rotary variants are refused (``unknown_architecture``)."""
-  rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-  if layer_type is not None and layer_type in rope:
-    rope = rope[layer_type]
-  kind = rope.get("rope_type", rope.get("type", "default"))
-  if kind not in ("default", None):
-    raise LoadError(
-      f"rotary scaling {kind!r} is not supported",
-      code="unknown_architecture",
-      tensor=None,
-      received=kind,
-      fix="jaxlens.models implements the default rotary embedding",
-    )
-  return float(rope.get("rope_theta") or config.get("rope_theta") or default)
-
-
-def _layer_types(config) -> tuple[str, ...] | None:
-  """Qwen2/3's per-layer attention kinds: ``layer_types``, or (older ``config.json`` files)
-  sliding from layer ``max_window_layers`` on when ``use_sliding_window``."""
-  if config.get("layer_types"):
-    return tuple(config["layer_types"])
-  n = config["num_hidden_layers"]
-  first = config.get("max_window_layers", n)
-  return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
-
+# The zoo's families: each module owns its Hugging Face translation (MODEL_TYPES, from_hf,
+# hf_weights) next to its model (jaxlens.models._hf).
+_FAMILY_MODULES = (llama, gemma, gpt_neox, gpt2, bert)
+_MODULE_OF = {kind: m for m in _FAMILY_MODULES for kind in m.MODEL_TYPES}
 
 # The Hugging Face ``model_type`` values config_from_hf reads, and the zoo family of each.
-FAMILIES = {
-  "llama": "llama",
-  "mistral": "llama",
-  "qwen2": "llama",
-  "qwen3": "llama",
-  "gpt_neox": "gpt_neox",
-  "gemma3_text": "gemma3",
-  "gemma2": "gemma3",
-  "gpt2": "gpt2",
-  "bert": "bert",
-}
-
-
-def _neox_config(config, dtype) -> GPTNeoXConfig:
-  rope = config.get("rope_parameters") or {}
-  pct = rope.get("partial_rotary_factor", config.get("rotary_pct", 1.0))
-  return GPTNeoXConfig(
-    vocab_size=config["vocab_size"],
-    d_model=config["hidden_size"],
-    n_layers=config["num_hidden_layers"],
-    n_heads=config["num_attention_heads"],
-    d_mlp=config.get("intermediate_size"),
-    rotary_pct=float(pct),
-    rope_base=_rope_theta(config, config.get("rotary_emb_base", 10000.0)),
-    norm_eps=config.get("layer_norm_eps", 1e-5),
-    parallel_residual=bool(config.get("use_parallel_residual", True)),
-    activation=config.get("hidden_act", "gelu"),
-    attention_bias=bool(config.get("attention_bias", True)),
-    tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-    max_len=config.get("max_position_embeddings", 2048),
-    dtype=dtype,
-  )
-
-
-def _gemma_config(config, dtype) -> Gemma3Config:
-  gemma2 = config.get("model_type") == "gemma2"
-  if config.get("use_bidirectional_attention"):
-    raise LoadError(
-      "Gemma with bidirectional attention is not supported",
-      code="unknown_architecture",
-      tensor=None,
-      received="use_bidirectional_attention",
-      fix="jaxlens.models implements the causal Gemma decoders",
-    )
-  if "text_config" in config:  # a multimodal Gemma3ForConditionalGeneration's config
-    config = {**config["text_config"], "model_type": "gemma3_text"}
-  layer_types = config.get("layer_types")
-  pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
-  theta = _rope_theta(config, 1_000_000.0 if not gemma2 else 10000.0, "full_attention")
-  local = config.get("rope_local_base_freq")
-  if local is None:
-    local = theta if gemma2 else _rope_theta(config, 10000.0, "sliding_attention")
-  heads = config["num_attention_heads"]
-  return Gemma3Config(
-    vocab_size=config["vocab_size"],
-    d_model=config["hidden_size"],
-    n_layers=config["num_hidden_layers"],
-    n_heads=heads,
-    n_kv_heads=config.get("num_key_value_heads") or heads,
-    head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-    d_mlp=config["intermediate_size"],
-    query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", 256)),
-    sliding_window=config.get("sliding_window"),
-    layer_types=tuple(layer_types) if layer_types else None,
-    sliding_window_pattern=int(pattern or (2 if gemma2 else 6)),
-    rope_base=theta,
-    rope_local_base=float(local),
-    norm_eps=config.get("rms_norm_eps", 1e-6),
-    activation=config.get("hidden_activation") or config.get("hidden_act", "gelu_pytorch_tanh"),
-    qk_norm=not gemma2,
-    attn_softcap=config.get("attn_logit_softcapping"),
-    final_softcap=config.get("final_logit_softcapping"),
-    tie_embeddings=bool(config.get("tie_word_embeddings", True)),
-    max_len=config.get("max_position_embeddings", 32768),
-    dtype=dtype,
-  )
+FAMILIES = {kind: m.__name__.rsplit(".", 1)[-1] for kind, m in _MODULE_OF.items()}
 
 
 def config_from_hf(config: Mapping[str, Any], dtype=jnp.float32):
-  """A zoo config from a Hugging Face ``config.json`` dict (``model_type`` picks the family:
-  ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gpt_neox``, ``gemma3_text``, ``gemma2``,
-  ``gpt2``, ``bert``).
+  """A zoo config from a Hugging Face ``config.json`` dict (``model_type`` picks the family;
+  :data:`FAMILIES` lists them).
+
+  Every field is read or known not to change the computation; any other field with a value is
+  refused (``config_unsupported``), so a field jaxlens does not implement never changes the
+  model silently.
 
   Raises:
     LoadError: ``unknown_architecture``; ``config_invalid`` (a field missing, or a size that
-      is not a positive int, a number that is not finite), naming the field.
+      is not a positive int, a number that is not finite, heads that do not divide), and
+      ``config_unsupported`` (a field or value jaxlens does not implement), naming the field.
   """
   if not isinstance(config, Mapping):
     raise LoadError(
@@ -213,19 +116,32 @@ def config_from_hf(config: Mapping[str, Any], dtype=jnp.float32):
       tensor="config.json",
       fix="a Hugging Face config.json",
     )
+  kind = config.get("model_type")
+  family = _MODULE_OF.get(kind) if isinstance(kind, str) else None
+  if family is None:
+    raise LoadError(
+      f"unknown architecture model_type={kind!r}",
+      code="unknown_architecture",
+      tensor=None,
+      received=kind,
+      expected=list(FAMILIES),
+      fix="jaxlens.models loads the families of jaxlens.models.loading.FAMILIES",
+    )
+  reader = _hf.HFConfig(config)
   try:
-    out = _config_from_hf(config, dtype)
+    out = family.from_hf(reader, dtype)
+    reader.finish()
   except LoadError:
     raise
   except KeyError as e:
     raise LoadError(
-      f"config.json has no field {e.args[0]!r}, which a {config.get('model_type')!r} needs",
+      f"config.json has no field {e.args[0]!r}, which a {kind!r} needs",
       code="config_invalid",
       tensor="config.json",
       field=str(e.args[0]),
       fix="a complete Hugging Face config.json of this architecture",
     ) from None
-  except (TypeError, ValueError, AttributeError) as e:
+  except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
     raise LoadError(
       f"config.json has a field of the wrong type ({type(e).__name__}: {e})",
       code="config_invalid",
@@ -250,9 +166,23 @@ _SIZES = (
 )
 
 
+def _invalid(field: str, message: str, value, fix: str) -> LoadError:
+  return LoadError(
+    message,
+    code="config_invalid",
+    tensor="config.json",
+    field=field,
+    received=repr(value)[:40],
+    fix=fix,
+  )
+
+
 def _check_config(config) -> None:
   """Refuses sizes that are not positive ints and numbers that are not finite (a string or a
-  float from a hand-edited or damaged config.json would fail deep inside ``init``)."""
+  float from a hand-edited or damaged config.json would fail deep inside ``init``), and heads
+  that do not divide: query heads not a multiple of the key-value heads, a width the heads do
+  not divide (without an explicit ``head_dim``), an odd rotary width, ``layer_types`` of
+  another length than the layers."""
   for f in dataclasses.fields(config):
     value = getattr(config, f.name)
     if f.name in _SIZES:
@@ -268,85 +198,45 @@ def _check_config(config) -> None:
     else:
       continue
     if not ok:
-      raise LoadError(
+      raise _invalid(
+        f.name,
         f"config.json gives {f.name} = {value!r:.40}, which must be {what}",
-        code="config_invalid",
-        tensor="config.json",
-        field=f.name,
-        received=repr(value)[:40],
-        fix="check config.json against the checkpoint",
+        value,
+        "check config.json against the checkpoint",
       )
-
-
-def _config_from_hf(config: Mapping[str, Any], dtype):
-  kind = config.get("model_type")
-  if kind in ("llama", "mistral", "qwen2", "qwen3"):
-    heads = config["num_attention_heads"]
-    window, layer_types = None, None
-    if kind == "mistral":
-      window = config.get("sliding_window")
-    elif kind in ("qwen2", "qwen3") and config.get("use_sliding_window"):
-      window, layer_types = config.get("sliding_window"), _layer_types(config)
-      if all(t == "full_attention" for t in layer_types):
-        window, layer_types = None, None
-    bias = bool(config.get("attention_bias", False))
-    return LlamaConfig(
-      vocab_size=config["vocab_size"],
-      d_model=config["hidden_size"],
-      n_layers=config["num_hidden_layers"],
-      n_heads=heads,
-      n_kv_heads=config.get("num_key_value_heads") or heads,
-      d_mlp=config["intermediate_size"],
-      head_dim=config.get("head_dim"),
-      rope_base=_rope_theta(config),
-      norm_eps=config.get("rms_norm_eps", 1e-5),
-      tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-      max_len=config.get("max_position_embeddings", 2048),
-      dtype=dtype,
-      qkv_bias=bias or kind == "qwen2",
-      o_bias=bias and kind != "qwen2",
-      qk_norm=kind == "qwen3",
-      sliding_window=window,
-      layer_types=layer_types,
+  heads, kv = config.n_heads, getattr(config, "n_kv_heads", None) or config.n_heads
+  if heads % kv:
+    raise _invalid(
+      "n_kv_heads",
+      f"config.json gives {heads} query heads, not a multiple of its {kv} key-value heads",
+      kv,
+      "num_attention_heads a multiple of num_key_value_heads",
     )
-  if kind == "gpt_neox":
-    return _neox_config(config, dtype)
-  if kind in ("gemma3_text", "gemma3", "gemma2"):
-    return _gemma_config(config, dtype)
-  if kind == "gpt2":
-    return GPT2Config(
-      vocab_size=config["vocab_size"],
-      d_model=config["n_embd"],
-      n_layers=config["n_layer"],
-      n_heads=config["n_head"],
-      d_mlp=config.get("n_inner"),
-      max_len=config["n_positions"],
-      norm_eps=config.get("layer_norm_epsilon", 1e-5),
-      activation=config.get("activation_function", "gelu_new"),
-      tie_embeddings=bool(config.get("tie_word_embeddings", True)),
-      dtype=dtype,
+  if getattr(config, "head_dim", None) is None and config.d_model % heads:
+    raise _invalid(
+      "n_heads",
+      f"config.json's width {config.d_model} is not divisible by its {heads} heads",
+      heads,
+      "hidden_size a multiple of num_attention_heads, or an explicit head_dim",
     )
-  if kind == "bert":
-    return BertConfig(
-      vocab_size=config["vocab_size"],
-      d_model=config["hidden_size"],
-      n_layers=config["num_hidden_layers"],
-      n_heads=config["num_attention_heads"],
-      d_mlp=config["intermediate_size"],
-      max_len=config["max_position_embeddings"],
-      type_vocab_size=config.get("type_vocab_size", 2),
-      norm_eps=config.get("layer_norm_eps", 1e-12),
-      activation=config.get("hidden_act", "gelu"),
-      dtype=dtype,
+  d_head = getattr(config, "d_head", None)
+  rope = getattr(config, "rope", None)
+  rope = rope(0) if callable(rope) else rope
+  if d_head is not None and rope is not None and rope.dims(d_head) % 2:
+    raise _invalid(
+      "rotary",
+      f"the rotary embedding would rotate {rope.dims(d_head)} features per head, an odd number",
+      rope.dims(d_head),
+      "a head_dim (and partial_rotary_factor) that give an even rotary width",
     )
-  raise LoadError(
-    f"unknown architecture model_type={kind!r}",
-    code="unknown_architecture",
-    tensor=None,
-    received=kind,
-    expected=list(FAMILIES),
-    fix="jaxlens.models loads the families of jaxlens.models.loading.FAMILIES",
-  )
+  types = getattr(config, "layer_types", None)
+  if types is not None and len(types) != config.n_layers:
+    raise _invalid(
+      "layer_types",
+      f"config.json's layer_types has {len(types)} entries for {config.n_layers} layers",
+      len(types),
+      "one layer type per layer",
+    )
 
 
 def model_for(config) -> nn.Module:
@@ -365,160 +255,12 @@ _MODELS: dict[type, type] = {
 
 # ------------------------------------------------------------------------ tensor name maps
 
-
-def _t(w):
-  return np.asarray(w).T
-
-
-def _ident(w):
-  return np.asarray(w)
-
-
-def _llama_map(cfg: LlamaConfig):
-  yield ("embed", "embedding"), "model.embed_tokens.weight", _ident
-  for i in range(cfg.n_layers):
-    b, h = f"blocks_{i}", f"model.layers.{i}."
-    yield (b, "ln_1", "weight"), h + "input_layernorm.weight", _ident
-    for p in "qkvo":
-      yield (b, "attn", f"{p}_proj", "kernel"), h + f"self_attn.{p}_proj.weight", _t
-      if (cfg.qkv_bias and p != "o") or (cfg.o_bias and p == "o"):
-        yield (b, "attn", f"{p}_proj", "bias"), h + f"self_attn.{p}_proj.bias", _ident
-    if cfg.qk_norm:
-      for p in "qk":
-        yield (b, "attn", f"{p}_norm", "weight"), h + f"self_attn.{p}_norm.weight", _ident
-    yield (b, "ln_2", "weight"), h + "post_attention_layernorm.weight", _ident
-    for p in ("gate", "up", "down"):
-      yield (b, "mlp", f"{p}_proj", "kernel"), h + f"mlp.{p}_proj.weight", _t
-  yield ("ln_final", "weight"), "model.norm.weight", _ident
-  if not cfg.tie_embeddings:
-    yield ("lm_head", "kernel"), "lm_head.weight", _t
-
-
-def _split3(k):
-  return lambda w: np.split(np.asarray(w), 3, axis=-1)[k]
-
-
-def _gpt2_map(cfg: GPT2Config):
-  yield ("embed", "embedding"), "transformer.wte.weight", _ident
-  yield ("pos_embed", "embedding"), "transformer.wpe.weight", _ident
-  for i in range(cfg.n_layers):
-    b, h = f"blocks_{i}", f"transformer.h.{i}."
-    for ln in ("ln_1", "ln_2"):
-      yield (b, ln, "scale"), h + f"{ln}.weight", _ident
-      yield (b, ln, "bias"), h + f"{ln}.bias", _ident
-    for k, p in enumerate("qkv"):
-      yield (b, "attn", f"{p}_proj", "kernel"), h + "attn.c_attn.weight", _split3(k)
-      yield (b, "attn", f"{p}_proj", "bias"), h + "attn.c_attn.bias", _split3(k)
-    for mod in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
-      for leaf, hf in (("kernel", "weight"), ("bias", "bias")):
-        yield (b, *mod.split("."), leaf), h + f"{mod}.{hf}", _ident  # Conv1D is (in, out)
-  yield ("ln_final", "scale"), "transformer.ln_f.weight", _ident
-  yield ("ln_final", "bias"), "transformer.ln_f.bias", _ident
-  if not cfg.tie_embeddings:
-    yield ("lm_head", "kernel"), "lm_head.weight", _t
-
-
-def _neox_qkv(k, heads):
-  """The ``k``-th of q, k, v from GPT-NeoX's fused projection, whose output rows are per head
-  ``[q | k | v]``; a weight ``(3 d, d_in)`` gives a kernel ``(d_in, d)``, a bias ``(d,)``."""
-
-  def take(w):
-    w = np.asarray(w)
-    rows = w.reshape(heads, 3, -1, *w.shape[1:])[:, k]
-    rows = rows.reshape(-1, *w.shape[1:])
-    return rows.T if rows.ndim == 2 else rows
-
-  return take
-
-
-def _neox_map(cfg: GPTNeoXConfig):
-  yield ("embed", "embedding"), "gpt_neox.embed_in.weight", _ident
-  for i in range(cfg.n_layers):
-    b, h = f"blocks_{i}", f"gpt_neox.layers.{i}."
-    yield from _norm((b, "ln_1"), h + "input_layernorm")
-    yield from _norm((b, "ln_2"), h + "post_attention_layernorm")
-    for k, p in enumerate("qkv"):
-      yield (
-        (b, "attn", f"{p}_proj", "kernel"),
-        h + "attention.query_key_value.weight",
-        _neox_qkv(k, cfg.n_heads),
-      )
-      if cfg.attention_bias:
-        yield (
-          (b, "attn", f"{p}_proj", "bias"),
-          h + "attention.query_key_value.bias",
-          _neox_qkv(k, cfg.n_heads),
-        )
-    if cfg.attention_bias:
-      yield from _dense((b, "attn", "dense"), h + "attention.dense")
-    else:
-      yield (b, "attn", "dense", "kernel"), h + "attention.dense.weight", _t
-    yield from _dense((b, "mlp", "dense_h_to_4h"), h + "mlp.dense_h_to_4h")
-    yield from _dense((b, "mlp", "dense_4h_to_h"), h + "mlp.dense_4h_to_h")
-  yield from _norm(("ln_final",), "gpt_neox.final_layer_norm")
-  if not cfg.tie_embeddings:
-    yield ("lm_head", "kernel"), "lm_head.weight", _t
-
-
-def _gemma_map(cfg: Gemma3Config):
-  yield ("embed", "embedding"), "model.embed_tokens.weight", _ident
-  norms = {
-    "ln_1": "input_layernorm",
-    "ln_1_post": "post_attention_layernorm",
-    "ln_2": "pre_feedforward_layernorm",
-    "ln_2_post": "post_feedforward_layernorm",
-  }
-  for i in range(cfg.n_layers):
-    b, h = f"blocks_{i}", f"model.layers.{i}."
-    for ours, theirs in norms.items():
-      yield (b, ours, "weight"), h + f"{theirs}.weight", _ident
-    for p in "qkvo":
-      yield (b, "attn", f"{p}_proj", "kernel"), h + f"self_attn.{p}_proj.weight", _t
-    if cfg.qk_norm:
-      for p in "qk":
-        yield (b, "attn", f"{p}_norm", "weight"), h + f"self_attn.{p}_norm.weight", _ident
-    for p in ("gate", "up", "down"):
-      yield (b, "mlp", f"{p}_proj", "kernel"), h + f"mlp.{p}_proj.weight", _t
-  yield ("ln_final", "weight"), "model.norm.weight", _ident
-  if not cfg.tie_embeddings:
-    yield ("lm_head", "kernel"), "lm_head.weight", _t
-
-
-def _dense(path, hf):
-  yield (*path, "kernel"), hf + ".weight", _t
-  yield (*path, "bias"), hf + ".bias", _ident
-
-
-def _norm(path, hf):
-  yield (*path, "scale"), hf + ".weight", _ident
-  yield (*path, "bias"), hf + ".bias", _ident
-
-
-def _bert_map(cfg: BertConfig, pooler: bool = True):
-  e = "bert.embeddings."
-  yield ("embed", "embedding"), e + "word_embeddings.weight", _ident
-  yield ("pos_embed", "embedding"), e + "position_embeddings.weight", _ident
-  yield ("type_embed", "embedding"), e + "token_type_embeddings.weight", _ident
-  yield from _norm(("ln_embed",), e + "LayerNorm")
-  for i in range(cfg.n_layers):
-    b, h = f"blocks_{i}", f"bert.encoder.layer.{i}."
-    for p, hf in (("q", "query"), ("k", "key"), ("v", "value")):
-      yield from _dense((b, "attn", f"{p}_proj"), h + f"attention.self.{hf}")
-    yield from _dense((b, "attn", "o_proj"), h + "attention.output.dense")
-    yield from _norm((b, "ln_1"), h + "attention.output.LayerNorm")
-    yield from _dense((b, "mlp", "up"), h + "intermediate.dense")
-    yield from _dense((b, "mlp", "down"), h + "output.dense")
-    yield from _norm((b, "ln_2"), h + "output.LayerNorm")
-  if pooler:
-    yield from _dense(("pooler",), "bert.pooler.dense")
-
-
 _MAPS: dict[type, Callable] = {
-  LlamaConfig: _llama_map,
-  GPT2Config: _gpt2_map,
-  BertConfig: _bert_map,
-  GPTNeoXConfig: _neox_map,
-  Gemma3Config: _gemma_map,
+  LlamaConfig: llama.hf_weights,
+  GPT2Config: gpt2.hf_weights,
+  BertConfig: bert.hf_weights,
+  GPTNeoXConfig: gpt_neox.hf_weights,
+  Gemma3Config: gemma.hf_weights,
 }
 _PREFIXES = ("model.", "transformer.", "bert.", "gpt_neox.")
 # Older names of a tensor: GPT-NeoX checkpoints before transformers 5 call the head embed_out.

