@@ -1,0 +1,195 @@
+"""Patchscopes (Ghandeharioun et al., 2024): a source prompt's residual stream at (layer,
+position) written into a target prompt's position at a target layer, and the target run read
+out, over every source layer x target layer in one compiled program."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlens import core as jl
+from jaxlens import generation
+from jaxlens import intervention as ji
+from jaxlens.lens._logit import check_layers, lens_sites, residuals
+from jaxlens.lens._readout import LensError
+
+__all__ = ["PatchscopeGeneration", "patchscope", "patchscope_generate"]
+
+
+def _check_position(position, seq: int, what: str) -> int:
+  if not isinstance(position, (int, np.integer)) or not -seq <= position < seq:
+    raise LensError(
+      f"{what} {position!r} is outside the sequence of {seq} tokens",
+      code="index_out_of_range",
+      expected=f"an int in [{-seq}, {seq})",
+      received=repr(position),
+      fix=f"{what}=-1 (the last token)",
+    )
+  return int(position) % seq
+
+
+def _sources(model, variables, source, position, layers, attention_mask):
+  source = jnp.asarray(source)
+  position = _check_position(position, source.shape[1], "source_position")
+  res = residuals(model, variables, source, layers=layers, attention_mask=attention_mask)
+  return res[:, :, position]  # (n_src, batch, d)
+
+
+def _patch_rules(model, target_layers, target_position, row_layer, vectors):
+  """One rule per target layer's site: the rows whose ``row_layer`` is that layer get
+  ``vectors`` (rows, d) at ``target_position``; the others keep their value."""
+  sites = lens_sites(model)
+
+  def rule(j):
+    def write(x):
+      on = (row_layer == j)[:, None]
+      v = vectors.astype(x.dtype)
+      return x.at[:, target_position].set(jnp.where(on, v, x[:, target_position]))
+
+    return jl.when(jl.label(sites[j]), ji.hook(write))
+
+  return [rule(j) for j in dict.fromkeys(target_layers)]
+
+
+def patchscope(
+  model,
+  variables,
+  source,
+  target,
+  *,
+  source_position: int = -1,
+  target_position: int = -1,
+  source_layers=None,
+  target_layers=None,
+  read=None,
+  attention_mask=None,
+):
+  """Patchscope grid: every source layer's residual at ``source_position`` written into the
+  target prompt at ``target_position`` at every target layer, in one compiled program (the
+  grid is a ``jax.vmap`` over a patch, not a loop of forwards).
+
+  Layers are the lens's (:func:`jaxlens.lens.lens_sites`): layer ``i < n_layers`` is the
+  residual stream entering block ``i``; layer ``n_layers`` the last block's output.
+
+  Args:
+    model: a decoder of :mod:`jaxlens.models`.
+    variables: its variables.
+    source: int ``(batch, seq)`` the source prompt(s).
+    target: int ``(batch or 1, seq_t)`` the target prompt (e.g. an identity prompt
+      ``"cat -> cat; 1135 -> 1135; hello -> hello; ? ->"``).
+    source_position, target_position: the positions read and written.
+    source_layers, target_layers: lens layers (None: all ``n_layers + 1``).
+    read: a function of the patched run's logits ``(batch, seq_t, vocab)`` returning what is
+      kept per cell; default the logits at ``target_position`` ``(batch, vocab)``.
+    attention_mask: the source's padding mask (the target is not padded).
+
+  Returns:
+    ``read``'s value for each cell, stacked ``(len(source_layers), len(target_layers), ...)``.
+
+  Raises:
+    LensError: ``index_out_of_range`` (a layer or position).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxlens import lens
+    >>> from jaxlens.models import Llama, LlamaConfig
+    >>> model = Llama(LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4,
+    ...                           n_kv_heads=2, d_mlp=48))
+    >>> tokens = jnp.arange(6)[None]
+    >>> variables = model.init(jax.random.key(0), tokens)
+    >>> lens.patchscope(model, variables, tokens, tokens[:, :4]).shape
+    (3, 3, 1, 64)
+  """
+  src_layers = check_layers(model, source_layers, what="source_layers")
+  tgt_layers = check_layers(model, target_layers, what="target_layers")
+  target = jnp.asarray(target)
+  tpos = _check_position(target_position, target.shape[1], "target_position")
+  vectors = _sources(model, variables, source, source_position, src_layers, attention_mask)
+  batch = vectors.shape[1]
+  target = jnp.broadcast_to(target, (batch, target.shape[1]))
+  read = functools.partial(_at_position, position=tpos) if read is None else read
+  layer_ids = jnp.asarray(tgt_layers, jnp.int32)
+  return _grid(
+    model, variables, target, vectors, layer_ids, tgt_layers=tgt_layers, tpos=tpos, read=read
+  )
+
+
+def _at_position(logits, position):
+  return logits[:, position]
+
+
+@functools.partial(jax.jit, static_argnames=("model", "tgt_layers", "tpos", "read"))
+def _grid(model, variables, target, vectors, layer_ids, *, tgt_layers, tpos, read):
+  """The grid as one program (cached by the model, layers, position and ``read``)."""
+
+  def cell(vector, layer):  # vector (batch, d), layer: the target layer (traced)
+    row_layer = jnp.broadcast_to(layer, vector.shape[:1])
+    spec = _patch_rules(model, tgt_layers, tpos, row_layer, vector)
+    return read(jl.trace(model, variables, target, intervene=spec, save=False).output)
+
+  over_targets = jax.vmap(cell, in_axes=(None, 0))
+  return jax.vmap(over_targets, in_axes=(0, None))(vectors, layer_ids)
+
+
+class PatchscopeGeneration(NamedTuple):
+  """What :func:`patchscope_generate` returns.
+
+  Attributes:
+    tokens: ``(len(source_layers), len(target_layers), batch, max_new_tokens)`` the new tokens.
+    generation: the underlying :class:`jaxlens.generation.Generation` (its rows are the cells,
+      source layer major).
+  """
+
+  tokens: Any
+  generation: Any
+
+
+def patchscope_generate(
+  model,
+  variables,
+  source,
+  target,
+  max_new_tokens: int = 8,
+  *,
+  source_position: int = -1,
+  target_position: int = -1,
+  source_layers=None,
+  target_layers=None,
+  attention_mask=None,
+) -> PatchscopeGeneration:
+  """Generation-based patchscope: the target prompt continued by :func:`jaxlens.generate`
+  with the patch written in the prefill call; the patched position's keys and values stay in
+  the KV cache, so every new token sees the patch (it is held at its position). Every cell of
+  the source layers x target layers grid is one row of one generation.
+
+  Args:
+    model, variables, source, target, source_position, target_position, source_layers,
+      target_layers, attention_mask: as :func:`patchscope`.
+    max_new_tokens: how many tokens to generate (greedy).
+
+  Returns:
+    A :class:`PatchscopeGeneration`.
+  """
+  src_layers = check_layers(model, source_layers, what="source_layers")
+  tgt_layers = check_layers(model, target_layers, what="target_layers")
+  target = jnp.asarray(target)
+  tpos = _check_position(target_position, target.shape[1], "target_position")
+  vectors = _sources(model, variables, source, source_position, src_layers, attention_mask)
+  n_src, batch, d = vectors.shape
+  n_tgt = len(tgt_layers)
+  # Rows: source layer major, then target layer, then the batch.
+  rows = jnp.broadcast_to(vectors[:, None], (n_src, n_tgt, batch, d)).reshape(-1, d)
+  row_layer = jnp.broadcast_to(
+    jnp.asarray(tgt_layers, jnp.int32)[None, :, None], (n_src, n_tgt, batch)
+  ).reshape(-1)
+  prompt = jnp.broadcast_to(target, (batch, target.shape[1]))
+  prompt = jnp.broadcast_to(prompt[None], (n_src * n_tgt, *prompt.shape)).reshape(
+    -1, target.shape[1]
+  )
+  spec = _patch_rules(model, tgt_layers, tpos, row_layer, rows)
+  gen = generation.generate(model, variables, prompt, max_new_tokens, prefill=spec)
+  return PatchscopeGeneration(gen.tokens.reshape(n_src, n_tgt, batch, -1), gen)
