@@ -7,6 +7,7 @@ edit builders from :mod:`jaxlens.intervention`, never from the root, so the pack
 graph points one way: root -> tools -> core / intervention -> ``jaxlens._src``.
 """
 
+from jaxlens._src.checkpoints import CheckpointError as CheckpointError
 from jaxlens._src.compile_cache import compilation_cache_dir as compilation_cache_dir
 from jaxlens._src.compile_cache import set_compilation_cache as set_compilation_cache
 from jaxlens._src.dependence import depends_on as depends_on
@@ -41,6 +42,7 @@ from jaxlens._src.tracing import Trace as Trace
 from jaxlens._src.tracing import trace as trace
 
 __all__ = [
+  "CheckpointError",
   "GradientContractError",
   "InvalidArgumentError",
   "JaxlensError",

@@ -9,6 +9,8 @@ release, but not part of the user API. A tool imports them from here, never from
 """
 
 from jaxlens._src.checkpoints import Checkpoints as Checkpoints
+from jaxlens._src.checkpoints import check_every as check_every
+from jaxlens._src.checkpoints import signature as signature
 from jaxlens._src.doors import as_spec as as_spec
 from jaxlens._src.edit import Donor as Donor
 from jaxlens._src.edit import split_over_processes as split_over_processes
@@ -68,6 +70,7 @@ __all__ = [
   "as_spec",
   "boundary_mask",
   "capture",
+  "check_every",
   "grads_at_sites",
   "hits",
   "html_page",
@@ -76,6 +79,7 @@ __all__ = [
   "reset_warnings",
   "selector_view",
   "show",
+  "signature",
   "spec_view",
   "split_over_processes",
   "takes_hook_keyword",

@@ -102,8 +102,9 @@ def test_checkpoint_resume_is_identical(tmp_path):
       checkpoint_dir=tmp_path / "ck",
       checkpoint_every=5,
     )
-  # Orbax's layout: one directory per saved step (the last two kept), the state and a JSON item.
-  assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["10", "5"]
+  # Orbax's layout: one directory per saved step (the last two kept), the state and a JSON
+  # item; and the lock file of the run that has it open.
+  assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".jaxlens-lock", "10", "5"]
   assert sorted(
     p.name for p in (tmp_path / "ck" / "10").iterdir() if "meta" in p.name or "state" in p.name
   ) == ["meta", "state"]

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlens import core as jl
-from jaxlens.internal import Checkpoints, require
+from jaxlens.internal import Checkpoints, require, signature
 from jaxlens.intervention import zero_ablate
 from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder, batch_topk_relu, topk_relu
 from jaxlens.sae._splice import splice
@@ -137,6 +137,12 @@ class TrainConfig:
       bad("b_dec_init", f"{self.b_dec_init!r} is not 'mean' or 'zeros'", 'b_dec_init="mean"')
     if self.skip and not self.transcoder:
       bad("skip", "a skip connection is for transcoders", "transcoder=True, skip=True")
+    try:
+      floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      bad("dtype", f"{self.dtype!r} is not a float dtype", 'dtype="float32"')
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,6 +389,34 @@ def _normalise_rows(w):
   return w / jnp.linalg.norm(w, axis=-1, keepdims=True)
 
 
+def _finite_tree(tree):
+  leaves = [jnp.all(jnp.isfinite(a)) for a in jax.tree.leaves(tree)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def _not_finite(batch_finite: bool, index: int, step: int) -> SAEError:
+  """The error for a step whose loss or gradient is not finite (no checkpoint holds it)."""
+  if not batch_finite:
+    return SAEError(
+      f"batch {index} (step {step}) holds NaN or infinite values: training stopped (the "
+      "checkpoints hold only steps before it)",
+      code="batch_not_finite",
+      field="data",
+      fix="drop or repair that batch",
+      batch=index,
+      step=step,
+    )
+  return SAEError(
+    f"the loss or its gradient is NaN or infinite at step {step} (batch {index}, whose values "
+    "are finite): training diverged and stopped (the checkpoints hold only steps before it)",
+    code="loss_not_finite",
+    field="data",
+    fix="a smaller lr, or grad_clip",
+    batch=index,
+    step=step,
+  )
+
+
 def make_step(cfg: TrainConfig, tx):
   """The train step ``(state, x, target) -> (state, metrics)`` (not jitted)."""
   optax = require("optax", feature="jaxlens.sae.train", extra="sae")
@@ -424,6 +458,10 @@ def make_step(cfg: TrainConfig, tx):
       "explained_variance": explained_variance(tgt, out),
       "l0": jnp.mean(jnp.sum(acts != 0, axis=-1).astype(jnp.float32)),
       "dead_fraction": jnp.mean(dead.astype(jnp.float32)),
+      # Read by train's _flush (not metrics): whether the step's loss and gradient, and the
+      # batch, were finite.
+      "_finite": jnp.isfinite(total) & _finite_tree(grads),
+      "_batch_finite": _finite_tree((x, target)),
     }
     return State(new, opt_state, state.step + 1, since, threshold), metrics
 
@@ -507,20 +545,8 @@ class Trained:
     return float(dead.mean())
 
 
-def _signature(state: State) -> dict:
-  """What a checkpoint must share with a run to resume it: the state's structure (the
-  dictionary's configuration included) and each leaf's shape and dtype."""
-  leaves, treedef = jax.tree.flatten(state)
-  return {
-    "treedef": str(treedef),
-    "leaves": [[list(np.shape(a)), str(jnp.result_type(a))] for a in leaves],
-  }
-
-
 def _checkpoints(directory, every: int):
-  return Checkpoints(
-    directory, every, meta=True, feature="jaxlens.sae.train checkpoints", extra="sae"
-  )
+  return Checkpoints(directory, every, feature="jaxlens.sae.train checkpoints", extra="sae")
 
 
 def _restore(ckpt, state: State, directory):
@@ -528,7 +554,7 @@ def _restore(ckpt, state: State, directory):
   meta = ckpt.restore_meta()
   if meta is None:
     return None
-  if meta.get("signature") != _signature(state):
+  if meta["signature"] != signature(state):
     raise SAEError(
       f"the checkpoint in {directory} is of another configuration (its state has another "
       "structure, shape or dtype)",
@@ -536,19 +562,15 @@ def _restore(ckpt, state: State, directory):
       field="checkpoint_dir",
       fix="a new checkpoint_dir, or the TrainConfig the checkpoint was written with",
     )
-  return ckpt.restore(state), meta["consumed"], meta["metrics"]
+  return ckpt.restore(state, meta), meta["consumed"], meta["metrics"]
 
 
-def _save(ckpt, state: State, consumed: int, metrics: dict, signature: dict):
-  step = int(state.step)
-  if ckpt.latest_step() == step:
-    return
+def _save(ckpt, state: State, consumed: int, metrics: dict):
   meta = {
     "consumed": consumed,
-    "signature": signature,
     "metrics": {k: [float(v) for v in vs] for k, vs in metrics.items()},
   }
-  ckpt.save(step, state, meta, force=True)
+  ckpt.save(int(state.step), state, meta, force=True)
 
 
 def _split_batch(batch, transcoder: bool):
@@ -575,9 +597,66 @@ def _split_batch(batch, transcoder: bool):
   return batch, None
 
 
-def _rows(a):
-  a = jnp.asarray(a)
-  return a.reshape(-1, a.shape[-1])
+def _rows(a, index: int, features=None):
+  """Batch ``index`` as ``(rows, d)``, refused unless a non-empty float array (with the
+  first batch's feature size ``features``)."""
+  try:
+    a = jnp.asarray(a)
+  except (TypeError, ValueError) as error:
+    raise SAEError(
+      f"batch {index} is not an array ({type(error).__name__}: {error})",
+      code="sae_batch_invalid",
+      field="data",
+      fix="batches of (rows, d_in) float arrays",
+    ) from None
+  if a.ndim < 1 or a.size == 0 or not jnp.issubdtype(a.dtype, jnp.floating):
+    raise SAEError(
+      f"batch {index} must be a non-empty float array of (rows, d_in), got "
+      f"{a.dtype}{list(a.shape)}",
+      code="sae_batch_invalid",
+      field="data",
+      fix="batches of (rows, d_in) float arrays",
+    )
+  a = a.reshape(-1, a.shape[-1])
+  if features is not None and a.shape[1:] != features:
+    raise SAEError(
+      f"batch {index} has {a.shape[-1]} features, the first batch {features[0]}",
+      code="sae_batch_invalid",
+      field="data",
+      fix="batches of one site (one feature size)",
+    )
+  return a
+
+
+def _check_init(init, config: TrainConfig, fx, fy):
+  """``init`` is a dictionary of the configuration's kind and size that fits the data."""
+  kind = Transcoder if config.transcoder else SAE
+  if not isinstance(init, SAE) or isinstance(init, Transcoder) != config.transcoder:
+    raise SAEError(
+      f"init must be a {kind.__name__} (config.transcoder={config.transcoder}), got "
+      f"{type(init).__name__}",
+      code="sae_config_invalid",
+      field="init",
+      fix=f"init={kind.__name__}(...) or None",
+    )
+  if init.d_sae != config.d_sae:
+    raise SAEError(
+      f"init has {init.d_sae} features, the config's d_sae {config.d_sae}",
+      code="sae_config_invalid",
+      field="init",
+      fix=f"TrainConfig(d_sae={init.d_sae}, ...)",
+    )
+  want = [("d_in", init.d_in, fx.shape[-1])]
+  if fy is not None:
+    want.append(("d_out", init.d_out, fy.shape[-1]))
+  for name, have, data in want:
+    if have != data:
+      raise SAEError(
+        f"init's {name} is {have}, the data's {data} features",
+        code="sae_shape_mismatch",
+        field="init",
+        fix=f"a dictionary of {name}={data}",
+      )
 
 
 def train(
@@ -620,16 +699,27 @@ def train(
     A :class:`Trained`.
 
   Raises:
-    SAEError: ``sae_batch_invalid`` (no batches, or batches of the wrong kind),
-      ``sae_checkpoint_mismatch``, ``sae_config_invalid``.
+    SAEError: ``sae_batch_invalid`` (no batches, or batches of the wrong kind, shape or
+      dtype), ``sae_checkpoint_mismatch``, ``sae_config_invalid`` (an argument, or an
+      ``init`` of another kind or size), ``sae_shape_mismatch`` (an ``init`` whose ``d_in``
+      differs from the data's), ``batch_not_finite`` / ``loss_not_finite`` (a batch holding
+      NaN or infinity, or a diverged step: ``fields["batch"]`` and ``fields["step"]`` name it;
+      the metrics are read every ``log_every`` steps, so training stops within that many).
+    jaxlens.CheckpointError: a checkpoint directory that is a file, locked by another run,
+      damaged, or on a full disk (``disk_full``).
   """
-  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-    raise SAEError(
-      f"steps must be a positive int, got {steps!r}",
-      code="sae_config_invalid",
-      field="steps",
-      fix="steps=1000",
-    )
+  for name, value, fix in (
+    ("steps", steps, "steps=1000"),
+    ("log_every", log_every, "log_every=10"),
+    ("checkpoint_every", checkpoint_every, "checkpoint_every=1000"),
+  ):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise SAEError(
+        f"{name} must be a positive int, got {value!r}",
+        code="sae_config_invalid",
+        field=name,
+        fix=fix,
+      )
   iterator = iter(data)
   try:
     first = next(iterator)
@@ -641,9 +731,18 @@ def train(
       fix="an iterator of (rows, d_in) arrays",
     ) from None
   fx, fy = _split_batch(first, config.transcoder)
-  fx = _rows(fx)
-  fy = None if fy is None else _rows(fy)
+  fx = _rows(fx, 0)
+  fy = None if fy is None else _rows(fy, 0)
   rows = fx.shape[0]
+  if fy is not None and fy.shape[0] != rows:
+    raise SAEError(
+      f"a transcoder's x and y must have as many rows, got {rows} and {fy.shape[0]}",
+      code="sae_batch_invalid",
+      field="data",
+      fix="pairs of activations of the same tokens",
+    )
+  if init is not None:
+    _check_init(init, config, fx, fy)
   if mesh is None:
     init_state, jitted = _compiled(config, steps)
 
@@ -675,53 +774,52 @@ def train(
   history: dict[str, list] = {}
   consumed = 0
   ckpt = None if checkpoint_dir is None else _checkpoints(checkpoint_dir, checkpoint_every)
-  signature = _signature(state)
-  restored = None if ckpt is None else _restore(ckpt, state, checkpoint_dir)
-  if restored is not None:
-    state, consumed, history = restored
-    if mesh is not None:
-      state = jax.device_put(state, replicated)
 
   def batches():
     yield first
     yield from iterator
 
   bar = None
-  if progress:
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=steps, initial=consumed, desc="sae.train", unit="step", leave=False)
   pending = []
-  done = int(state.step)
-  position = consumed
   try:
+    restored = None if ckpt is None else _restore(ckpt, state, checkpoint_dir)
+    if restored is not None:
+      state, consumed, history = restored
+      if mesh is not None:
+        state = jax.device_put(state, replicated)
+    if progress:
+      from tqdm.auto import tqdm
+
+      bar = tqdm(total=steps, initial=consumed, desc="sae.train", unit="step", leave=False)
+    done = int(state.step)
+    position = consumed
     for i, batch in enumerate(batches()):
       if i < consumed:
         continue  # resumed: already trained on
       if done >= steps:
         break
       x, y = _split_batch(batch, config.transcoder)
-      x = _rows(x)
-      y = None if y is None else _rows(y)
+      x = _rows(x, i, fx.shape[1:])
+      y = None if y is None else _rows(y, i, fy.shape[1:])
       position = i + 1
-      if x.shape[0] != rows:
+      if x.shape[0] != rows or (y is not None and y.shape[0] != rows):
         continue  # a short last batch would recompile the step and change BatchTopK's k
       state, metrics = jitted(state, put(x), put(y))
       done += 1
-      pending.append((done, metrics))
+      pending.append((done, i, metrics))
       if done % log_every == 0 or done == steps:
         _flush(pending, history, bar, callback)
       if ckpt is not None and done % checkpoint_every == 0:
         _flush(pending, history, bar, callback)
-        _save(ckpt, state, position, history, signature)
+        _save(ckpt, state, position, history)
     _flush(pending, history, bar, callback)
     if ckpt is not None:
-      _save(ckpt, state, position, history, signature)
+      _save(ckpt, state, position, history)
   finally:
     if bar is not None:
       bar.close()
     if ckpt is not None:
-      ckpt.close()  # waits for the saves in flight
+      ckpt.close()  # releases the directory's lock
   metrics = {k: np.asarray(v) for k, v in history.items()}
   return Trained(state.sae, state, metrics, config)
 
@@ -729,8 +827,12 @@ def train(
 def _flush(pending, history, bar, callback):
   if not pending:
     return
-  read = jax.device_get([m for _, m in pending])
-  for (step, _), m in zip(pending, read):
+  read = jax.device_get([m for _, _, m in pending])
+  for (step, index, _), m in zip(pending, read):
+    finite, batch_finite = bool(m.pop("_finite")), bool(m.pop("_batch_finite"))
+    if not finite:
+      pending.clear()
+      raise _not_finite(batch_finite, index, step)
     history.setdefault("step", []).append(step)
     for k, v in m.items():
       history.setdefault(k, []).append(float(v))

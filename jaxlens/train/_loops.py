@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxlens import internal
 from jaxlens.core import GradientContractError, InvalidArgumentError, depends_on, trace, when
-from jaxlens.internal import as_selector
+from jaxlens.internal import as_selector, check_every
 from jaxlens.intervention import at_positions
 from jaxlens.train._methods import frozen_leaves
 
@@ -85,6 +85,72 @@ def _replicate(tree, mesh):
 
 # Checkpoints: orbax, through the helper jaxlens.sae.train shares.
 _Checkpoints = internal.Checkpoints
+
+
+def _all_finite(tree):
+  """Whether every float leaf of ``tree`` is finite (a traced bool)."""
+  leaves = [jnp.asarray(a) for a in jax.tree.leaves(tree)]
+  checks = [jnp.all(jnp.isfinite(a)) for a in leaves if jnp.issubdtype(a.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
+def _not_finite(batch_finite: bool, index: int, step: int) -> InvalidArgumentError:
+  """The error for a step whose loss or gradient is not finite; the parameters, the
+  optimiser state and the checkpoints stay those before the step."""
+  if not batch_finite:
+    return InvalidArgumentError(
+      f"batch {index} (step {step}) holds NaN or infinite values; training stopped before "
+      "the step changed the parameters",
+      code="batch_not_finite",
+      fix="drop or repair that batch (checkpoints keep the steps before it)",
+      batch=index,
+      step=step,
+    )
+  return InvalidArgumentError(
+    f"the loss or its gradient is NaN or infinite at step {step} (batch {index}, whose values "
+    "are finite): training diverged; stopped before the step changed the parameters",
+    code="loss_not_finite",
+    fix="a smaller learning rate, or a readout whose logits stay finite",
+    batch=index,
+    step=step,
+  )
+
+
+def _positive_int(value, name: str, fix: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise InvalidArgumentError(
+      f"{name} must be a positive int, got {value!r}",
+      code="invalid_argument",
+      fix=fix,
+      expected="int >= 1",
+      received=repr(value),
+    )
+  return int(value)
+
+
+def _check_batches(batches, keys):
+  """``batches`` is a function of the step or a non-empty sequence of dicts holding ``keys``
+  (the first batch is checked; a function's too)."""
+  if not callable(batches):
+    if isinstance(batches, dict) or not isinstance(batches, Sequence) or not len(batches):
+      raise InvalidArgumentError(
+        f"batches must be a non-empty sequence of dicts or a function of the step, got "
+        f"{type(batches).__name__}" + (" of length 0" if hasattr(batches, "__len__") else ""),
+        code="invalid_argument",
+        fix="batches=[{" + ", ".join(f'"{k}": ...' for k in keys) + "}, ...]",
+      )
+  first = _batch_at(batches, 0)
+  missing = [k for k in keys if not isinstance(first, dict) or k not in first]
+  if missing:
+    raise InvalidArgumentError(
+      f"a batch must be a dict with keys {list(keys)}; the first lacks {missing}"
+      if isinstance(first, dict)
+      else f"a batch must be a dict with keys {list(keys)}, got {type(first).__name__}",
+      code="invalid_argument",
+      fix="{" + ", ".join(f'"{k}": ...' for k in keys) + "}",
+      expected=list(keys),
+      received=sorted(first) if isinstance(first, dict) else type(first).__name__,
+    )
 
 
 def _progress(total, initial, enabled, desc):
@@ -153,6 +219,8 @@ def _loop(
         fix="train_iit(..., steps=200)",
       )
     steps = len(batches)
+  steps = _positive_int(steps, "steps", "steps=200")
+  check_every(checkpoint_every)
   trained = params if frozen else (params, variables)
   tx = _optimizer(optimizer, params) if frozen else _co_optimizer(optimizer, params, variables)
   opt_state = tx.init(trained)
@@ -169,7 +237,8 @@ def _loop(
     # promotion refuses; the update runs under standard promotion (the loss does not).
     with jax.numpy_dtype_promotion("standard"):
       updates, state = tx.update(grads, state, t)
-      return optax.apply_updates(t, updates), state, value
+      new = optax.apply_updates(t, updates)
+    return new, state, value, _all_finite((value, grads)), _all_finite(batch)
 
   first = _shard(_batch_at(batches, 0), mesh, data_axis)
   depends = _check_depends(
@@ -183,21 +252,27 @@ def _loop(
 
   start = 0
   ckpt = _Checkpoints(checkpoint, checkpoint_every) if checkpoint is not None else None
-  if ckpt is not None:
-    state = {"trained": trained, "opt_state": opt_state, "step": jnp.asarray(0)}
-    restored = ckpt.restore(state)
-    if restored is not None:
-      trained, opt_state, start = restored["trained"], restored["opt_state"], int(restored["step"])
-  trained, opt_state = _replicate(trained, mesh), _replicate(opt_state, mesh)
-  variables = _replicate(variables, mesh)
   losses = []
-  bar = _progress(steps, start, progress, desc)
+  bar = None
   try:
+    if ckpt is not None:
+      state = {"trained": trained, "opt_state": opt_state, "step": jnp.asarray(0)}
+      restored = ckpt.restore(state)
+      if restored is not None:
+        trained, opt_state = restored["trained"], restored["opt_state"]
+        start = int(restored["step"])
+    trained, opt_state = _replicate(trained, mesh), _replicate(opt_state, mesh)
+    variables = _replicate(variables, mesh)
+    bar = _progress(steps, start, progress, desc)
     for step in range(start, steps):
+      index = step if callable(batches) else step % len(batches)
       batch = _shard(_batch_at(batches, step), mesh, data_axis)
-      trained, opt_state, value = train_step(
+      new_trained, new_state, value, finite, batch_finite = train_step(
         trained, variables, opt_state, batch, jnp.asarray(step)
       )
+      if not bool(finite):
+        raise _not_finite(bool(batch_finite), index, step)
+      trained, opt_state = new_trained, new_state
       losses.append(value)
       if bar is not None:
         bar.update(1)
@@ -207,7 +282,7 @@ def _loop(
         ckpt.save(
           step + 1, {"trained": trained, "opt_state": opt_state, "step": jnp.asarray(step + 1)}
         )
-    if ckpt is not None:
+    if ckpt is not None and start < steps:
       ckpt.save(
         steps, {"trained": trained, "opt_state": opt_state, "step": jnp.asarray(steps)}, force=True
       )
@@ -317,13 +392,26 @@ def train_iit(
       parameters replicated.
     data_axis: the mesh axis the batch is split over.
     checkpoint: a directory: the state is saved every ``checkpoint_every`` steps and at the
-      end (orbax), and a later call with the same directory resumes from the last save.
+      end (orbax), and a later call with the same directory resumes from the last save (a
+      call after the run finished returns its result, with no loss: no step is run). One
+      run at a time trains into a directory (a lock file in it).
     checkpoint_every: steps between checkpoints.
     progress: show a tqdm progress bar.
 
   Returns:
     a :class:`TrainResult`.
+
+  Raises:
+    InvalidArgumentError: ``invalid_argument`` (a batch without ``base``, ``source`` or
+      ``label``, no batches, a step count or interval that is not a positive int);
+      ``batch_not_finite`` / ``loss_not_finite``: a batch holding NaN or infinity, or a step
+      whose loss or gradient is not (``fields["batch"]``, ``fields["step"]``): training stops
+      before that step changes the parameters or reaches a checkpoint.
+    jaxlens.CheckpointError: the checkpoint directory is a file, locked by another run,
+      damaged, of another configuration (``checkpoint_mismatch``) or unwritable
+      (``disk_full``).
   """
+  _check_batches(batches, ("base", "source", "label") if method.needs_source else ("base", "label"))
   optimizer = _optax().adam(1e-3) if optimizer is None else optimizer
   steps_total = steps if steps is not None else (None if callable(batches) else len(batches))
   temperature_of = getattr(method, "temperature", None)
@@ -430,6 +518,39 @@ def answer_batch(pairs, pad_token: int = 0):
   return {"tokens": tokens, "targets": targets, "weights": weights}
 
 
+def _check_pairs(pairs):
+  if isinstance(pairs, (str, bytes, dict)) or not isinstance(pairs, Sequence) or not len(pairs):
+    raise InvalidArgumentError(
+      f"pairs must be a non-empty sequence of (prompt_tokens, answer_tokens), got "
+      f"{type(pairs).__name__}" + (" of length 0" if hasattr(pairs, "__len__") else ""),
+      code="invalid_argument",
+      fix="pairs=[([1, 2, 3], [4, 5]), ...]",
+    )
+  for i, pair in enumerate(pairs):
+    try:
+      prompt, answer = pair
+      sizes = np.size(prompt), np.size(answer)
+    except (TypeError, ValueError):
+      sizes = None
+    if sizes is None or min(sizes) < 1:
+      raise InvalidArgumentError(
+        f"pairs[{i}] is not a (prompt_tokens, answer_tokens) pair of non-empty token lists",
+        code="invalid_argument",
+        fix="pairs=[([1, 2, 3], [4, 5]), ...]",
+        received=repr(pair)[:80],
+      )
+
+
+def _check_seed(seed):
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+    raise InvalidArgumentError(
+      f"seed must be an int in [0, 2**32), got {seed!r}",
+      code="invalid_seed",
+      fix="seed=0",
+      received=repr(seed),
+    )
+
+
 def train_reft(
   model,
   variables,
@@ -469,6 +590,10 @@ def train_reft(
     seed: the shuffling seed.
     mesh, data_axis, checkpoint, checkpoint_every, progress: as :func:`train_iit`.
   """
+  _check_pairs(pairs)
+  steps = _positive_int(steps, "steps", "steps=200")
+  batch_size = _positive_int(batch_size, "batch_size", "batch_size=8")
+  _check_seed(seed)
   optimizer = _optax().adam(4e-3) if optimizer is None else optimizer
   data = answer_batch(pairs, pad_token)
   n = len(pairs)

@@ -1,0 +1,294 @@
+"""The training wings' checkpoints and data (issue 49, items 1, 2 and 5): a run that ends on a
+checkpoint step and a finished run called again, damaged, mismatched, locked and unwritable
+checkpoint directories (a real full disk, a real second process), non-finite batches and bad
+arguments of ``jaxlens.train`` and ``jaxlens.sae.train``: each a result or a typed error."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxlens as jl
+from jaxlens import sae
+from jaxlens import train as jt
+from jaxlens.internal import Checkpoints
+from jaxlens.sae import train as st
+
+D = 4
+
+
+@pytest.fixture(scope="module")
+def mlp():
+  model = nn.Sequential(
+    [nn.Dense(D, param_dtype=jnp.float64), jnp.tanh, nn.Dense(3, param_dtype=jnp.float64)]
+  )
+  return model, model.init(jax.random.key(1), jnp.zeros((2, 1, D), jnp.float64))
+
+
+def _batches(n, nan_at=None):
+  out = []
+  for i, k in enumerate(jax.random.split(jax.random.key(0), n)):
+    kb, ks = jax.random.split(k)
+    base = jax.random.normal(kb, (4, 1, D), jnp.float64)
+    source = jax.random.normal(ks, (4, 1, D), jnp.float64)
+    if i == nan_at:
+      base = base.at[1, 0, 2].set(jnp.nan)
+    out.append({"base": base, "source": source, "label": (source[:, 0, 0] > 0).astype(jnp.int32)})
+  return out
+
+
+def _iit(mlp, batches, method=None, **kw):
+  model, variables = mlp
+  method = jt.LowRankDAS(rank=2) if method is None else method
+  params = method.init(jax.random.key(0), D, jnp.float64)
+  kw = {"optimizer": optax.adam(0.05), "progress": False, **kw}
+  return jt.train_iit(model, variables, "layers_0", method, params, batches, **kw)
+
+
+def test_a_run_ending_on_a_checkpoint_step_and_called_again_returns_its_result(mlp, tmp_path):
+  ckpt = tmp_path / "ck"
+  # 6 steps, a checkpoint every 3: the last step is a checkpoint step (orbax's
+  # StepAlreadyExistsError before) and is saved once.
+  first = _iit(mlp, _batches(3), steps=6, checkpoint=ckpt, checkpoint_every=3)
+  assert first.step == 6 and len(first.losses) == 6
+  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["3", "6"]
+  again = _iit(mlp, _batches(3), steps=6, checkpoint=ckpt, checkpoint_every=3)
+  assert again.step == 6 and again.losses == []
+  for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(again.params)):
+    np.testing.assert_array_equal(a, b)
+  # Another method's parameters (rank 3) do not resume rank 2's checkpoint.
+  with pytest.raises(jl.CheckpointError, match=r"\[checkpoint_mismatch\].*another configuration"):
+    _iit(mlp, _batches(3), method=jt.LowRankDAS(rank=3), steps=7, checkpoint=ckpt)
+
+
+def _saved(path, value=1.0):
+  state = {"w": jax.random.normal(jax.random.key(0), (32, 32)) * value, "n": jnp.asarray(3)}
+  with Checkpoints(path, 1) as c:
+    c.save(1, state, {"consumed": 1})
+  return state
+
+
+def _damage(path, how):
+  step = path / "1"
+  if how == "meta deleted":
+    os.remove(step / "meta" / "metadata")
+    return
+  # The largest file of the state is the array's bytes.
+  files = [p for p in (step / "state").rglob("*") if p.is_file()]
+  target = max(files, key=lambda p: p.stat().st_size)
+  data = bytearray(target.read_bytes())
+  if how == "state cut short":
+    target.write_bytes(bytes(data[: len(data) // 2]))
+  else:
+    data[len(data) // 2] ^= 0x10
+    target.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["state cut short", "meta deleted", "byte flipped"])
+def test_a_damaged_checkpoint_is_checkpoint_corrupt_naming_the_step(tmp_path, how):
+  state = _saved(tmp_path / "ck")
+  _damage(tmp_path / "ck", how)
+  with Checkpoints(tmp_path / "ck", 1) as c:
+    with pytest.raises(jl.CheckpointError, match=r"\[checkpoint_corrupt\].*ck/1 is damaged"):
+      c.restore(state)
+
+
+def test_a_file_a_lock_and_a_bad_interval_are_typed(tmp_path):
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(jl.CheckpointError, match=r"\[checkpoint_path_invalid\].*is a file"):
+    Checkpoints(tmp_path / "file", 1)
+  with Checkpoints(tmp_path / "ck", 1):
+    with pytest.raises(jl.CheckpointError, match=r"\[checkpoint_locked\]"):
+      Checkpoints(tmp_path / "ck", 1)
+  with Checkpoints(tmp_path / "ck", 1):  # released on close
+    pass
+  with pytest.raises(jl.InvalidArgumentError, match=r"checkpoint_every must be a positive int"):
+    Checkpoints(tmp_path / "ck", 0)
+
+
+_CHILD = textwrap.dedent(
+  """
+  import resource, signal, sys
+  import jax, jax.numpy as jnp
+  import jaxlens as jl
+  from jaxlens.internal import Checkpoints
+
+  def attempt(what, call):
+    try:
+      call()
+      print(what, "ok")
+    except jl.CheckpointError as error:
+      print(what, error.code)
+
+  attempt("file", lambda: Checkpoints(sys.argv[1], 1))
+  attempt("locked", lambda: Checkpoints(sys.argv[2], 1))
+  # A real full disk: a file-size limit makes the real writes fail with EFBIG.
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+
+  def full():
+    with Checkpoints(sys.argv[3], 1) as c:
+      c.save(2, {"w": jax.random.normal(jax.random.key(0), (32, 32)) * 2, "n": jnp.asarray(3)})
+
+  attempt("full", full)
+  """
+)
+
+
+def test_another_process_a_full_disk_and_a_file_are_typed_and_the_process_exits(tmp_path):
+  (tmp_path / "file").write_text("x")
+  state = _saved(tmp_path / "full")
+  with Checkpoints(tmp_path / "locked", 1):
+    # The failed saves leave no thread behind: the child exits at once (orbax's
+    # asynchronous saves kept it alive for minutes).
+    out = subprocess.run(
+      [sys.executable, "-c", _CHILD, *(str(tmp_path / n) for n in ("file", "locked", "full"))],
+      capture_output=True,
+      text=True,
+      timeout=120,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split() == [
+    "file",
+    "checkpoint_path_invalid",
+    "locked",
+    "checkpoint_locked",
+  ] + [
+    "full",
+    "disk_full",
+  ]
+  # The checkpoint before the full disk is intact, and the failed one's leftovers are gone.
+  with Checkpoints(tmp_path / "full", 1) as c:
+    assert c.latest_step() == 1
+    np.testing.assert_array_equal(c.restore(state)["w"], state["w"])
+  assert sorted(p.name for p in (tmp_path / "full").iterdir()) == [".jaxlens-lock", "1"]
+
+
+def test_a_nan_batch_stops_train_iit_naming_it_and_the_checkpoint_keeps_the_steps_before(
+  mlp, tmp_path
+):
+  ckpt = tmp_path / "ck"
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[batch_not_finite\] batch 2 \(step 2\)"):
+    _iit(mlp, _batches(4, nan_at=2), steps=4, checkpoint=ckpt, checkpoint_every=1)
+  with Checkpoints(ckpt, 1) as c:
+    assert c.latest_step() == 2
+  # Finite batches whose loss is not: a readout of infinite logits.
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[loss_not_finite\].*step 0 \(batch 0"):
+    _iit(mlp, _batches(2), steps=2, readout=lambda out: out[:, -1] * jnp.inf)
+
+
+@pytest.mark.parametrize(
+  "kw, match",
+  [
+    ({"steps": 0}, "steps must be a positive int"),
+    ({"steps": 2, "checkpoint_every": 0}, "checkpoint_every must be a positive int"),
+    ({"batches": []}, "non-empty sequence of dicts"),
+    ({"batches": {"base": 1}}, "non-empty sequence of dicts"),
+    ({"batches": [{"base": 1, "source": 2}]}, r"the first lacks \['label'\]"),
+  ],
+)
+def test_train_iit_refuses_bad_arguments(mlp, kw, match):
+  kw = {"batches": _batches(1), **kw}
+  with pytest.raises(jl.InvalidArgumentError, match=match):
+    _iit(mlp, kw.pop("batches"), **kw)
+
+
+@pytest.mark.parametrize(
+  "kw, code, match",
+  [
+    ({"batch_size": -1}, "invalid_argument", "batch_size must be a positive int"),
+    ({"seed": 2**64}, "invalid_seed", r"seed must be an int in \[0, 2\*\*32\)"),
+    ({"pairs": []}, "invalid_argument", "non-empty sequence"),
+    ({"pairs": [([1, 2], [])]}, "invalid_argument", r"pairs\[0\] is not a"),
+    ({"steps": 1, "log_every": 1}, None, "unexpected keyword"),
+  ],
+)
+def test_train_reft_refuses_bad_arguments(kw, code, match):
+  model = nn.Dense(3)
+  kw = {"pairs": [([1, 2], [3])], "steps": 1, **kw}
+  error = TypeError if code is None else jl.InvalidArgumentError
+  with pytest.raises(error, match=match) as info:
+    jt.train_reft(model, {}, "x", jt.LoReFT(1), {}, kw.pop("pairs"), **kw)
+  if code is not None:
+    assert info.value.code == code
+
+
+def _rows(n, bad=None, value=np.nan, rows=16):
+  rng = np.random.default_rng(0)
+  for i in range(n):
+    x = rng.normal(size=(rows, 8)).astype(np.float32)
+    if i == bad:
+      x[3, 1] = value
+    yield x
+
+
+@pytest.mark.parametrize(
+  "value, code",
+  [(np.nan, "batch_not_finite"), (np.inf, "batch_not_finite"), (1e30, "loss_not_finite")],
+)
+def test_sae_training_stops_on_a_non_finite_batch_or_step_naming_it(tmp_path, value, code):
+  cfg = st.TrainConfig(d_sae=8, architecture="relu", l1_coefficient=0.1, grad_clip=None)
+  with pytest.raises(sae.SAEError, match=rf"\[{code}\]") as info:
+    st.train(
+      _rows(6, bad=3, value=value),
+      cfg,
+      steps=6,
+      progress=False,
+      log_every=2,
+      checkpoint_dir=tmp_path / "ck",
+      checkpoint_every=1,
+    )
+  assert info.value.fields["batch"] == 3 and info.value.fields["step"] == 4
+  with Checkpoints(tmp_path / "ck", 1) as c:  # no checkpoint holds the bad step
+    assert c.latest_step() == 3
+
+
+@pytest.mark.parametrize(
+  "call, code, match",
+  [
+    (lambda cfg: st.train(_rows(2), cfg, steps=2, log_every=0), "sae_config_invalid", "log_every"),
+    (
+      lambda cfg: st.train(_rows(2), cfg, steps=2, checkpoint_every=0),
+      "sae_config_invalid",
+      "checkpoint_every",
+    ),
+    (
+      lambda cfg: st.TrainConfig(d_sae=8, architecture="relu", dtype="float33"),
+      "sae_config_invalid",
+      "float33",
+    ),
+    (
+      lambda cfg: st.train(_rows(2), cfg, steps=2, init=sae.SAE.init(jax.random.key(0), 6, 8)),
+      "sae_shape_mismatch",
+      "init's d_in is 6, the data's 8",
+    ),
+    (
+      lambda cfg: st.train(_rows(2), cfg, steps=2, init=sae.SAE.init(jax.random.key(0), 8, 4)),
+      "sae_config_invalid",
+      "init has 4 features",
+    ),
+    (
+      lambda cfg: st.train([np.ones((4, 8), np.int32)], cfg, steps=2),
+      "sae_batch_invalid",
+      "batch 0 must be a non-empty float array",
+    ),
+    (
+      lambda cfg: st.train([np.ones((4, 8), np.float32), np.ones((4, 7))], cfg, steps=2),
+      "sae_batch_invalid",
+      "batch 1 has 7 features",
+    ),
+  ],
+)
+def test_sae_train_refuses_bad_arguments(call, code, match):
+  cfg = st.TrainConfig(d_sae=8, architecture="relu")
+  with pytest.raises(sae.SAEError, match=match) as info:
+    call(cfg)
+  assert info.value.code == code
