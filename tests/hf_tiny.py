@@ -14,6 +14,13 @@ from jaxlens.models import config_from_hf, from_state_dict
 VOCAB, D_MODEL, D_MLP, LAYERS, HEADS = 64, 32, 48, 2, 4
 WINDOW = 4  # the sliding windows: shorter than the tests' 8-token sequences
 DECODERS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gemma3", "gemma2")
+# Issue 50's families: Gemma 1, Phi-3 (fused projections, partial rotation, a window on every
+# layer), OLMo 2 (norms after the sub-blocks, QK-norm over the projection) and the mixtures of
+# experts (4 experts, top 2; run by transformers' eager experts loop, whose grouped_mm
+# alternative refuses float64).
+NEW_DECODERS = ("gemma", "phi3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE = dict(num_experts_per_tok=2, experts_implementation="eager")
+TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def tiny_hf(family: str, *, dtype=torch.float32, attention: str = "eager", positions: int = 32):
@@ -79,6 +86,47 @@ def tiny_hf(family: str, *, dtype=torch.float32, attention: str = "eager", posit
       rope_parameters={"rope_type": "default", "rope_theta": 300.0},
     )
     hf = transformers.Gemma2ForCausalLM(cfg)
+  elif family == "gemma":
+    cfg = transformers.GemmaConfig(
+      **common,
+      **TOKEN_IDS,
+      head_dim=16,
+      rope_parameters={"rope_type": "default", "rope_theta": 200.0},
+    )
+    hf = transformers.GemmaForCausalLM(cfg)
+  elif family == "phi3":
+    cfg = transformers.Phi3Config(
+      **common,
+      **TOKEN_IDS,
+      sliding_window=WINDOW,
+      rope_parameters={"rope_type": "default", "rope_theta": 700.0, "partial_rotary_factor": 0.5},
+    )
+    hf = transformers.Phi3ForCausalLM(cfg)
+  elif family == "olmo2":
+    cfg = transformers.Olmo2Config(
+      **common, **TOKEN_IDS, rope_parameters={"rope_type": "default", "rope_theta": 600.0}
+    )
+    hf = transformers.Olmo2ForCausalLM(cfg)
+  elif family == "mixtral":
+    cfg = transformers.MixtralConfig(
+      **common, **TOKEN_IDS, **MOE, num_local_experts=4, sliding_window=WINDOW
+    )
+    hf = transformers.MixtralForCausalLM(cfg)
+  elif family in ("qwen2_moe", "qwen3_moe"):
+    moe = dict(**MOE, num_experts=4, moe_intermediate_size=24)
+    if family == "qwen2_moe":
+      cfg = transformers.Qwen2MoeConfig(
+        **common, **TOKEN_IDS, **moe, shared_expert_intermediate_size=40, norm_topk_prob=False
+      )
+      hf = transformers.Qwen2MoeForCausalLM(cfg)
+    else:
+      cfg = transformers.Qwen3MoeConfig(
+        **common, **TOKEN_IDS, **moe, head_dim=16, norm_topk_prob=True, tie_word_embeddings=True
+      )
+      hf = transformers.Qwen3MoeForCausalLM(cfg)
+  elif family == "olmoe":
+    cfg = transformers.OlmoeConfig(**common, **TOKEN_IDS, **MOE, num_experts=4)
+    hf = transformers.OlmoeForCausalLM(cfg)
   elif family == "llama":
     cfg = transformers.LlamaConfig(
       vocab_size=VOCAB,
@@ -115,7 +163,9 @@ def tiny_hf(family: str, *, dtype=torch.float32, attention: str = "eager", posit
     )
     hf = transformers.BertModel(cfg)
   else:
-    raise ValueError(f"unknown family {family!r}; expected one of {DECODERS} or 'bert'")
+    raise ValueError(
+      f"unknown family {family!r}; expected one of {DECODERS + NEW_DECODERS} or 'bert'"
+    )
   for p in hf.parameters():
     with torch.no_grad():
       p.normal_(0.0, 0.3 if p.ndim > 1 else 0.5)
@@ -196,11 +246,40 @@ def _rope_base(config, layer_type=None):
   return rope["rope_theta"], rope.get("partial_rotary_factor", 1.0)
 
 
+def _f64_inv_freq(cfg, head_dim, layer_type, seq_len):
+  """The rotary frequencies and cos/sin factor of ``cfg`` (a scaled ``rope_type`` too) as
+  transformers' own function computes them, run in float64: its float32 dtype names are
+  pointed at float64 for the call (transformers computes the frequencies in float32)."""
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+  rope = cfg.rope_parameters
+  if layer_type is not None and layer_type in rope:
+    rope = rope[layer_type]
+  kind = rope.get("rope_type", "default")
+  if kind == "default":
+    base, factor = _rope_base(cfg, layer_type)
+    dim = int(head_dim * factor)
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), 1.0
+  saved = torch.float, torch.float32
+  torch.float = torch.float32 = torch.float64
+  try:
+    kwargs = (
+      {"layer_type": layer_type}
+      if layer_type is not None and layer_type in cfg.rope_parameters
+      else {}
+    )
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](cfg, None, seq_len=seq_len, **kwargs)
+  finally:
+    torch.float, torch.float32 = saved
+  return inv_freq.double(), float(scale)
+
+
 def exact_float64(hf):
   """Makes a float64 transformers model compute in float64 throughout: RMSNorm and the rotary
   angles (which transformers computes in float32 even in a float64 model), the eager
-  attention's softmax (``_f64_eager``) and Gemma's embedding scale (a float32 buffer, so
-  ``sqrt(d_model)`` rounded to float32). The float32 comparisons run the unmodified model."""
+  attention's softmax (``_f64_eager``), Gemma's embedding scale (a float32 buffer, so
+  ``sqrt(d_model)`` rounded to float32) and a mixture of experts' router softmax. The float32
+  comparisons run the unmodified model."""
   import importlib
 
   module = importlib.import_module(type(hf).__module__)
@@ -216,16 +295,26 @@ def exact_float64(hf):
 
     return forward
 
+  def router(mod):
+    # A mixture of experts' router with its softmax in float64 (transformers takes it in
+    # float32); Mixtral's always renormalises the top k.
+    norm = getattr(mod, "norm_topk_prob", True)
+
+    def forward(h):
+      logits = torch.nn.functional.linear(h.reshape(-1, mod.hidden_dim), mod.weight)
+      top, index = torch.topk(torch.softmax(logits, dim=-1), mod.top_k, dim=-1)
+      return logits, (top / top.sum(dim=-1, keepdim=True) if norm else top), index
+
+    return forward
+
   cfg = hf.config
   head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
   def rotary(x, position_ids, layer_type=None):
-    base, factor = _rope_base(cfg, layer_type)
-    dim = int(head_dim * factor)
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq, scale = _f64_inv_freq(cfg, head_dim, layer_type, int(position_ids.max()) + 1)
     freqs = position_ids[..., None].double() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
 
   for mod in hf.modules():
     name = type(mod).__name__
@@ -233,6 +322,8 @@ def exact_float64(hf):
       mod.forward = rms(mod, name.startswith("Gemma"))
     elif name.endswith("RotaryEmbedding"):
       mod.forward = rotary
+    elif name.endswith("TopKRouter"):
+      mod.forward = router(mod)
     elif name.endswith("ScaledWordEmbedding"):
       mod.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=torch.float64)
   return hf

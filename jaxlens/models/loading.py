@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlens.models import compact
-from jaxlens.models import _hf, bert, gemma, gpt2, gpt_neox, llama
+from jaxlens.models import _hf, bert, gemma, gpt2, gpt_neox, llama, moe
 from jaxlens.models._hf import LoadError
 from jaxlens.models._hf import ident as _ident
 from jaxlens.models.bert import Bert, BertConfig
@@ -89,7 +89,7 @@ class Pretrained:
 
 # The zoo's families: each module owns its Hugging Face translation (MODEL_TYPES, from_hf,
 # hf_weights) next to its model (jaxlens.models._hf).
-_FAMILY_MODULES = (llama, gemma, gpt_neox, gpt2, bert)
+_FAMILY_MODULES = (llama, moe, gemma, gpt_neox, gpt2, bert)
 _MODULE_OF = {kind: m for m in _FAMILY_MODULES for kind in m.MODEL_TYPES}
 
 # The Hugging Face ``model_type`` values config_from_hf reads, and the zoo family of each.
@@ -363,6 +363,8 @@ def params_from_hf(config, tensors: Mapping[str, Any]):
   params: dict = {}
   for path, name, fn in _MAPS[type(config)](config):
     raw = _lookup(tensors, name)
+    if raw is None:  # a MoE's experts, stacked from a file's per-expert tensors
+      raw = moe.hf_tensor(tensors, name, _lookup)
     expected = block if path[0].startswith("blocks_") else shapes[path[0]]
     for p in path[1:]:
       expected = expected[p]

@@ -25,10 +25,10 @@ Sites, under the block's ``mlp`` (``blocks_{i}/mlp/...``), in the order they are
 * ``experts_{e}/out``: ``(batch, seq, d_model)``, expert ``e``'s output on every token, before
   its routing weight;
 * ``routed``: ``(batch, seq, d_model)``, ``sum_e routing[..., e] * experts_{e}/out``;
-* with a shared expert: ``shared/pre``, ``shared/post``, ``shared/out`` (the shared expert's
+* with a shared expert: ``shared/pre``, ``shared/post``, ``shared`` (the shared expert's
   output, before its gate) and ``shared_gate`` (the gate's logit, ``(batch, seq, 1)``).
 
-The module's output (``routed``, plus ``sigmoid(shared_gate) * shared/out`` with a shared expert)
+The module's output (``routed``, plus ``sigmoid(shared_gate) * shared`` with a shared expert)
 is the block's ``mlp_out``. Which experts were chosen is ``routing != 0`` (an integer site would
 not take a gradient, so the indices are not one).
 
@@ -61,40 +61,23 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlens.core import InvalidArgumentError, named
+from jaxlens.models import _hf, llama
 from jaxlens.models._layers import softmax_dtype
 from jaxlens.models._params import StoredParams
-from jaxlens.models.compact import Dense
+from jaxlens.models.blocks import GatedMLP, activation, dense
 
-__all__ = ["ACTIVATIONS", "MoE", "MoEConfig"]
+__all__ = ["MoE", "MoEConfig", "from_hf", "hf_moe_weights", "hf_tensor"]
 
 _INIT = nn.initializers.normal(stddev=0.02)
-
-
-def _gelu_tanh(x):
-  return nn.gelu(x, approximate=True)
-
-
-def _gelu(x):
-  return nn.gelu(x, approximate=False)
-
-
-# Hugging Face ``hidden_act`` names -> the gate's activation.
-ACTIVATIONS: dict[str, Callable] = {
-  "silu": nn.silu,
-  "swish": nn.silu,
-  "gelu": _gelu,
-  "gelu_new": _gelu_tanh,
-  "gelu_pytorch_tanh": _gelu_tanh,
-  "relu": nn.relu,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +94,12 @@ class MoEConfig:
     d_shared: the shared expert's width (Qwen2-MoE's ``shared_expert_intermediate_size``), or
       None for no shared expert.
     shared_gate: scale the shared expert by ``sigmoid(shared_gate(x))`` (Qwen2-MoE).
-    activation: the experts' gate activation, a Hugging Face ``hidden_act`` name (a key of
-      :data:`ACTIVATIONS`).
-    dense_layers: the layers whose MLP is dense (the family's ``d_mlp``) instead of a mixture
-      (Qwen2/3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``).
+    activation: the experts' gate activation, a Hugging Face ``hidden_act`` name
+      (:func:`jaxlens.models.blocks.activation`).
 
   Raises:
     InvalidArgumentError: ``invalid_argument`` for a non-positive size, ``top_k`` above
-      ``n_experts`` or an activation not in :data:`ACTIVATIONS`.
+      ``n_experts`` or an activation jaxlens does not implement.
   """
 
   n_experts: int
@@ -128,7 +109,6 @@ class MoEConfig:
   d_shared: int | None = None
   shared_gate: bool = False
   activation: str = "silu"
-  dense_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     for field in ("n_experts", "top_k", "d_expert", "d_shared"):
@@ -149,14 +129,7 @@ class MoEConfig:
         received=self.top_k,
         fix="top_k (num_experts_per_tok) at most n_experts",
       )
-    if self.activation not in ACTIVATIONS:
-      raise InvalidArgumentError(
-        f"MoEConfig.activation={self.activation!r} is not implemented",
-        code="invalid_argument",
-        expected=sorted(ACTIVATIONS),
-        received=self.activation,
-        fix="one of the implemented activations (hidden_act)",
-      )
+    activation(self.activation)  # refuses a name it does not implement
     if self.shared_gate and self.d_shared is None:
       raise InvalidArgumentError(
         "MoEConfig.shared_gate=True without a shared expert (d_shared=None)",
@@ -164,10 +137,6 @@ class MoEConfig:
         received=self.shared_gate,
         fix="give d_shared, or shared_gate=False",
       )
-
-  def is_sparse(self, layer: int) -> bool:
-    """Whether block ``layer``'s MLP is the mixture (not one of ``dense_layers``)."""
-    return layer not in self.dense_layers
 
 
 class Experts(StoredParams, nn.Module):
@@ -192,29 +161,8 @@ class Experts(StoredParams, nn.Module):
     up_w = stacked("up_proj", (d_model, self.d_expert))
     down_w = stacked("down_proj", (self.d_expert, d_model))
     gate = named(jnp.einsum("bsd,edf->bsef", x, gate_w), "pre")
-    post = named(ACTIVATIONS[self.activation](gate) * jnp.einsum("bsd,edf->bsef", x, up_w), "post")
+    post = named(activation(self.activation)(gate) * jnp.einsum("bsd,edf->bsef", x, up_w), "post")
     return jnp.einsum("bsef,efd->bsed", post, down_w)
-
-
-class GatedMLP(nn.Module):
-  """``down_proj(act(gate_proj(x)) * up_proj(x))`` (a shared expert); sites ``pre``, ``post``
-  and ``out``."""
-
-  d_model: int
-  d_ff: int
-  activation: str = "silu"
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    def dense(n, name):
-      return Dense(
-        n, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, kernel_init=_INIT, name=name
-      )
-
-    gate = named(dense(self.d_ff, "gate_proj")(x), "pre")
-    post = named(ACTIVATIONS[self.activation](gate) * dense(self.d_ff, "up_proj")(x), "post")
-    return named(dense(self.d_model, "down_proj")(post), "out")
 
 
 class _Out(nn.Module):
@@ -253,15 +201,7 @@ class MoE(nn.Module):
   def __call__(self, h):
     cfg, moe = self.config, self.config.moe
     dtype = cfg.dtype
-    logits = Dense(
-      moe.n_experts,
-      use_bias=False,
-      dtype=dtype,
-      param_dtype=dtype,
-      kernel_init=_INIT,
-      name="router",
-    )(h)
-    logits = named(logits, "router_logits")
+    logits = named(dense(moe.n_experts, dtype, "router")(h), "router_logits")
     weights, onehot = route(logits, moe.top_k, moe.norm_topk_prob)
     weights = named(weights, "top_k_weights")
     # Each expert appears once among the chosen: the sum over k places each weight, exactly.
@@ -270,16 +210,196 @@ class MoE(nn.Module):
     ys = jnp.stack([_Out(name=f"experts_{e}")(ys[:, :, e]) for e in range(moe.n_experts)], axis=2)
     out = named(jnp.einsum("bse,bsed->bsd", routing, ys), "routed")
     if moe.d_shared is not None:
-      shared = GatedMLP(cfg.d_model, moe.d_shared, moe.activation, dtype, name="shared")(h)
+      shared = GatedMLP(moe.d_shared, cfg.d_model, moe.activation, dtype, name="shared")(h)
       if moe.shared_gate:
-        gate = Dense(
-          1,
-          use_bias=False,
-          dtype=dtype,
-          param_dtype=dtype,
-          kernel_init=_INIT,
-          name="shared_gate",
-        )(h)
-        shared = jax.nn.sigmoid(gate) * shared
+        shared = jax.nn.sigmoid(dense(1, dtype, "shared_gate")(h)) * shared
       out = out + shared
     return out
+
+
+# ------------------------------------------------------------------- Hugging Face checkpoints
+
+# The Hugging Face model types of the mixtures of experts: Llama-family blocks whose MLP is a
+# MoE (jaxlens.models.llama reads the rest of their config).
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+# transformers 5.23's defaults of the fields read here, per model type (a config.json without
+# the field means the class default).
+_DEFAULTS = {
+  "mixtral": {"num_experts_per_tok": 2, "num_experts": 8},
+  "qwen2_moe": {
+    "num_experts_per_tok": 4,
+    "num_experts": 60,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+    "rms_norm_eps": 1e-6,
+  },
+  "qwen3_moe": {
+    "num_experts_per_tok": 8,
+    "num_experts": 128,
+    "moe_intermediate_size": 768,
+    "rms_norm_eps": 1e-6,
+  },
+  "olmoe": {"num_experts_per_tok": 8, "num_experts": 64},
+}
+
+
+def from_hf(config: _hf.HFConfig, dtype) -> llama.LlamaConfig:
+  """The :class:`~jaxlens.models.llama.LlamaConfig` (with ``moe``) of a Hugging Face
+  ``config.json`` of a ``MODEL_TYPES`` model.
+
+  Mixtral: every MLP a MoE renormalising its top-k, rotary base 1e6 by default, an optional
+  sliding window on every layer. Qwen2-MoE: q/k/v biases (``qkv_bias``), a shared expert with
+  a sigmoid gate. Qwen3-MoE: per-head QK-norm. OLMoE: QK-norm over the whole projection.
+
+  Raises:
+    LoadError: ``config_unsupported`` for dense layers among the sparse ones
+      (``mlp_only_layers``, ``decoder_sparse_step`` > 1), Qwen-MoE's sliding windows, OLMoE's
+      ``clip_qkv``.
+  """
+  kind = config.model_type
+  defaults = _DEFAULTS[kind]
+
+  def get(key):
+    return config.get(key, defaults.get(key))
+
+  # transformers aliases the two names (attribute_map): Mixtral's is num_local_experts, the
+  # others' num_experts, and Qwen3-MoE's to_dict writes num_local_experts.
+  counts = {k: config.get(k) for k in ("num_experts", "num_local_experts")}
+  counts = {k: v for k, v in counts.items() if v is not None}
+  if len(set(counts.values())) > 1:
+    raise config.refuse("num_experts", f"differs from num_local_experts ({counts})", "one count")
+  n_experts = next(iter(counts.values()), defaults.get("num_experts", 8))
+  options: dict[str, Any] = {}
+  if kind == "mixtral":
+    norm_topk, d_expert = True, config["intermediate_size"]
+    base, scaling = _hf.rope_from_hf(config, default_base=1e6)
+    options.update(
+      rope_base=base, rope_scaling=scaling, sliding_window=config.get("sliding_window")
+    )
+  else:
+    norm_topk = bool(config.get("norm_topk_prob", False))
+    d_expert = get("moe_intermediate_size") if kind != "olmoe" else config["intermediate_size"]
+  d_shared = None
+  if kind == "qwen2_moe":
+    d_shared = get("shared_expert_intermediate_size") or None
+    options["qkv_bias"] = bool(config.get("qkv_bias", True))
+  if kind in ("qwen2_moe", "qwen3_moe"):
+    config.require("use_sliding_window", (False,), "(Qwen-MoE's sliding windows) is refused")
+    config.require("mlp_only_layers", ([],), "(dense layers among the experts) is refused")
+    config.require("decoder_sparse_step", (1,), "(dense layers among the experts) is refused")
+    config.seen("sliding_window", "max_window_layers")
+    options.update(norm_eps=get("rms_norm_eps"), qk_norm=kind == "qwen3_moe")
+  if kind == "olmoe":
+    config.require("clip_qkv", (), "(clipping q, k and v) is not implemented")
+    options.update(qk_norm=True, qk_norm_scope="proj")
+  activation = _hf.activation_field(config, "hidden_act", default="silu")
+  moe = MoEConfig(
+    n_experts=n_experts,
+    top_k=get("num_experts_per_tok"),
+    d_expert=d_expert,
+    norm_topk_prob=norm_topk,
+    d_shared=d_shared,
+    shared_gate=d_shared is not None,
+    activation=activation,
+  )
+  return llama.from_hf(config, dtype, moe=moe, **options)
+
+
+def _experts(w):
+  """Stacked torch weights ``(n_experts, out, in)`` as the zoo's ``(n_experts, in, out)``."""
+  return np.swapaxes(np.asarray(w), 1, 2)
+
+
+def hf_moe_weights(cfg, path: tuple[str, ...], prefix: str) -> Iterator[tuple]:
+  """``(param path, tensor name, transform)`` of the MoE MLP under ``path`` (``(blocks_i,
+  "mlp")``) from the tensors under ``prefix`` (``model.layers.{i}.``).
+
+  The expert names are those transformers 5 holds in memory: ``mlp.experts.down_proj``
+  ``(n_experts, d_model, d_expert)`` as it is, ``mlp.experts.gate_proj`` and ``up_proj`` the
+  halves of its fused ``gate_up_proj``. A checkpoint file (the hub's, or transformers'
+  ``save_pretrained``) holds them per expert; :func:`hf_tensor` assembles them.
+  """
+  t = _hf.t
+  yield (*path, "router", "kernel"), prefix + "mlp.gate.weight", t
+  for p in ("gate", "up", "down"):
+    yield (*path, "experts", f"{p}_proj"), prefix + f"mlp.experts.{p}_proj", _experts
+  if cfg.moe.d_shared is not None:
+    for p in ("gate", "up", "down"):
+      name = prefix + f"mlp.shared_expert.{p}_proj.weight"
+      yield (*path, "shared", f"{p}_proj", "kernel"), name, t
+    if cfg.moe.shared_gate:
+      yield (*path, "shared_gate", "kernel"), prefix + "mlp.shared_expert_gate.weight", t
+
+
+# Per-expert tensor names in checkpoint files: Mixtral's (under ``block_sparse_moe``) and the
+# Qwen-MoE / OLMoE ones (under ``mlp``).
+_PER_EXPERT = {
+  "gate_proj": ("block_sparse_moe.experts.{e}.w1.weight", "mlp.experts.{e}.gate_proj.weight"),
+  "up_proj": ("block_sparse_moe.experts.{e}.w3.weight", "mlp.experts.{e}.up_proj.weight"),
+  "down_proj": ("block_sparse_moe.experts.{e}.w2.weight", "mlp.experts.{e}.down_proj.weight"),
+}
+
+
+def hf_tensor(tensors: Mapping[str, Any], name: str, lookup: Callable) -> Any:
+  """A tensor :func:`hf_moe_weights` names that ``tensors`` does not hold under that name,
+  from the ones it does hold, or None.
+
+  * ``{prefix}mlp.experts.{gate,up}_proj``: a half of the fused ``mlp.experts.gate_up_proj``
+    (transformers 5 in memory: gate rows first), or the per-expert weights stacked;
+  * ``{prefix}mlp.experts.down_proj``: the per-expert weights stacked;
+  * ``{prefix}mlp.gate.weight``: Mixtral's ``block_sparse_moe.gate.weight``.
+
+  Per-expert weights are ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (Qwen-MoE, OLMoE) or
+  ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` (Mixtral); ``lookup(tensors, name)`` is
+  the loader's lookup (which also tries the name without its ``model.`` prefix). The stacked
+  copy is the loader's; each expert's memory-mapped pages are given back once copied
+  (``tensors.release``).
+
+  Raises:
+    LoadError: ``tensor_shape`` when the experts' weights differ in shape.
+  """
+  head, _, leaf = name.rpartition("mlp.")
+  if leaf == "gate.weight":
+    return lookup(tensors, head + "block_sparse_moe.gate.weight")
+  kind = leaf.removeprefix("experts.")
+  if kind not in _PER_EXPERT:
+    return None
+  if kind != "down_proj":
+    fused = lookup(tensors, head + "mlp.experts.gate_up_proj")
+    if fused is not None:
+      half = fused.shape[1] // 2
+      return fused[:, :half] if kind == "gate_proj" else fused[:, half:]
+  for pattern in _PER_EXPERT[kind]:
+    parts = []
+    while (w := lookup(tensors, head + pattern.format(e=len(parts)))) is not None:
+      parts.append(w)
+    if parts:
+      break
+  else:
+    return None
+  names = [head + pattern.format(e=e) for e in range(len(parts))]
+  arrays = [_as_array(w) for w in parts]
+  for n, a in zip(names, arrays):
+    if a.shape != arrays[0].shape:
+      raise _hf.LoadError(
+        f"tensor {n!r} has shape {a.shape} where expert 0's {names[0]!r} has {arrays[0].shape}",
+        code="tensor_shape",
+        tensor=n,
+        expected=arrays[0].shape,
+        received=a.shape,
+        fix="check that the checkpoint's experts are complete and of one model",
+      )
+  stacked = np.stack(arrays)
+  release = getattr(tensors, "release", None)
+  for a in arrays if release is not None else ():
+    release(a)
+  return stacked
+
+
+def _as_array(x):
+  """A numpy array of a tensor (torch's ``detach().numpy()``; bfloat16 through float32)."""
+  if hasattr(x, "detach"):  # a torch tensor of an older per-expert state dict
+    x = x.detach().cpu()
+    return x.float().numpy() if str(x.dtype) == "torch.bfloat16" else x.numpy()
+  return np.asarray(x)
