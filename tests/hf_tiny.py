@@ -248,8 +248,9 @@ def _rope_base(config, layer_type=None):
 
 def _f64_inv_freq(cfg, head_dim, layer_type, seq_len):
   """The rotary frequencies and cos/sin factor of ``cfg`` (a scaled ``rope_type`` too) as
-  transformers' own function computes them, run in float64: its float32 dtype names are
-  pointed at float64 for the call (transformers computes the frequencies in float32)."""
+  transformers' own function computes them, run in float64: its float32 dtype names and
+  ``Tensor.float`` are pointed at float64 for the call (transformers computes the frequencies
+  in float32)."""
   from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
   rope = cfg.rope_parameters
@@ -260,8 +261,9 @@ def _f64_inv_freq(cfg, head_dim, layer_type, seq_len):
     base, factor = _rope_base(cfg, layer_type)
     dim = int(head_dim * factor)
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)), 1.0
-  saved = torch.float, torch.float32
+  saved = torch.float, torch.float32, torch.Tensor.float
   torch.float = torch.float32 = torch.float64
+  torch.Tensor.float = torch.Tensor.double
   try:
     kwargs = (
       {"layer_type": layer_type}
@@ -270,7 +272,7 @@ def _f64_inv_freq(cfg, head_dim, layer_type, seq_len):
     )
     inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](cfg, None, seq_len=seq_len, **kwargs)
   finally:
-    torch.float, torch.float32 = saved
+    torch.float, torch.float32, torch.Tensor.float = saved
   return inv_freq.double(), float(scale)
 
 

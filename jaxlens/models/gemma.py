@@ -313,9 +313,13 @@ def from_hf(config: _hf.HFConfig, dtype) -> Gemma3Config:
   local, local_scaling = base, scaling
   if not (gemma1 or gemma2):
     local_given = config.get("rope_local_base_freq")
-    local, local_scaling = _hf.rope_from_hf(
-      config, default_base=10000.0, layer_type="sliding_attention"
-    )
+    rope = config.config.get("rope_parameters") or {}
+    if isinstance(rope.get("sliding_attention"), dict):  # transformers 5: one per layer type
+      local, local_scaling = _hf.rope_from_hf(
+        config, default_base=10000.0, layer_type="sliding_attention"
+      )
+    else:  # the older config.json: a top-level scaling is the global layers' only
+      local, local_scaling = 10000.0, None
     if local_given is not None:
       local = float(local_given)
   act_keys = ("hidden_activation", "hidden_act")
