@@ -9,6 +9,10 @@
 * :func:`patchscope`: a source's residual stream written into a target prompt, every source
   layer x target layer in one compiled program; :func:`patchscope_generate` generates from
   the patched target with ``jaxlens.generate``.
+* :class:`TunedLens`: affine translators per layer, trained by :func:`train_tuned_lens` (all
+  layers in one jitted step, tuned-lens's optimiser by default), read and written in the
+  ``tuned-lens`` package's files (:func:`load_tuned_lens`, :func:`save_tuned_lens`) without
+  torch; :func:`kl_to_final` compares a lens with the logit lens layer by layer.
 
 Works on the decoders of :mod:`jaxlens.models` (Llama family, GPT-2, GPT-NeoX, Gemma 3/2).
 See docs/lenses.md.
@@ -27,6 +31,15 @@ from jaxlens.lens._patchscope import patchscope_generate as patchscope_generate
 from jaxlens.lens._readout import LensError as LensError
 from jaxlens.lens._readout import Readout as Readout
 from jaxlens.lens._readout import readout as readout
+from jaxlens.lens._tuned import TrainResult as TrainResult
+from jaxlens.lens._tuned import TunedLens as TunedLens
+from jaxlens.lens._tuned import kl_to_final as kl_to_final
+from jaxlens.lens._tuned import load_tuned_lens as load_tuned_lens
+from jaxlens.lens._tuned import save_tuned_lens as save_tuned_lens
+from jaxlens.lens._tuned import train_tuned_lens as train_tuned_lens
+from jaxlens.lens._tuned import tuned_lens as tuned_lens
+from jaxlens.lens._tuned import tuned_lens_optimizer as tuned_lens_optimizer
+from jaxlens.lens._tuned import unembed_hash as unembed_hash
 
 __all__ = [
   "Attribution",
@@ -34,12 +47,21 @@ __all__ = [
   "PatchscopeGeneration",
   "Readout",
   "TopTokens",
+  "TrainResult",
+  "TunedLens",
   "direct_logit_attribution",
+  "kl_to_final",
   "lens_sites",
+  "load_tuned_lens",
   "logit_lens",
   "logit_lens_topk",
   "patchscope",
   "patchscope_generate",
   "readout",
   "residuals",
+  "save_tuned_lens",
+  "train_tuned_lens",
+  "tuned_lens",
+  "tuned_lens_optimizer",
+  "unembed_hash",
 ]

@@ -1,0 +1,167 @@
+"""jaxlens.lens's tuned lens: it starts as the logit lens, training brings every layer's KL
+below the logit lens's, tuned-lens's optimiser is torch's SGD, and the files are tuned-lens's
+(params.pt read and written without torch, read by torch.load), with typed refusals."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _lens_models import VOCAB, build
+from jaxlens import lens
+
+TOKENS = jnp.asarray([[3, 9, 4, 17, 5, 9, 26, 2], [1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def llama():
+  return build("llama")
+
+
+def _batches(seed, n):
+  key = jax.random.key(seed)
+  for k in jax.random.split(key, n):
+    yield jax.random.randint(k, (4, 8), 0, VOCAB, jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def trained(llama):
+  model, variables = llama
+  return lens.train_tuned_lens(model, variables, _batches(1, 40), steps=40)
+
+
+def test_zero_translators_are_the_logit_lens(llama):
+  model, variables = llama
+  zero = lens.TunedLens.for_model(model)
+  np.testing.assert_array_equal(zero.weight, 0)
+  got = lens.tuned_lens(model, variables, zero, TOKENS)
+  np.testing.assert_allclose(got, lens.logit_lens(model, variables, TOKENS), rtol=1e-12)
+
+
+def test_training_beats_the_logit_lens_at_every_layer(llama, trained):
+  model, variables = llama
+  assert trained.kl.shape == (40, 2)
+  held = next(_batches(99, 1))
+  tuned = lens.kl_to_final(model, variables, held, trained.lens)
+  logit = lens.kl_to_final(model, variables, held)
+  assert abs(float(logit[-1])) < 1e-12 and abs(float(tuned[-1])) < 1e-12
+  assert bool(jnp.all(tuned[:-1] < 0.8 * logit[:-1])), (tuned, logit)
+  # the first step's KL is the logit lens's on that batch (the translators start at zero)
+  first = lens.kl_to_final(model, variables, next(_batches(1, 1)))
+  np.testing.assert_allclose(trained.kl[0], first[:-1], rtol=1e-10)
+
+
+def test_optimizer_is_torch_sgd_nesterov_with_weight_decay():
+  torch = pytest.importorskip("torch")
+  steps, w0 = 4, np.asarray([1.0, -2.0, 0.5])
+  target = np.asarray([0.3, 0.1, -0.2])
+  opt = lens.tuned_lens_optimizer(steps)
+  w, state = jnp.asarray(w0), None
+  state = opt.init(w)
+  for _ in range(steps):
+    g = 2 * (w - target)
+    upd, state = opt.update(g, state, w)
+    w = w + upd
+  p = torch.nn.Parameter(torch.tensor(w0))
+  sgd = torch.optim.SGD([p], lr=1.0 * (1 - 0.9), momentum=0.9, nesterov=True, weight_decay=1e-3)
+  sched = torch.optim.lr_scheduler.LambdaLR(sgd, lambda t: max(0.0, (steps - t) / steps))
+  for _ in range(steps):
+    sgd.zero_grad()
+    ((p - torch.tensor(target)) ** 2).sum().backward()
+    sgd.step()
+    sched.step()
+  np.testing.assert_allclose(np.asarray(w), p.detach().numpy(), rtol=1e-12)
+
+
+def test_files_round_trip_and_torch_reads_them(llama, trained, tmp_path):
+  model, variables = llama
+  path = lens.save_tuned_lens(tmp_path / "lens", trained.lens, model, variables, model_name="t")
+  assert sorted(p.name for p in path.iterdir()) == ["config.json", "params.pt"]
+  config = json.loads((path / "config.json").read_text())
+  assert config["num_hidden_layers"] == 2 and config["d_model"] == 16
+  assert config["unembed_hash"] == lens.unembed_hash(model, variables)
+  back = lens.load_tuned_lens(path, model, variables, model_name="t")
+  np.testing.assert_array_equal(back.weight, trained.lens.weight)
+  np.testing.assert_array_equal(back.bias, trained.lens.bias)
+  torch = pytest.importorskip("torch")
+  state = torch.load(path / "params.pt", weights_only=True)
+  assert sorted(state) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+  np.testing.assert_array_equal(state["1.weight"].numpy(), np.asarray(trained.lens.weight[1]))
+  # a torch ModuleList of Linear translators saved by torch reads back
+  translators = torch.nn.ModuleList([torch.nn.Linear(16, 16, dtype=torch.float64) for _ in "ab"])
+  torch.save(translators.state_dict(), path / "params.pt")
+  got = lens.load_tuned_lens(path, model, variables)
+  h = lens.residuals(model, variables, TOKENS, layers=[1])[0]
+  with torch.no_grad():
+    want = h + translators[1](torch.tensor(np.asarray(h))).numpy()
+  np.testing.assert_allclose(got.translate(h[None], [1])[0], want, rtol=1e-12)
+
+
+def test_bad_files(llama, trained, tmp_path):
+  model, variables = llama
+  path = lens.save_tuned_lens(tmp_path / "lens", trained.lens, model, variables, model_name="t")
+  with pytest.raises(lens.LensError, match="is for 't', not 'u'") as e:
+    lens.load_tuned_lens(path, model, variables, model_name="u")
+  assert e.value.code == "lens_file_mismatch"
+  other, other_vars = build("llama", seed=5)
+  with pytest.raises(lens.LensError, match="unembed_hash differs"):
+    lens.load_tuned_lens(path, other, other_vars)
+  config = json.loads((path / "config.json").read_text())
+  (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+  with pytest.raises(lens.LensError, match="for 3 layers of width 16, the model has 2"):
+    lens.load_tuned_lens(path, model, variables)
+  (path / "config.json").write_text(json.dumps(config))
+  data = (path / "params.pt").read_bytes()
+  (path / "params.pt").write_bytes(data[: len(data) // 2])  # truncated
+  with pytest.raises(lens.LensError, match="not a readable torch file") as e:
+    lens.load_tuned_lens(path, model, variables)
+  assert e.value.code == "lens_file_corrupt"
+  edited = bytearray(data)
+  at = data.index(np.asarray(trained.lens.bias[0]).tobytes()[:8])
+  edited[at] ^= 0xFF  # a flipped byte in a tensor: the zip's CRC no longer matches
+  (path / "params.pt").write_bytes(bytes(edited))
+  with pytest.raises(lens.LensError, match="not a readable torch file"):
+    lens.load_tuned_lens(path, model, variables)
+  (path / "params.pt").unlink()
+  with pytest.raises(lens.LensError, match="no file at") as e:
+    lens.load_tuned_lens(path, model, variables)
+  assert e.value.code == "lens_file_missing"
+  with pytest.raises(lens.LensError, match="no config.json"):
+    lens.load_tuned_lens(tmp_path / "nowhere", model, variables)
+  with pytest.raises(lens.LensError, match="for a model of 2 layers") as e:
+    lens.tuned_lens(model, variables, lens.TunedLens.zeros(3, 16), TOKENS)
+  assert e.value.code == "lens_file_mismatch"
+
+
+def test_save_is_atomic(llama, trained, tmp_path, monkeypatch):
+  model, variables = llama
+  path = lens.save_tuned_lens(tmp_path / "lens", trained.lens, model, variables)
+  before = (path / "params.pt").read_bytes()
+
+  def broken(*args, **kwargs):
+    raise OSError("disk full")
+
+  monkeypatch.setattr(zipfile.ZipFile, "writestr", broken)
+  with pytest.raises(OSError, match="disk full"):
+    lens.save_tuned_lens(path, lens.TunedLens.for_model(model), model, variables)
+  assert (path / "params.pt").read_bytes() == before
+  assert sorted(p.name for p in path.iterdir()) == ["config.json", "params.pt"]
+
+
+def test_bad_training_data(llama):
+  model, variables = llama
+  with pytest.raises(lens.LensError, match="expected int tokens") as e:
+    lens.train_tuned_lens(model, variables, [TOKENS.astype(jnp.float32)], steps=1)
+  assert e.value.code == "lens_data_invalid"
+  nan = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), variables)
+  with pytest.raises(lens.LensError, match="batch 0: the KL is not finite"):
+    lens.train_tuned_lens(model, nan, [TOKENS], steps=1)
+  with pytest.raises(lens.LensError, match="ran out after 1 of 2"):
+    lens.train_tuned_lens(model, variables, [TOKENS], steps=2)
+  with pytest.raises(lens.LensError, match="steps must be a positive int"):
+    lens.train_tuned_lens(model, variables, [TOKENS], steps=0)
