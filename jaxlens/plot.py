@@ -10,6 +10,10 @@ and writes the figure to ``path=`` when given one (the format follows the suffix
 * :func:`attention_pattern`: one head's query x key weights with token labels.
 * :func:`logit_lens`: the top token per layer and position, coloured by its probability.
 * :func:`top_sites`: the highest-scoring (site, position) cells of a sweep as bars.
+* :func:`lens_grid`: a lens's top tokens (``jaxlens.lens.logit_lens_topk``) per layer and
+  position, coloured by their probability, without the vocabulary-wide logits.
+* :func:`lens_kl`: per-layer KL divergence to the final distribution, one curve per lens.
+* :func:`dla_bars`: a direct logit attribution's largest parts, by component or head.
 
 Example:
   >>> import numpy as np
@@ -33,7 +37,15 @@ import numpy as np
 from jaxlens.core import InvalidArgumentError, ShapeError
 from jaxlens.internal import require
 
-__all__ = ["attention_pattern", "logit_lens", "patching_heatmap", "top_sites"]
+__all__ = [
+  "attention_pattern",
+  "dla_bars",
+  "lens_grid",
+  "lens_kl",
+  "logit_lens",
+  "patching_heatmap",
+  "top_sites",
+]
 
 # Grids with at most this many cells get their values written in the cells.
 _ANNOTATE_MAX_CELLS = 400
@@ -339,6 +351,149 @@ def top_sites(
   ax.axvline(0.0, color="black", linewidth=0.8)
   ax.set_xlabel("score")
   ax.set_ylabel("site @ position")
+  if title is not None:
+    ax.set_title(title)
+  return _finish(fig, path)
+
+
+def _decoder(vocab):
+  if callable(vocab):
+    return vocab
+  return (lambda i: str(i)) if vocab is None else (lambda i: str(vocab[i]))
+
+
+def lens_grid(
+  ids,
+  probs,
+  *,
+  vocab: Sequence[str] | Callable[[int], str] | None = None,
+  row_labels: Sequence[str] | None = None,
+  col_labels: Sequence[str] | None = None,
+  title: str | None = None,
+  ax=None,
+  cmap: str = "viridis",
+  path=None,
+):
+  """A lens's top token at each layer and position, coloured by its probability.
+
+  Args:
+    ids: ``(layers, positions)`` top token ids (or ``(layers, positions, k)``: the first is
+      shown), e.g. ``jaxlens.lens.logit_lens_topk(...).ids[:, 0]`` for batch row 0.
+    probs: their probabilities, the same shape.
+    vocab, row_labels, col_labels, title, ax, cmap, path: as :func:`logit_lens`.
+
+  Returns:
+    The figure; each cell's text is the top token, ``fig.axes[0].images[0]`` holds the
+    probabilities.
+  """
+  ids, probs = np.asarray(ids), np.asarray(probs, dtype=np.float64)
+  if ids.ndim == 3:
+    ids, probs = ids[..., 0], probs[..., 0]
+  if ids.ndim != 2 or ids.shape != probs.shape:
+    raise ShapeError(
+      f"ids and probs must be (layers, positions), got {ids.shape} and {probs.shape}",
+      code="shape_mismatch",
+      expected="2-D, the same shape",
+      received=f"{ids.shape}, {probs.shape}",
+      fix="one batch row: top.ids[:, 0], top.probs[:, 0]",
+    )
+  decode = _decoder(vocab)
+  shown = lambda t: t if t.strip() else repr(t)
+  text = [[shown(decode(int(t))) for t in row] for row in ids]
+  layers, positions = ids.shape
+  rlabels = _labels(row_labels, layers, "row_labels", "layers")
+  clabels = _labels(col_labels, positions, "col_labels", "positions")
+  fig, ax = _figure(ax, (max(4.0, 0.7 * positions + 2.5), max(2.5, 0.45 * layers + 1.5)))
+  image = ax.imshow(probs, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
+  ax.set_xticks(range(positions), clabels, rotation=45, ha="right")
+  ax.set_yticks(range(layers), rlabels)
+  ax.set_xlabel("position (input token)")
+  ax.set_ylabel("layer")
+  if title is not None:
+    ax.set_title(title)
+  fig.colorbar(image, ax=ax, label="top-token probability")
+  _annotate(ax, probs, text, lambda v: v, image.cmap)
+  return _finish(fig, path)
+
+
+def lens_kl(
+  curves,
+  *,
+  title: str | None = None,
+  log: bool = True,
+  ax=None,
+  path=None,
+):
+  """Per-layer KL divergence to the model's final distribution, one curve per lens.
+
+  Args:
+    curves: ``{name: (layers,) values}`` (e.g. ``{"logit lens": kl_to_final(...),
+      "tuned lens": kl_to_final(..., lens)}``).
+    title: the figure title.
+    log: a logarithmic y axis (the last layer's 0 is left out of it).
+    ax, path: as :func:`patching_heatmap`.
+
+  Returns:
+    The figure; ``fig.axes[0].lines[i]`` is curve ``i`` in ``curves``' order, labelled with
+    its name.
+  """
+  if not isinstance(curves, dict) or not curves:
+    raise InvalidArgumentError(
+      "curves must be a non-empty dict of name -> per-layer values",
+      code="invalid_argument",
+      fix='curves={"logit lens": kl}',
+    )
+  fig, ax = _figure(ax, (6.0, 3.5))
+  for name, values in curves.items():
+    y = _grid(values, f"curves[{name!r}]", ndim=1)
+    x = np.arange(len(y))
+    keep = y > 0 if log else np.ones(len(y), bool)
+    ax.plot(x[keep], y[keep], marker="o", label=str(name))
+  if log:
+    ax.set_yscale("log")
+  ax.set_xlabel("layer")
+  ax.set_ylabel("KL to the final distribution (nats)")
+  ax.legend()
+  if title is not None:
+    ax.set_title(title)
+  return _finish(fig, path)
+
+
+def dla_bars(
+  parts,
+  labels: Sequence[str],
+  *,
+  k: int | None = 20,
+  title: str | None = None,
+  ax=None,
+  path=None,
+):
+  """A direct logit attribution's parts as horizontal bars, the largest in size first.
+
+  Args:
+    parts: ``(n_parts,)`` one batch row of ``jaxlens.lens.Attribution.parts`` (or any
+      per-component scores: ``by_layer()[0]``, a head grid flattened).
+    labels: a label per part (``Attribution.labels``).
+    k: how many parts (the largest in absolute value); None for all, in order.
+    title, ax, path: as :func:`top_sites`.
+
+  Returns:
+    The figure; bar ``i`` (top to bottom) is the i-th shown part.
+  """
+  values = _grid(parts, "parts", ndim=1)
+  names = _labels(labels, len(values), "labels", "parts")
+  if k is not None and (not isinstance(k, int) or k < 1):
+    raise InvalidArgumentError(
+      f"k must be a positive int or None, got {k!r}", code="invalid_argument", fix="k=20"
+    )
+  order = np.arange(len(values)) if k is None else np.argsort(-np.abs(values), kind="stable")[:k]
+  shown = values[order]
+  fig, ax = _figure(ax, (6.0, max(2.0, 0.3 * len(order) + 1.0)))
+  ax.barh(range(len(order)), shown, color=["#b2182b" if v >= 0 else "#2166ac" for v in shown])
+  ax.set_yticks(range(len(order)), [names[i] for i in order])
+  ax.invert_yaxis()
+  ax.axvline(0.0, color="black", linewidth=0.8)
+  ax.set_xlabel("direct logit attribution")
   if title is not None:
     ax.set_title(title)
   return _finish(fig, path)
