@@ -19,6 +19,7 @@ from jaxlens._src.errors import reset_warnings as reset_warnings
 from jaxlens._src.gradients import SiteGrad as SiteGrad
 from jaxlens._src.gradients import SiteGrads as SiteGrads
 from jaxlens._src.gradients import grads_at_sites as grads_at_sites
+from jaxlens._src.jsonfile import loads as json_loads
 from jaxlens._src.optional import require as require
 from jaxlens._src.render import CUT as CUT
 from jaxlens._src.render import DOWNSTREAM as DOWNSTREAM
@@ -74,6 +75,7 @@ __all__ = [
   "grads_at_sites",
   "hits",
   "html_page",
+  "json_loads",
   "orthogonal",
   "require",
   "reset_warnings",

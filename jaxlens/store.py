@@ -59,6 +59,7 @@ import os
 import queue
 import shutil
 import threading
+import zlib
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from pathlib import Path
 from typing import Any
@@ -68,12 +69,14 @@ import numpy as np
 
 from jaxlens import core as jl
 from jaxlens.core import InvalidArgumentError, JaxlensError
-from jaxlens.internal import api_boundary, split_over_processes
+from jaxlens.internal import api_boundary, json_loads, split_over_processes
 
 __all__ = ["ActivationStore", "StoreError", "collect", "open"]
 
 _META = "store.json"
 _DONE = "COMPLETE"
+_CRC = "jaxlens_crc32"
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _VERSION = 1
 
 
@@ -109,8 +112,8 @@ def _disk_full(path, error=None) -> StoreError:
   )
 
 
-def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
-  """Creates or checks the store directory; returns the number of batches already there."""
+def _prepare(root: Path, meta: dict, overwrite: bool) -> set[int]:
+  """Creates or checks the store directory; returns the indices of the batches already there."""
   if root.exists() and not root.is_dir():
     raise StoreError(
       f"{root} is a file, not a store directory",
@@ -123,7 +126,7 @@ def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
   try:
     root.mkdir(parents=True, exist_ok=True)
   except OSError as error:
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+    if error.errno in _FULL:
       raise _disk_full(root, error) from error
     raise StoreError(
       f"cannot create the store directory {root}: {error}",
@@ -150,7 +153,7 @@ def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
         fix="an empty or new directory, or collect(..., overwrite=True) on a store",
       )
     _write_json(root / _META, meta)
-    return 0
+    return set()
   old = _read_meta(root)
   if {k: old.get(k) for k in ("version", "sites")} != {k: meta[k] for k in ("version", "sites")}:
     raise StoreError(
@@ -162,13 +165,51 @@ def _prepare(root: Path, meta: dict, overwrite: bool) -> int:
     )
   for tmp in root.glob("*.tmp"):
     tmp.unlink()
-  return _committed(root)
+  return _present(root)
+
+
+def _present(root: Path) -> set[int]:
+  """The indices of the shards on disk whose header reads (a shard cut short does not)."""
+  from safetensors import safe_open
+
+  present = set()
+  for p in root.glob("shard_*.safetensors"):
+    index = p.name[len("shard_") : -len(".safetensors")]
+    if not index.isdigit():
+      continue
+    try:
+      with safe_open(str(p), framework="numpy"):
+        pass
+    except Exception:  # safetensors raises its own SafetensorError
+      p.unlink()  # recomputed by this collection
+      continue
+    present.add(int(index))
+  return present
+
+
+def _complete_count(root: Path) -> int | None:
+  """The batch count ``COMPLETE`` records (None without it); a damaged marker is
+  ``store_corrupt``."""
+  try:
+    text = (root / _DONE).read_text()
+  except FileNotFoundError:
+    return None
+  except (OSError, UnicodeDecodeError) as error:
+    text = f"<{error}>"
+  if not text.strip().isdigit():
+    raise StoreError(
+      f"{root / _DONE} does not hold a batch count: {text[:40]!r}",
+      code="store_corrupt",
+      path=str(root / _DONE),
+      fix="delete it and collect() again with the same batches: it resumes",
+    )
+  return int(text)
 
 
 def _read_meta(root: Path) -> dict:
   """``store.json``, checked: a truncated or altered one is ``store_corrupt``."""
   try:
-    meta = json.loads((root / _META).read_text())
+    meta = json_loads((root / _META).read_text())
     sites = meta["sites"]
     ok = isinstance(sites, dict) and all(
       isinstance(v, dict)
@@ -202,18 +243,27 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
   except OSError as error:
     tmp.unlink(missing_ok=True)
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+    if error.errno in _FULL:
       raise _disk_full(path.parent, error) from error
     raise
 
 
-def _save_shard(arrays: dict, path: Path) -> None:
-  """Writes one shard atomically: a temporary file, then a rename."""
-  from safetensors.numpy import save_file
+def _crc(array: np.ndarray) -> int:
+  return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
 
+
+def _save_shard(arrays: dict, path: Path) -> None:
+  """Writes one shard atomically: a temporary file, then a rename. Its header holds each
+  site's CRC-32, checked when the site is read."""
+  from safetensors.numpy import save
+
+  data = save(arrays, metadata={_CRC: json.dumps({k: _crc(v) for k, v in arrays.items()})})
   tmp = path.with_name(path.name + ".tmp")
   try:
-    save_file(arrays, str(tmp))
+    with tmp.open("wb") as f:  # a plain write: a full disk is an OSError with its errno
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
     os.replace(tmp, path)
   except BaseException:
     tmp.unlink(missing_ok=True)
@@ -257,9 +307,7 @@ class _Writer(threading.Thread):
         _save_shard(arrays, _shard(self.root, index))
         self.on_written(arrays)
       except OSError as error:
-        self.error = (
-          _disk_full(self.root, error) if error.errno in (errno.ENOSPC, errno.EDQUOT) else error
-        )
+        self.error = _disk_full(self.root, error) if error.errno in _FULL else error
       except BaseException as error:  # noqa: BLE001 (re-raised in the main thread)
         self.error = error
 
@@ -380,13 +428,17 @@ def collect(
     "version": _VERSION,
     "sites": {k: {"shape": list(s.shape[1:]), "dtype": str(s.dtype)} for k, s in shapes.items()},
   }
-  done = _prepare(root, meta, overwrite)
+  present = _prepare(root, meta, overwrite)
+  total = _complete_count(root)
+  if total is not None:
+    if all(i in present for i in range(total)):
+      return ActivationStore(root)
+    (root / _DONE).unlink()  # a shard is missing or damaged: recollect it
+  done = len(present)
   row_bytes = sum(
     int(np.prod(s.shape[1:], dtype=np.int64)) * np.dtype(s.dtype).itemsize for s in shapes.values()
   )
   batch_bytes = row_bytes * int(next(iter(shapes.values())).shape[0])
-  if (root / _DONE).exists():
-    return ActivationStore(root)
   if num_batches is not None:
     need = batch_bytes * max(0, num_batches - done)
     free = shutil.disk_usage(root).free
@@ -418,7 +470,7 @@ def collect(
   index = 0
   try:
     for batch in _chain(first, iterator):
-      if index >= done:
+      if index not in present:
         values = run(variables, *as_args(batch))
         _check_local(values, root)
         writer.put((index, values))
@@ -433,7 +485,7 @@ def collect(
     (root / _DONE).write_text(f"{index}\n")
   except OSError as error:
     (root / _DONE).unlink(missing_ok=True)  # (a half-written marker would still say complete)
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+    if error.errno in _FULL:
       raise _disk_full(root, error) from error
     raise
   return ActivationStore(root)
@@ -470,7 +522,16 @@ class ActivationStore:
     self._meta = _read_meta(root)
     self.labels = tuple(self._meta["sites"])
     self.num_batches = _committed(root)
-    self.complete = (root / _DONE).exists()
+    total = _complete_count(root)
+    self.complete = total is not None
+    if total is not None and self.num_batches != total:
+      missing = [i for i in range(total) if not _shard(root, i).exists()]
+      raise StoreError(
+        f"{root} is a complete store of {total} batches, but shards {missing[:8]} are missing",
+        code="store_corrupt",
+        path=str(_shard(root, missing[0]) if missing else root),
+        fix="collect() again with the same batches: it recomputes the missing shards",
+      )
     self._rows: list[int] | None = None
 
   def __repr__(self) -> str:
@@ -511,7 +572,7 @@ class ActivationStore:
         f"shard {i} of {self.path} cannot be read: {error}",
         code="store_corrupt",
         path=str(_shard(self.path, i)),
-        fix="delete that shard and the ones after it, then collect() again to recompute them",
+        fix="delete that shard, then collect() again with the same batches to recompute it",
       ) from error
 
   def _tensor(self, f, i: int, label: str, *, shape_only: bool = False):
@@ -531,7 +592,7 @@ class ActivationStore:
         code="store_corrupt",
         path=_shard(self.path, i),
         site=label,
-        fix="delete that shard and the ones after it, then collect() again to recompute them",
+        fix="delete that shard, then collect() again with the same batches to recompute it",
       ) from error
     bad = len(shape) != len(want_shape) + 1 or shape[1:] != want_shape
     if value is not None and value.dtype != want_dtype:
@@ -544,9 +605,26 @@ class ActivationStore:
         code="store_corrupt",
         path=_shard(self.path, i),
         site=label,
-        fix="delete that shard and the ones after it, then collect() again to recompute them",
+        fix="delete that shard, then collect() again with the same batches to recompute it",
       )
+    if value is not None:
+      self._check_crc(f, i, label, value)
     return shape[0] if value is None else value
+
+  def _check_crc(self, f, i: int, label: str, value: np.ndarray) -> None:
+    try:
+      want = json_loads((f.metadata() or {}).get(_CRC, "{}")).get(label)
+    except (ValueError, AttributeError):
+      want = "unreadable"
+    if want is not None and want != _crc(value):
+      raise StoreError(
+        f"shard {i} of {self.path}: the values of {label!r} differ from the CRC-32 saved with "
+        "them (the file is damaged)",
+        code="store_corrupt",
+        path=_shard(self.path, i),
+        site=label,
+        fix="delete that shard, then collect() again with the same batches to recompute it",
+      )
 
   @property
   def rows_per_batch(self) -> list[int]:

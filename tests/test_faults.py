@@ -66,28 +66,25 @@ def test_a_collection_killed_anywhere_resumes_to_the_uninterrupted_store(
     with pytest.raises(Killed):
       store.collect(model, variables, batches(kill_at=at), path, sites=["layers_*"], progress=False)
   else:
-    import safetensors.numpy
+    real_replace = os.replace
 
-    real_save = safetensors.numpy.save_file
-
-    def dying_save(arrays, name):
-      if name.endswith(f"shard_{at:06d}.safetensors.tmp"):
+    def dying_replace(src, dst):
+      # The shard's .tmp is whole here; the kill lands before, during or after the rename.
+      if str(dst).endswith(f"shard_{at:06d}.safetensors"):
         if phase == "half_tmp":
-          real_save(arrays, name)
-          with open(name, "r+b") as f:
-            f.truncate(os.path.getsize(name) // 2)
+          with open(src, "r+b") as f:
+            f.truncate(os.path.getsize(src) // 2)
           raise Killed
-        real_save(arrays, name)
         if phase == "whole_tmp":
           raise Killed
-        os.replace(name, name[: -len(".tmp")])
+        real_replace(src, dst)
         raise Killed
-      return real_save(arrays, name)
+      return real_replace(src, dst)
 
-    monkeypatch.setattr(safetensors.numpy, "save_file", dying_save)
+    monkeypatch.setattr(store.os, "replace", dying_replace)
     with pytest.raises(Killed):
       store.collect(model, variables, batches(), path, sites=["layers_*"], progress=False)
-    monkeypatch.setattr(safetensors.numpy, "save_file", real_save)
+    monkeypatch.setattr(store.os, "replace", real_replace)
   crashed = store.open(path)
   assert not crashed.complete
   done = crashed.num_batches

@@ -34,6 +34,8 @@ FLOORS = {
   "errors": 0,
   "dependence": 0,
   "render": 0,
+  # 0: JSON read with its depth bounded (every loader of a JSON file).
+  "jsonfile": 0,
   # 1: site infos and selectors; how a door calls a linen or NNX model; named values
   # (identity modules whose call is a site); optional dependencies; the compilation cache.
   "sites": 1,

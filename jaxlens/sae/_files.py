@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import zipfile
+import zlib
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens.internal import require
+from jaxlens.internal import json_loads, require
 from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder
 
 __all__ = ["load_saelens", "save_saelens", "load_gemma_scope"]
@@ -161,8 +163,8 @@ def load_saelens(path, *, dtype=None):
         fix="the directory SAELens's sae.save_model(path) wrote",
       )
   try:
-    cfg = json.loads((root / CFG).read_text())
-  except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    cfg = json_loads((root / CFG).read_text())
+  except (ValueError, UnicodeDecodeError) as error:  # nested too deep, too
     raise SAEError(
       f"{root / CFG} is not JSON: {error}",
       code="sae_config_invalid",
@@ -388,9 +390,18 @@ def load_gemma_scope(path, *, dtype=jnp.float32, apply_b_dec_to_input: bool = Fa
     )
   if path.suffix == ".npz":
     try:
-      with np.load(path) as npz:
+      # The file is opened here: np.load leaves its own handle open when the zip is bad.
+      with path.open("rb") as handle, np.load(handle) as npz:
         raw = {k: jnp.asarray(npz[k]) for k in npz.files}
-    except (OSError, ValueError) as error:
+    except (
+      OSError,
+      ValueError,
+      EOFError,
+      KeyError,
+      NotImplementedError,
+      zipfile.BadZipFile,
+      zlib.error,
+    ) as error:  # cut short, a flipped byte (a bad CRC), a member that is not an array
       raise SAEError(
         f"{path} is not a readable npz file: {error}",
         code="sae_weights_invalid",

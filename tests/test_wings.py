@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jaxlens as jl
-from jaxlens import sae
+from jaxlens import sae, store
 from jaxlens import train as jt
 from jaxlens.internal import Checkpoints
 from jaxlens.sae import train as st
@@ -118,6 +118,8 @@ _CHILD = textwrap.dedent(
   import resource, signal, sys
   import jax, jax.numpy as jnp
   import jaxlens as jl
+
+  jax.config.update("jax_enable_compilation_cache", False)  # its writes would hit the limit
   from jaxlens.internal import Checkpoints
 
   def attempt(what, call):
@@ -138,33 +140,50 @@ _CHILD = textwrap.dedent(
       c.save(2, {"w": jax.random.normal(jax.random.key(0), (32, 32)) * 2, "n": jnp.asarray(3)})
 
   attempt("full", full)
+
+  # The store on a full disk: batch 0's shard (2 rows) fits under the limit, batch 1's (8) not.
+  import numpy as np, flax.linen as nn
+  from jaxlens import store
+
+  model = nn.Sequential([nn.Dense(64)])
+  v = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.float32))
+  rows = (np.random.default_rng(i).normal(size=(n, 4)).astype(np.float32) for i, n in [(0, 2), (1, 8)])
+  resource.setrlimit(resource.RLIMIT_FSIZE, (1500, 1500))
+  try:
+    store.collect(model, v, rows, sys.argv[4], sites=["layers_0"], progress=False)
+    print("store ok")
+  except store.StoreError as error:
+    print("store", error.code, store.open(sys.argv[4]).num_batches)
   """
 )
 
 
 def test_another_process_a_full_disk_and_a_file_are_typed_and_the_process_exits(tmp_path):
+  """Checkpoints and the store on a real full disk, and a checkpoint directory another
+  process has open."""
   (tmp_path / "file").write_text("x")
   state = _saved(tmp_path / "full")
   with Checkpoints(tmp_path / "locked", 1):
     # The failed saves leave no thread behind: the child exits at once (orbax's
     # asynchronous saves kept it alive for minutes).
     out = subprocess.run(
-      [sys.executable, "-c", _CHILD, *(str(tmp_path / n) for n in ("file", "locked", "full"))],
+      [
+        sys.executable,
+        "-c",
+        _CHILD,
+        *(str(tmp_path / n) for n in ("file", "locked", "full", "store")),
+      ],
       capture_output=True,
       text=True,
       timeout=120,
       env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
   assert out.returncode == 0, out.stderr[-2000:]
-  assert out.stdout.split() == [
-    "file",
-    "checkpoint_path_invalid",
-    "locked",
-    "checkpoint_locked",
-  ] + [
-    "full",
-    "disk_full",
-  ]
+  assert out.stdout.split() == (
+    ["file", "checkpoint_path_invalid", "locked", "checkpoint_locked", "full", "disk_full"]
+    + ["store", "disk_full", "1"]
+  )
+  assert not list((tmp_path / "store").glob("*.tmp"))
   # The checkpoint before the full disk is intact, and the failed one's leftovers are gone.
   with Checkpoints(tmp_path / "full", 1) as c:
     assert c.latest_step() == 1
@@ -292,3 +311,83 @@ def test_sae_train_refuses_bad_arguments(call, code, match):
   with pytest.raises(sae.SAEError, match=match) as info:
     call(cfg)
   assert info.value.code == code
+
+
+# --------------------------------------------------------------------------------------------
+# The activation store knows what it holds.
+
+
+def _data(n=3):
+  for i in range(n):
+    yield np.random.default_rng(i).normal(size=(2, 3)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def dense():
+  model = nn.Sequential([nn.Dense(5)])
+  return model, model.init(jax.random.key(0), jnp.zeros((1, 3), jnp.float32))
+
+
+def _collect(dense, path):
+  model, v = dense
+  return store.collect(model, v, _data(), path, sites=["layers_0"], progress=False)
+
+
+def test_a_shard_missing_or_damaged_in_a_complete_store_is_found_and_recollected(dense, tmp_path):
+  want = _collect(dense, tmp_path / "ref").array("layers_0")
+  path = tmp_path / "acts"
+  _collect(dense, path)
+  kept = (path / "shard_000002.safetensors").stat().st_mtime_ns
+  (path / "shard_000001.safetensors").unlink()
+  with pytest.raises(store.StoreError, match=r"\[store_corrupt\].*shards \[1\] are missing"):
+    store.open(path)
+  again = _collect(dense, path)  # recomputes shard 1 only
+  np.testing.assert_array_equal(again.array("layers_0"), want)
+  assert (path / "shard_000002.safetensors").stat().st_mtime_ns == kept
+  # A flipped byte in a value: the shard's CRC-32 refuses it when read.
+  shard = path / "shard_000000.safetensors"
+  data = bytearray(shard.read_bytes())
+  data[-3] ^= 0x40
+  shard.write_bytes(bytes(data))
+  with pytest.raises(store.StoreError, match=r"\[store_corrupt\].*differ from the CRC-32"):
+    store.open(path).array("layers_0")
+  # A shard cut short: collect recomputes it.
+  shard.write_bytes(bytes(data[: len(data) // 2]))
+  np.testing.assert_array_equal(_collect(dense, path).array("layers_0"), want)
+  # A damaged COMPLETE marker, and a store.json nested too deep to parse.
+  (path / "COMPLETE").write_text("three")
+  with pytest.raises(store.StoreError, match=r"\[store_corrupt\].*does not hold a batch count"):
+    store.open(path)
+  (path / "COMPLETE").write_text("3\n")
+  (path / "store.json").write_text("[" * 50000 + "]" * 50000)
+  with pytest.raises(store.StoreError, match=r"\[store_corrupt\].*nested deeper"):
+    store.open(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Dictionary files: a damaged Gemma Scope npz, a SAELens cfg.json nested too deep.
+
+
+def test_a_damaged_gemma_scope_npz_and_a_deep_cfg_json_are_typed(tmp_path):
+  rng = np.random.default_rng(0)
+  params = {
+    "W_enc": rng.normal(size=(4, 6)).astype(np.float32),
+    "W_dec": rng.normal(size=(6, 4)).astype(np.float32),
+    "b_enc": np.zeros(6, np.float32),
+    "b_dec": np.zeros(4, np.float32),
+    "threshold": np.zeros(6, np.float32),
+  }
+  np.savez_compressed(tmp_path / "params.npz", **params)
+  whole = (tmp_path / "params.npz").read_bytes()
+  assert sae.load_gemma_scope(tmp_path / "params.npz").d_sae == 6
+  flipped = bytearray(whole)
+  flipped[len(whole) // 3] ^= 0x08
+  for damaged in (whole[: len(whole) // 2], bytes(flipped)):
+    (tmp_path / "params.npz").write_bytes(damaged)
+    with pytest.raises(sae.SAEError, match=r"\[sae_weights_invalid\].*not a readable npz"):
+      sae.load_gemma_scope(tmp_path / "params.npz")
+  d = sae.SAE.init(jax.random.key(0), 4, 6)
+  sae.save_saelens(d, tmp_path / "dict")
+  (tmp_path / "dict" / "cfg.json").write_text('{"a": ' + "[" * 30000 + "]" * 30000 + "}")
+  with pytest.raises(sae.SAEError, match=r"\[sae_config_invalid\].*nested deeper"):
+    sae.load_saelens(tmp_path / "dict")
