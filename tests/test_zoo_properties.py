@@ -32,7 +32,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import jaxlens as jl
-from jaxlens.models import bert, gemma3, gpt2, gpt_neox, llama
+from jaxlens.models import bert, gemma, gpt2, gpt_neox, llama
 
 pytestmark = pytest.mark.xdist_group("zoo_properties")
 
@@ -58,8 +58,8 @@ def zoo(family):
   elif family == "gpt_neox":
     model = gpt_neox.GPTNeoX(gpt_neox.GPTNeoXConfig(**sizes, rotary_pct=0.5))
   elif family == "gemma3":
-    model = gemma3.Gemma3(
-      gemma3.Gemma3Config(
+    model = gemma.Gemma3(
+      gemma.Gemma3Config(
         **sizes, n_kv_heads=1, head_dim=4, d_mlp=12, query_pre_attn_scalar=4.0, sliding_window=3
       )
     )

@@ -215,8 +215,15 @@ def rope_from_hf(
     raise config.refuse(key, f"names the rotary scaling {kind!r}", f"rope_type in {KINDS}")
   base = rope.get("rope_theta") or config.config.get("rope_theta") or default_base
   fraction = rope.get("partial_rotary_factor") or config.config.get("partial_rotary_factor") or 1.0
-  if not (isinstance(base, (int, float)) and math.isfinite(base) and base > 1):
-    raise config.refuse(key, "gives a rotary base that is not a finite number > 1", "rope_theta")
+  if not (isinstance(base, (int, float)) and not isinstance(base, bool) and math.isfinite(base)):
+    raise LoadError(
+      f"config.json gives rope_base = {base!r:.40}, which must be a finite number",
+      code="config_invalid",
+      tensor="config.json",
+      field="rope_base",
+      received=repr(base)[:40],
+      fix="check config.json against the checkpoint (rope_theta)",
+    )
   if kind == "default" and fraction == 1.0:
     return float(base), None
 

@@ -287,7 +287,15 @@ def from_hf(config: _hf.HFConfig, dtype) -> Gemma3Config:
     text = _hf.HFConfig({**config["text_config"], "model_type": "gemma3_text"})
     out = from_hf(text, dtype)
     text.finish()
-    config.seen(*config.config)  # the vision tower's fields
+    # The vision tower and the image tokens: the text decoder does not read them.
+    config.seen(
+      "vision_config",
+      "boi_token_index",
+      "eoi_token_index",
+      "image_token_index",
+      "mm_tokens_per_image",
+      "tie_word_embeddings",
+    )
     return out
   gemma1, gemma2 = kind == "gemma", kind == "gemma2"
   heads = config["num_attention_heads"]

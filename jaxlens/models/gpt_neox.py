@@ -242,14 +242,8 @@ def _qkv(k, heads):
 
   def take(w):
     w = np.asarray(w)
-    if w.shape[0] % (3 * heads):
-      raise _hf.LoadError(
-        f"the fused query_key_value has {w.shape[0]} rows, not a multiple of 3 x {heads} heads",
-        code="tensor_shape",
-        tensor="query_key_value",
-        received=tuple(w.shape),
-        fix="check that config.json's num_attention_heads matches the weights",
-      )
+    if w.shape[0] % (3 * heads):  # (params_from_hf reports it as tensor_shape)
+      raise ValueError(f"{w.shape[0]} rows do not split into q, k, v of {heads} heads")
     rows = w.reshape(heads, 3, -1, *w.shape[1:])[:, k]
     rows = rows.reshape(-1, *w.shape[1:])
     return rows.T if rows.ndim == 2 else rows

@@ -225,7 +225,8 @@ def _check_config(config) -> None:
   if d_head is not None and rope is not None and rope.dims(d_head) % 2:
     raise _invalid(
       "rotary",
-      f"the rotary embedding would rotate {rope.dims(d_head)} features per head, an odd number",
+      f"config.json gives a rotary embedding of {rope.dims(d_head)} features per head, an odd "
+      "number",
       rope.dims(d_head),
       "a head_dim (and partial_rotary_factor) that give an even rotary width",
     )
@@ -378,17 +379,23 @@ def params_from_hf(config, tensors: Mapping[str, Any]):
           tensor=name,
           fix="load a complete checkpoint of this architecture",
         )
-    else:
-      value = fn(_as_numpy(raw))
-      _check_dtype(value, name)
-    if tuple(value.shape) != tuple(expected.shape):
+    stored = tuple(getattr(raw, "shape", expected.shape))  # the checkpoint's own shape
+    if raw is not None:
+      try:
+        value = fn(_as_numpy(raw))
+      except (ValueError, IndexError):  # a fused tensor that does not split into the parts
+        value = None
+      else:
+        _check_dtype(value, name)
+    if value is None or tuple(value.shape) != tuple(expected.shape):
+      got = "" if value is None else f" (read as {tuple(value.shape)})"
       raise LoadError(
-        f"tensor {name!r} has shape {tuple(value.shape)} where {'/'.join(path)} needs "
-        f"{tuple(expected.shape)}",
+        f"tensor {name!r} has shape {stored} in the checkpoint{got}, which does not give "
+        f"{'/'.join(path)} its shape {tuple(expected.shape)}",
         code="tensor_shape",
         tensor=name,
         expected=tuple(expected.shape),
-        received=tuple(value.shape),
+        received=stored,
         fix="check that config.json matches the weights",
       )
     node = params
@@ -892,7 +899,7 @@ def _gguf_reader(path, buffer=None):
     def _build_tensors(self, start_offs, fields):
       # gguf slices each tensor's bytes from the map and reshapes them, so a cut file fails
       # with numpy's "cannot reshape" naming no tensor: check every extent first.
-      size = len(self._data)
+      size, extents = len(self._data), []
       for field in fields:
         _, name_data, _, dims, raw_dtype, offset = field.parts
         name = bytes(name_data).decode("utf-8", "replace")
@@ -905,10 +912,23 @@ def _gguf_reader(path, buffer=None):
             tensor=name,
             fix="download the file again",
           ) from None
-        end = int(start_offs) + int(offset[0]) + int(np.prod(dims)) * type_size // block
+        begin = int(start_offs) + int(offset[0])
+        end = begin + int(np.prod(dims)) * type_size // block
         if end > size:
           raise LoadError(
             f"{path.name} is truncated: tensor {name!r} ends at byte {end}, the file has {size}",
+            code="truncated_file",
+            tensor=name,
+            fix="download the file again",
+          )
+        extents.append((begin, end, name))
+      # A tensor whose header claims more elements than it has reads the next one's bytes.
+      extents.sort()
+      for (_, end, name), (begin, _, after) in zip(extents, extents[1:]):
+        if end > begin:
+          raise LoadError(
+            f"{path.name}: tensor {name!r} overlaps tensor {after!r} (its header gives more "
+            "elements than its bytes hold)",
             code="truncated_file",
             tensor=name,
             fix="download the file again",
@@ -939,6 +959,44 @@ def _gguf_reader(path, buffer=None):
 def _field(reader, key, default=None):
   f = reader.fields.get(key)
   return default if f is None else f.contents()
+
+
+def _gguf_number(value, key: str, name: str, kind=int):
+  """A GGUF metadata count (``kind=int``: a positive int) or scale (``float``: finite and
+  positive), or ``config_invalid`` naming the key (a zero head count divides by zero, a NaN
+  rope base or norm epsilon gives NaN logits)."""
+  try:
+    number = kind(value)
+    ok = number > 0 and math.isfinite(number) and (kind is float or number == value)
+  except (TypeError, ValueError, OverflowError):
+    ok = False
+  if not ok:
+    what = "a positive int" if kind is int else "a finite positive number"
+    raise LoadError(
+      f"{name}: {key} is {value!r}, not {what}",
+      code="config_invalid",
+      tensor=key,
+      field=key,
+      fix="a GGUF file written by llama.cpp's converter",
+    )
+  return number
+
+
+def _gguf_vocab(tensors, tokens, name: str) -> None:
+  """The token embedding has a row per token of the file's tokenizer."""
+  embed = tensors.get("token_embd.weight")
+  if embed is None or tokens is None:
+    return
+  rows = int(embed.shape[-1]) if len(embed.shape) > 1 else 0
+  if rows != len(tokens):
+    raise LoadError(
+      f"{name}: token_embd.weight has {rows} rows, the tokenizer {len(tokens)} tokens",
+      code="tensor_shape",
+      tensor="token_embd.weight",
+      expected=len(tokens),
+      received=rows,
+      fix="a GGUF file whose embedding matches its vocabulary",
+    )
 
 
 def _unpermute(w, n_heads):
@@ -1032,24 +1090,31 @@ def _gemma3_from_gguf(reader, dtype, tokenizer: bool, name: str) -> Pretrained:
       )
     return value
 
+  def count(key, default=None):
+    return _gguf_number(get(key, default), f"gemma3.{key}", name)
+
+  def scale(key, default):
+    return _gguf_number(get(key, default), f"gemma3.{key}", name, float)
+
   tensors = {t.name: t for t in reader.tensors}
-  heads, head_dim = int(get("attention.head_count")), int(get("attention.key_length"))
+  _gguf_vocab(tensors, _field(reader, "tokenizer.ggml.tokens"), name)
+  heads, head_dim = count("attention.head_count"), count("attention.key_length")
   embed = tensors.get("token_embd.weight")
   config = Gemma3Config(
     vocab_size=int(embed.shape[1]) if embed is not None else 0,
-    d_model=int(get("embedding_length")),
-    n_layers=int(get("block_count")),
+    d_model=count("embedding_length"),
+    n_layers=count("block_count"),
     n_heads=heads,
-    n_kv_heads=int(get("attention.head_count_kv", heads)),
+    n_kv_heads=count("attention.head_count_kv", heads),
     head_dim=head_dim,
-    d_mlp=int(get("feed_forward_length")),
+    d_mlp=count("feed_forward_length"),
     query_pre_attn_scalar=float(head_dim),
-    sliding_window=int(get("attention.sliding_window")),
-    rope_base=float(get("rope.freq_base", 1_000_000.0)),
-    rope_local_base=float(get("rope.freq_base_swa", 10_000.0)),
-    norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+    sliding_window=count("attention.sliding_window"),
+    rope_base=scale("rope.freq_base", 1_000_000.0),
+    rope_local_base=scale("rope.freq_base_swa", 10_000.0),
+    norm_eps=scale("attention.layer_norm_rms_epsilon", 1e-6),
     tie_embeddings="output.weight" not in tensors,
-    max_len=int(get("context_length", 32768)),
+    max_len=count("context_length", 32768),
     dtype=dtype,
   )
   names = {
@@ -1108,6 +1173,13 @@ def load_gguf(
       fix='weights="gguf", "int8", "bfloat16" or "float32"',
     )
 
+  if isinstance(path, (list, tuple)) and not path:
+    raise LoadError(
+      "load_gguf: an empty list of chunks",
+      code="invalid_argument",
+      tensor=None,
+      fix="load_gguf(path) or load_gguf([chunk_0, chunk_1, ...])",
+    )
   if isinstance(path, (list, tuple)):
     name = Path(path[0]).name
     reader = _gguf_reader(path[0], read_chunks(path, sha256))
@@ -1147,22 +1219,30 @@ def load_gguf(
       )
     return value
 
-  heads = int(get("attention.head_count"))
+  def count(key, default=None):
+    return _gguf_number(get(key, default), f"llama.{key}", name)
+
+  def scale(key, default):
+    return _gguf_number(get(key, default), f"llama.{key}", name, float)
+
+  heads = count("attention.head_count")
   tensors = {t.name: t for t in reader.tensors}
   tokens = _field(reader, "tokenizer.ggml.tokens")
-  vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
+  _gguf_vocab(tensors, tokens, name)
+  vocab = count("vocab_size", len(tokens) if tokens is not None else None)
+  key_length = _field(reader, "llama.attention.key_length")
   config = LlamaConfig(
     vocab_size=vocab,
-    d_model=int(get("embedding_length")),
-    n_layers=int(get("block_count")),
+    d_model=count("embedding_length"),
+    n_layers=count("block_count"),
     n_heads=heads,
-    n_kv_heads=int(get("attention.head_count_kv", heads)),
-    d_mlp=int(get("feed_forward_length")),
-    head_dim=_field(reader, "llama.attention.key_length"),
-    rope_base=float(get("rope.freq_base", 10000.0)),
-    norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+    n_kv_heads=count("attention.head_count_kv", heads),
+    d_mlp=count("feed_forward_length"),
+    head_dim=None if key_length is None else count("attention.key_length"),
+    rope_base=scale("rope.freq_base", 10000.0),
+    norm_eps=scale("attention.layer_norm_rms_epsilon", 1e-5),
     tie_embeddings="output.weight" not in tensors,
-    max_len=int(get("context_length", 2048)),
+    max_len=count("context_length", 2048),
     dtype=dtype,
   )
   names = {
