@@ -127,12 +127,14 @@ def kl_to_final(model, variables, tokens, lens: TunedLens | None = None, *, atte
   layers = check_layers(model, None)
   res = residuals(model, variables, tokens, layers=layers, attention_mask=attention_mask)
   h = res if lens is None else lens.translate(res, layers)
-  n, b = h.shape[:2]
-  logits = model.unembed(variables, h.reshape(n * b, *h.shape[2:])).reshape(n, b, *h.shape[2:3], -1)
-  mask = (
-    jnp.ones(tokens.shape, bool) if attention_mask is None else jnp.asarray(attention_mask) != 0
-  )
-  return _kl(logits[-1:], logits, mask)
+  tokens = jnp.asarray(tokens)
+  mask = jnp.ones(tokens.shape, bool) if attention_mask is None else jnp.asarray(attention_mask)
+  final = model.unembed(variables, h[-1])
+
+  def layer_kl(x):  # one layer's logits at a time: the peak is one (batch, seq, vocab) array
+    return _kl(final[None], model.unembed(variables, x)[None], mask)[0]
+
+  return jax.lax.map(layer_kl, h)
 
 
 def tuned_lens_optimizer(
@@ -217,10 +219,15 @@ def train_tuned_lens(
     res = jax.lax.stop_gradient(res)
     final = jax.lax.stop_gradient(model.unembed(variables, res[-1]))
 
+    # One layer's logits at a time (a loop over layers, recomputed in the backward pass):
+    # the peak is one (batch, seq, vocab) array, not one per layer.
+    @jax.checkpoint
+    def layer_kl(h):
+      return _kl(final[None], model.unembed(variables, h)[None], mask)[0]
+
     def loss(lens):
       h = lens.translate(res[:-1], sites[:-1])
-      logits = jax.vmap(lambda x: model.unembed(variables, x))(h)
-      kl = _kl(final[None], logits, mask)
+      kl = jax.lax.map(layer_kl, h)
       return jnp.sum(kl), kl
 
     (_, kl), grads = jax.value_and_grad(loss, has_aux=True)(lens)
