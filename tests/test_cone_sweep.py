@@ -19,6 +19,7 @@ from jaxlens.models import (
   Llama,
   LlamaConfig,
 )
+from jaxlens.models.moe import MoEConfig
 
 VOCAB, SEQ = 40, 7
 MODELS = {
@@ -48,6 +49,21 @@ MODELS = {
     )
   ),
   "gpt_neox": lambda: GPTNeoX(GPTNeoXConfig(vocab_size=VOCAB, d_model=32, n_layers=3, n_heads=4)),
+  # OLMoE-like: norms after the sub-blocks, QK-norm over the projection, experts as the MLP
+  "llama_moe": lambda: Llama(
+    LlamaConfig(
+      vocab_size=VOCAB,
+      d_model=32,
+      n_layers=3,
+      n_heads=4,
+      n_kv_heads=2,
+      d_mlp=48,
+      qk_norm=True,
+      qk_norm_scope="proj",
+      norm_placement="post",
+      moe=MoEConfig(n_experts=4, top_k=2, d_expert=16),
+    )
+  ),
 }
 
 
