@@ -251,6 +251,72 @@ def _generate(
   return Generation(prompt, out_tokens, out_logits, lengths, prefill_saved, steps_saved)
 
 
+_INT32 = (-(2**31), 2**31)
+
+
+def _as_ids(value, name: str):
+  """``value`` as an array; ragged rows and ids that do not fit in int32 are refused here
+  (``jnp.asarray`` would raise its own ``ValueError`` or ``OverflowError``)."""
+  if isinstance(value, jax.Array):
+    return value
+  try:
+    array = np.asarray(value)
+  except (ValueError, TypeError) as error:
+    raise InvalidArgumentError(
+      f"generate: {name} is not a rectangular array ({error}); rows of different lengths "
+      "must be left-padded",
+      code="not_left_padded",
+      fix="tokens, mask = jl.generation.left_pad(list_of_token_lists)",
+    ) from None
+  if array.dtype == object:
+    raise InvalidArgumentError(
+      f"generate: {name} is not a rectangular array of ints; rows of different lengths "
+      "must be left-padded",
+      code="not_left_padded",
+      fix="tokens, mask = jl.generation.left_pad(list_of_token_lists)",
+    )
+  if np.issubdtype(array.dtype, np.integer) and array.size:
+    low, high = int(array.min()), int(array.max())
+    if low < _INT32[0] or high >= _INT32[1]:
+      raise InvalidArgumentError(
+        f"generate: {name} holds {high if high >= _INT32[1] else low}, which does not fit in "
+        "int32 (token ids are int32)",
+        code="index_out_of_range",
+        fix="token ids in [0, vocab_size)",
+      )
+    array = array.astype(np.int32)
+  return jnp.asarray(array)
+
+
+def _check_scalars(temperature, seed, stop_tokens, pad_token):
+  """The sampling arguments: a real temperature, a seed in [0, 2**32), int32 token ids."""
+  if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.number)):
+    raise InvalidArgumentError(
+      f"temperature must be a number >= 0, got {temperature!r}",
+      code="invalid_argument",
+      fix="temperature=0.7 (or 0 for greedy)",
+    )
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+    raise InvalidArgumentError(
+      f"seed must be an int in [0, 2**32), got {seed!r}",
+      code="invalid_seed",
+      fix="seed=0",
+      received=repr(seed),
+    )
+  try:
+    tokens = [*stop_tokens, pad_token]
+  except TypeError:
+    tokens = [stop_tokens]
+  for t in tokens:
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < _INT32[1]:
+      raise InvalidArgumentError(
+        f"stop_tokens and pad_token must be token ids in [0, 2**31), got {t!r}",
+        code="invalid_argument",
+        fix="stop_tokens=(eos_id,), pad_token=0",
+        received=repr(t),
+      )
+
+
 def _check_prompt(prompt, mask, module, max_new_tokens):
   if jnp.ndim(prompt) != 2 or not jnp.issubdtype(jnp.result_type(prompt), jnp.integer):
     raise ShapeError(
@@ -266,7 +332,11 @@ def _check_prompt(prompt, mask, module, max_new_tokens):
       code="shape_mismatch",
       fix="a prompt of at least one token, e.g. a BOS token: jnp.asarray([[bos_id]])",
     )
-  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+  if (
+    isinstance(max_new_tokens, bool)
+    or not isinstance(max_new_tokens, (int, np.integer))
+    or max_new_tokens < 1
+  ):
     raise InvalidArgumentError(
       f"max_new_tokens must be a positive int, got {max_new_tokens!r}",
       code="invalid_argument",
@@ -402,11 +472,14 @@ def generate(
       ``no_kv_cache``; ``unknown_site`` for a spec
       or ``save`` selector matching nothing. :class:`ShapeError` ``shape_mismatch``.
   """
-  prompt = jnp.asarray(prompt)
+  prompt = _as_ids(prompt, "prompt")
   mask = (
-    jnp.ones(prompt.shape, jnp.int32) if attention_mask is None else jnp.asarray(attention_mask)
+    jnp.ones(prompt.shape, jnp.int32)
+    if attention_mask is None
+    else _as_ids(attention_mask, "attention_mask")
   )
   _check_prompt(prompt, mask, model, max_new_tokens)
+  _check_scalars(temperature, seed, stop_tokens, pad_token)
   if not isinstance(model, nn.Module) or model.scope is not None:
     raise InvalidArgumentError(
       f"generate takes an unbound linen decoder and its variables, got {type(model).__name__}",

@@ -19,7 +19,7 @@ import pytest
 
 import jaxlens as jl
 from jaxlens import store
-from jaxlens.models import LlamaConfig, load_gguf, load_hf, params_from_hf
+from jaxlens.models import LlamaConfig, LoadError, load_gguf, load_hf, params_from_hf
 from jaxlens.models.llama import Llama
 
 DOCUMENTED = set(
@@ -211,7 +211,7 @@ def test_a_cut_config_or_tokenizer_is_refused_naming_it(checkpoint, tmp_path):
 # -- GGUF ----------------------------------------------------------------------------------------
 
 
-def _gguf(path, tensors, arch="llama", nan=False):
+def _gguf(path, tensors, arch="llama", nan=False, heads=2, extra=None):
   import gguf
 
   w = gguf.GGUFWriter(str(path), arch)
@@ -219,7 +219,9 @@ def _gguf(path, tensors, arch="llama", nan=False):
   w.add_context_length(64)
   w.add_embedding_length(8)
   w.add_feed_forward_length(12)
-  w.add_head_count(2)
+  w.add_head_count(heads)
+  if extra is not None:
+    extra(w)
   w.add_head_count_kv(1)
   w.add_vocab_size(16)
   names = {
@@ -276,6 +278,54 @@ def test_hostile_gguf_files_are_refused_naming_the_tensor(checkpoint, tmp_path):
   _raises(
     lambda: load_gguf(_gguf(tmp_path / "x.gguf", tensors, arch="falcon")), "unknown_architecture"
   )
+
+
+@pytest.mark.parametrize(
+  "heads, extra, code, field",
+  [
+    (0, None, "config_invalid", "llama.attention.head_count"),
+    (2, lambda w: w.add_key_length(0), "config_invalid", "llama.attention.key_length"),
+    (2, lambda w: w.add_rope_freq_base(float("nan")), "config_invalid", "llama.rope.freq_base"),
+    (
+      2,
+      lambda w: w.add_layer_norm_rms_eps(float("nan")),
+      "config_invalid",
+      "llama.attention.layer_norm_rms_epsilon",
+    ),
+    (2, lambda w: w.add_token_list([f"t{i}" for i in range(15)]), "tensor_shape", None),
+  ],
+)
+def test_gguf_metadata_out_of_range_is_refused_naming_the_key(
+  checkpoint, tmp_path, heads, extra, code, field
+):
+  """Issue 49: a zero head count or key length divided by zero, a NaN rope base or norm
+  epsilon gave NaN logits, an embedding of more rows than the tokenizer has tokens loaded."""
+  pytest.importorskip("gguf")
+  path = _gguf(tmp_path / "m.gguf", checkpoint[1], heads=heads, extra=extra)
+  match = "not a positive int|not a finite positive" if field else "rows, the tokenizer 15"
+  with pytest.raises(LoadError, match=match) as info:
+    load_gguf(path, tokenizer=False)
+  assert info.value.code == code
+  assert info.value.fields["tensor"] == (field or "token_embd.weight")
+
+
+def test_a_gguf_tensor_reading_into_the_next_and_an_empty_chunk_list_are_refused(
+  checkpoint, tmp_path
+):
+  pytest.importorskip("gguf")
+  import struct
+
+  data = bytearray(_gguf(tmp_path / "m.gguf", checkpoint[1]).read_bytes())
+  # token_embd.weight's second dimension (its rows), 16 -> 17: one row more than its bytes.
+  at = data.index(b"token_embd.weight") + len("token_embd.weight") + 4 + 8
+  assert struct.unpack_from("<Q", data, at)[0] == 16
+  struct.pack_into("<Q", data, at, 17)
+  (tmp_path / "over.gguf").write_bytes(bytes(data))
+  with pytest.raises(LoadError, match="token_embd.weight' overlaps tensor") as info:
+    load_gguf(tmp_path / "over.gguf", tokenizer=False)
+  assert info.value.code == "truncated_file"
+  with pytest.raises(LoadError, match="an empty list of chunks"):
+    load_gguf([])
 
 
 # -- saved specs ---------------------------------------------------------------------------

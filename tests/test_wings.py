@@ -391,3 +391,52 @@ def test_a_damaged_gemma_scope_npz_and_a_deep_cfg_json_are_typed(tmp_path):
   (tmp_path / "dict" / "cfg.json").write_text('{"a": ' + "[" * 30000 + "]" * 30000 + "}")
   with pytest.raises(sae.SAEError, match=r"\[sae_config_invalid\].*nested deeper"):
     sae.load_saelens(tmp_path / "dict")
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments checked at the boundary: jl.generate and the sweeps.
+
+
+@pytest.fixture(scope="module")
+def decoder():
+  from jaxlens.models import Llama, LlamaConfig
+
+  model = Llama(LlamaConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, d_mlp=8))
+  tokens = jnp.asarray([[1, 2, 3]], jnp.int32)
+  return model, jax.jit(model.init)(jax.random.key(0), tokens), tokens  # one compilation
+
+
+@pytest.mark.parametrize(
+  "kw, code, match",
+  [
+    ({"prompt": [[1, 2], [3]]}, "not_left_padded", "not a rectangular array"),
+    ({"prompt": [[1, 2**40]]}, "index_out_of_range", "does not fit in int32"),
+    ({"seed": 2**64}, "invalid_seed", r"seed must be an int in \[0, 2\*\*32\)"),
+    ({"seed": -1}, "invalid_seed", "seed must be an int"),
+    ({"stop_tokens": (2**40,)}, "invalid_argument", "stop_tokens and pad_token"),
+    ({"pad_token": -3}, "invalid_argument", "stop_tokens and pad_token"),
+    ({"temperature": "hot"}, "invalid_argument", "temperature must be a number"),
+    ({"max_new_tokens": True}, "invalid_argument", "max_new_tokens must be a positive int"),
+  ],
+)
+def test_generate_refuses_bad_arguments_before_tracing(decoder, kw, code, match):
+  model, variables, tokens = decoder
+  kw = {"prompt": tokens, **kw}
+  with pytest.raises(jl.InvalidArgumentError, match=match) as info:
+    jl.generate(model, variables, kw.pop("prompt"), **kw)
+  assert info.value.code == code
+
+
+@pytest.mark.parametrize("sweep", ["cone_sweep", "patching_sweep"])
+def test_sweeps_refuse_a_metric_that_is_not_a_scalar_and_a_bad_batch_size(decoder, sweep):
+  model, variables, tokens = decoder
+  run = getattr(jl.sweep, sweep)
+  corrupt = tokens.at[:, 0].set(5)
+  for metric in (lambda out: None, lambda out: (out.sum(), out.mean())):
+    match = "metric returned a (NoneType|tuple)|metric returned shape"
+    with pytest.raises(jl.ShapeError, match=match) as info:
+      run(model, variables, tokens, corrupt, metric=metric)
+    assert info.value.code == "metric_not_scalar"
+  for size in (-1, 0, 1.5):
+    with pytest.raises(jl.InvalidArgumentError, match="batch_size must be a positive int"):
+      run(model, variables, tokens, corrupt, metric=lambda out: out.sum(), batch_size=size)

@@ -45,7 +45,7 @@ from jaxlens.core import InvalidArgumentError, ShapeError
 from jaxlens.internal import api_boundary
 from jaxlens.protocol import Decoder
 from jaxlens.sweep._blocks import Runs
-from jaxlens.sweep._patching import check_metric
+from jaxlens.sweep._patching import check_batch_size, check_metric
 
 __all__ = ["cone_sweep"]
 
@@ -102,6 +102,12 @@ def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, 
     both = jnp.concatenate([runs.logits, runs.unembed(x)], axis=1)
     full = jnp.take(both, gather, axis=1)  # (batch, positions, seq, vocab)
     values = jax.vmap(metric, in_axes=1)(full)
+    if not isinstance(values, jax.Array):
+      raise ShapeError(
+        f"cone_sweep: metric returned a {type(values).__name__}, expected a scalar array",
+        code="metric_not_scalar",
+        fix="return one number: e.g. logits[:, -1, 0].mean()",
+      )
     if values.shape != (len(positions),):
       raise ShapeError(
         f"cone_sweep: metric returned shape {values.shape[1:]}, expected a scalar",
@@ -170,6 +176,7 @@ def cone_sweep(
   """
   _check_decoder(model)
   check_metric(metric, "cone_sweep")
+  check_batch_size(batch_size, "cone_sweep")
   n_layers = len(model.layer_sites())
   if site not in _SITES:
     raise InvalidArgumentError(

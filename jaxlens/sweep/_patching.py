@@ -102,7 +102,28 @@ def _check(clean, corrupt, sites, positions):
     )
 
 
+def check_batch_size(batch_size, sweep: str) -> None:
+  """``batch_size`` is None or a positive int."""
+  if batch_size is not None and (
+    isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1
+  ):
+    raise InvalidArgumentError(
+      f"{sweep}: batch_size must be a positive int or None, got {batch_size!r}",
+      code="invalid_argument",
+      fix="batch_size=4 (or None: every cell at once)",
+      received=repr(batch_size),
+    )
+
+
 def _check_scalar(value):
+  if not isinstance(value, (jax.Array, np.ndarray, np.generic, int, float)) or isinstance(
+    value, bool
+  ):
+    raise ShapeError(
+      f"patching_sweep: metric returned a {type(value).__name__}, expected a scalar array",
+      code="metric_not_scalar",
+      fix="return one number: e.g. out[:, -1, 0].mean()",
+    )
   value = jnp.asarray(value)
   if value.shape != ():
     raise ShapeError(
@@ -339,6 +360,7 @@ def patching_sweep(
     (1, 3)
   """
   check_metric(metric, "patching_sweep")
+  check_batch_size(batch_size, "patching_sweep")
   if sites is None:
     sites = _default_sites(model)
   sites = tuple(sites)
