@@ -206,6 +206,10 @@ def test_a_cut_config_or_tokenizer_is_refused_naming_it(checkpoint, tmp_path):
       assert e.fields["tensor"] == name
     (d / name).write_bytes(data)
   assert load_hf(d).encode("t3 t4").tolist() == good.encode("t3 t4").tolist() == [[3, 4]]
+  # Nested too deep for json's recursion: config_invalid, not RecursionError.
+  (d / "config.json").write_text('{"a": ' + "[" * 30000 + "]" * 30000 + "}")
+  with pytest.raises(LoadError, match=r"config.json .*nested deeper than 64"):
+    load_hf(d)
 
 
 # -- GGUF ----------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxlens.internal import json_loads
 from jaxlens.models import compact
 from jaxlens.models import _hf, bert, gemma, gpt2, gpt_neox, llama, moe
 from jaxlens.models._hf import LoadError
@@ -762,7 +763,7 @@ def load_hf(path, dtype=jnp.float32) -> Pretrained:
       fix="pass the directory that holds config.json and model.safetensors",
     )
   try:
-    raw_config = json.loads(src.read("config.json"))
+    raw_config = json_loads(src.read("config.json"))  # nested too deep: a ValueError
   except (ValueError, UnicodeDecodeError) as e:
     raise LoadError(
       f"config.json of {path} is not valid JSON (truncated or corrupt): {e}",
