@@ -440,3 +440,35 @@ def test_sweeps_refuse_a_metric_that_is_not_a_scalar_and_a_bad_batch_size(decode
   for size in (-1, 0, 1.5):
     with pytest.raises(jl.InvalidArgumentError, match="batch_size must be a positive int"):
       run(model, variables, tokens, corrupt, metric=lambda out: out.sum(), batch_size=size)
+
+
+# --------------------------------------------------------------------------------------------
+# jl.das takes a full rotation; parameters of every dtype initialise.
+
+
+def test_das_refuses_a_low_rank_rotation_and_a_self_interchange_keeps_the_output(mlp, tmp_path):
+  model, variables = mlp
+  x = jax.random.normal(jax.random.key(3), (2, 1, D), jnp.float64)
+  site = jl.module("layers_0")
+  low = jt.LowRankDAS(rank=2).init(jax.random.key(0), D, jnp.float64)
+  with pytest.raises(jl.ShapeError, match=r"das: a rotation of 2 columns in 4 features") as info:
+    jl.trace(model, variables, x, intervene=jl.when(site, jl.das(low, x, dim=1)))
+  assert info.value.code == "shape_mismatch"
+  with pytest.raises(jl.ShapeError, match=r"boundless_das: a rotation of 2 columns"):
+    jl.trace(model, variables, x, intervene=jl.when(site, jl.boundless_das(low, x, 0.1)))
+  # A full rotation interchanging a run with itself, through a saved spec: the output unchanged.
+  full = jt.DAS(dim=2).init(jax.random.key(0), D, jnp.float64)
+  full["rotation"]["raw"] = full["rotation"]["raw"] + 0.3  # away from its base
+  donor = jl.trace(model, variables, x, save=site)
+  jl.save_spec(jl.when(site, jl.das(full, donor[site].out, dim=2)), tmp_path / "spec")
+  out = jl.load_spec(tmp_path / "spec").bind(model)(variables, x)
+  np.testing.assert_allclose(out, model.apply(variables, x), atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_every_method_initialises_in_half_precision(dtype):
+  for method in (jt.DAS(2), jt.BoundlessDAS(), jt.LowRankDAS(2), jt.LoReFT(2), jt.DiReFT(2)):
+    params = method.init(jax.random.key(0), 8, dtype)
+    assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(dtype)}
+  with pytest.raises(jl.InvalidArgumentError, match="must be a float dtype, got 'float33'"):
+    jt.DAS(2).init(jax.random.key(0), 8, "float33")

@@ -90,6 +90,15 @@ def _check_rotation(rotation, x, ctx, verb, k=None):
     )
   d = x.shape[-1]
   n, kk = jnp.shape(raw)
+  if k is not None and n == d and kk != k and jnp.shape(base) == (d, d):
+    fail_shape(
+      f"a rotation of {kk} columns in {d} features: {verb} rotates the whole space, and a "
+      f"({d}, {kk}) one would project the other {d - kk} coordinates out of the site",
+      ctx,
+      verb,
+      fix=f"a full ({d}, {d}) rotation (jaxlens.train.DAS(dim).init(key, {d})), or "
+      "low_rank_das for a low-rank one",
+    )
   if n != d or jnp.shape(base) != (d, d) or kk > n or (k is not None and kk != k):
     fail_shape(
       f"rotation raw {jnp.shape(raw)} / base {jnp.shape(base)} does not fit the site's "
@@ -129,7 +138,7 @@ def _source(p, x, ctx, verb):
 def _das(x, p, s, ctx):
   _float_site(x, ctx, "das")
   rot = p["params"]["rotation"]
-  _check_rotation(rot, x, ctx, "das")
+  _check_rotation(rot, x, ctx, "das", k=x.shape[-1])
   work = _work(x, p["params"])
   r = orthogonal(rot).astype(work)
   dim = s["dim"]
@@ -181,7 +190,7 @@ def boundary_mask(boundary, temperature, d, dtype):
 def _boundless(x, p, s, ctx):
   _float_site(x, ctx, "boundless_das")
   rot = p["params"]["rotation"]
-  _check_rotation(rot, x, ctx, "boundless_das")
+  _check_rotation(rot, x, ctx, "boundless_das", k=x.shape[-1])
   work = _work(x, p["params"])
   r = orthogonal(rot).astype(work)
   mask = boundary_mask(p["params"]["boundary"], p["temperature"], r.shape[0], work)

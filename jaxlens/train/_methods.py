@@ -13,6 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlens import intervention as trained
 from jaxlens.core import InvalidArgumentError
@@ -34,19 +35,44 @@ def init_rotation(key, d: int, k: int | None = None, dtype=jnp.float32) -> dict:
     dtype: the parameters' dtype.
   """
   k = d if k is None else k
+  for name, value in (("d", d), ("k", k)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+      raise InvalidArgumentError(
+        f"init_rotation: {name} must be an int, got {value!r}",
+        code="invalid_argument",
+        fix="init_rotation(key, d=16, k=4)",
+      )
   if not 0 < k <= d:
     raise InvalidArgumentError(
       f"a rotation of {k} columns in {d} features",
       code="invalid_argument",
       fix=f"0 < k <= d ({d})",
     )
+  dtype = _float_dtype(dtype)
+  # The QR runs in float32 at least (LAPACK has no bfloat16 or float16 QR), then is cast.
+  wide = jnp.float64 if dtype == jnp.float64 else jnp.float32
   k1, k2 = jax.random.split(key)
-  w = jax.nn.initializers.orthogonal()(k1, (d, k), dtype)
+  w = jax.nn.initializers.orthogonal()(k1, (d, k), wide)
   if k < d:
-    full = jnp.concatenate([w, jax.random.normal(k2, (d, d - k), dtype)], axis=1)
+    full = jnp.concatenate([w, jax.random.normal(k2, (d, d - k), wide)], axis=1)
     q, r = jnp.linalg.qr(full)
     w = q * jnp.sign(jnp.diagonal(r))[None, :]
-  return {"raw": -jnp.eye(d, k, dtype=dtype), "base": w}
+  return {"raw": -jnp.eye(d, k, dtype=dtype), "base": w.astype(dtype)}
+
+
+def _float_dtype(dtype):
+  """``dtype`` as a float dtype, or ``invalid_argument``."""
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    dt = None
+  if dt is None or not jnp.issubdtype(dt, jnp.floating):
+    raise InvalidArgumentError(
+      f"the parameters' dtype must be a float dtype, got {dtype!r}",
+      code="invalid_argument",
+      fix="dtype=jnp.float32",
+    )
+  return dt
 
 
 def _linear(key, d, k, dtype):
@@ -147,6 +173,7 @@ class LoReFT:
 
   def init(self, key, d: int, dtype=jnp.float32) -> dict:
     """The rotation as in pyreft (orthogonal init) and ``W, b`` as torch's ``nn.Linear(d, rank)``."""
+    dtype = _float_dtype(dtype)
     k1, k2 = jax.random.split(key)
     w, b = _linear(k2, d, self.rank, dtype)
     return {"rotation": init_rotation(k1, d, self.rank, dtype), "W": w, "b": b}
@@ -165,9 +192,11 @@ class DiReFT:
 
   def init(self, key, d: int, dtype=jnp.float32) -> dict:
     """``W1, b`` as torch's ``nn.Linear(d, rank)``; ``W2`` starts with orthonormal rows."""
+    dtype = _float_dtype(dtype)
     k1, k2 = jax.random.split(key)
     w1, b = _linear(k2, d, self.rank, dtype)
-    w2 = jax.nn.initializers.orthogonal()(k1, (d, self.rank), dtype).T
+    wide = jnp.float64 if dtype == jnp.float64 else jnp.float32  # (LAPACK: no bfloat16 QR)
+    w2 = jax.nn.initializers.orthogonal()(k1, (d, self.rank), wide).T.astype(dtype)
     return {"W1": w1, "b": b, "W2": w2}
 
   def edit(self, params, source=None, temperature=None):
