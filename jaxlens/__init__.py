@@ -5,7 +5,7 @@ traces, saved specs, errors), every edit builder (:mod:`jaxlens.intervention`, t
 objects), and each tool named once as a submodule (``jl.sweep``, ``jl.generation``,
 ``jl.store``, ``jl.views``, ``jl.attribution``, ``jl.protocol``), with the one entry point of a
 tool that users call most as a root name too (``jl.generate``; ``jl.site_grads``,
-``jl.SiteGrads``, ``jl.attribution_patching``). Tools import the core and intervention, never
+``jl.attribution_patching``). Each name has one home. Tools import the core and intervention, never
 this module, so imports point one way: root -> tools -> core -> ``jaxlens._src``.
 ``jaxlens.contract`` (the contract matrix as data) and ``jaxlens.internal`` (the helpers tools
 build on) are semi-public, for privileged code such as torch_bridge. Please don't use
@@ -31,7 +31,6 @@ from jaxlens import protocol as protocol
 from jaxlens import store as store
 from jaxlens import sweep as sweep
 from jaxlens import views as views
-from jaxlens.attribution import SiteGrads as SiteGrads
 from jaxlens.attribution import attribution_patching as attribution_patching
 from jaxlens.attribution import site_grads as site_grads
 from jaxlens.generation import generate as generate
@@ -39,7 +38,7 @@ from jaxlens.generation import generate as generate
 __version__ = "0.1.0"
 
 _TOOLS = ("attribution", "generation", "protocol", "store", "sweep", "views")
-_ENTRY_POINTS = ("SiteGrads", "attribution_patching", "generate", "site_grads")
+_ENTRY_POINTS = ("attribution_patching", "generate", "site_grads")
 __all__ = sorted({*_core_all, *_intervention_all, "core", "intervention", *_TOOLS, *_ENTRY_POINTS})
 
 

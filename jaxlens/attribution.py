@@ -39,9 +39,10 @@ import jax.numpy as jnp
 
 from jaxlens import core as jl
 from jaxlens.core import ShapeError
-from jaxlens.internal import SiteGrad, SiteGrads, api_boundary, grads_at_sites
+from jaxlens.core import SiteGrads
+from jaxlens.internal import api_boundary, grads_at_sites
 
-__all__ = ["SiteGrad", "SiteGrads", "attribution_patching", "site_grads"]
+__all__ = ["attribution_patching", "site_grads"]
 
 
 @api_boundary

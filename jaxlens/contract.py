@@ -32,7 +32,6 @@ import numpy as np
 
 import jaxlens as jl
 from jaxlens import intervention as ji
-from jaxlens.internal import Donor
 from jaxlens.internal import reset_warnings as _reset_warnings
 from jaxlens.internal import takes_hook_keyword as _takes_hook_keyword
 
@@ -58,13 +57,7 @@ __all__ = [
   "format_matrix",
   "takes_hook_keyword",
   "reset_warnings",
-  "Donor",
 ]
-
-
-# ``Donor``: the protocol of a run whose saved values a verb reads (``jl.Trace``, and
-# the donor a loaded spec holds); ``donor_values()`` gives them by site label.
-Donor.__module__ = "jaxlens.contract"
 
 
 def takes_hook_keyword(fn: Callable) -> bool:

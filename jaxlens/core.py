@@ -17,6 +17,7 @@ from jaxlens._src.doors import check_spec as check_spec
 from jaxlens._src.doors import load_spec as load_spec
 from jaxlens._src.doors import save_spec as save_spec
 from jaxlens._src.doors import when as when
+from jaxlens._src.edit import Donor as Donor
 from jaxlens._src.errors import GradientContractError as GradientContractError
 from jaxlens._src.errors import InvalidArgumentError as InvalidArgumentError
 from jaxlens._src.errors import JaxlensError as JaxlensError
@@ -24,6 +25,8 @@ from jaxlens._src.errors import JaxlensWarning as JaxlensWarning
 from jaxlens._src.errors import ShapeError as ShapeError
 from jaxlens._src.errors import SiteError as SiteError
 from jaxlens._src.errors import SpecFormatError as SpecFormatError
+from jaxlens._src.gradients import SiteGrad as SiteGrad
+from jaxlens._src.gradients import SiteGrads as SiteGrads
 from jaxlens._src.named import Named as Named
 from jaxlens._src.named import NamedNNX as NamedNNX
 from jaxlens._src.named import named as named
@@ -43,6 +46,7 @@ from jaxlens._src.tracing import trace as trace
 
 __all__ = [
   "CheckpointError",
+  "Donor",
   "GradientContractError",
   "InvalidArgumentError",
   "JaxlensError",
@@ -53,6 +57,8 @@ __all__ = [
   "ShapeError",
   "Site",
   "SiteError",
+  "SiteGrad",
+  "SiteGrads",
   "SiteValue",
   "Spec",
   "SpecFormatError",

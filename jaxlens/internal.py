@@ -12,12 +12,9 @@ from jaxlens._src.checkpoints import Checkpoints as Checkpoints
 from jaxlens._src.checkpoints import check_every as check_every
 from jaxlens._src.checkpoints import signature as signature
 from jaxlens._src.doors import as_spec as as_spec
-from jaxlens._src.edit import Donor as Donor
 from jaxlens._src.edit import split_over_processes as split_over_processes
 from jaxlens._src.edit import takes_hook_keyword as takes_hook_keyword
 from jaxlens._src.errors import reset_warnings as reset_warnings
-from jaxlens._src.gradients import SiteGrad as SiteGrad
-from jaxlens._src.gradients import SiteGrads as SiteGrads
 from jaxlens._src.gradients import grads_at_sites as grads_at_sites
 from jaxlens._src.jsonfile import loads as json_loads
 from jaxlens._src.optional import require as require
@@ -42,8 +39,6 @@ from jaxlens._src.sites import hits as hits
 from jaxlens._src.sites import unmatched_error as unmatched_error
 from jaxlens._src.tracebacks import api_boundary as api_boundary
 from jaxlens._src.tracing import capture as capture
-from jaxlens._src.trained import boundary_mask as boundary_mask
-from jaxlens._src.trained import orthogonal as orthogonal
 from jaxlens._src.viewing import selector_view as selector_view
 from jaxlens._src.viewing import spec_view as spec_view
 from jaxlens._src.viewing import trace_view as trace_view
@@ -52,7 +47,6 @@ __all__ = [
   "CUT",
   "Checkpoints",
   "DOWNSTREAM",
-  "Donor",
   "EditView",
   "FRONTIER",
   "KEEP",
@@ -60,8 +54,6 @@ __all__ = [
   "NOT_SAVED",
   "RuleView",
   "SelectorView",
-  "SiteGrad",
-  "SiteGrads",
   "SiteInfo",
   "SiteView",
   "SpecView",
@@ -69,14 +61,12 @@ __all__ = [
   "api_boundary",
   "as_selector",
   "as_spec",
-  "boundary_mask",
   "capture",
   "check_every",
   "grads_at_sites",
   "hits",
   "html_page",
   "json_loads",
-  "orthogonal",
   "require",
   "reset_warnings",
   "selector_view",

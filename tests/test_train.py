@@ -54,11 +54,11 @@ def _perturbed(params, seed=3):
 def _reference(name, params, x, s):
   """Each method's formula, written out."""
   if name in ("das", "boundless_das", "low_rank_das", "loreft"):
-    r = jt.orthogonal(params["rotation"])
+    r = jl.orthogonal(params["rotation"])
   if name == "das":
     return x + (s - x) @ r[:, :2] @ r[:, :2].T
   if name == "boundless_das":
-    m = jt.boundary_mask(params["boundary"], 0.1, D, x.dtype)
+    m = jl.boundary_mask(params["boundary"], 0.1, D, x.dtype)
     return (((1 - m) * (x @ r)) + m * (s @ r)) @ r.T
   if name == "low_rank_das":
     return x + (s @ r - x @ r) @ r.T
@@ -71,18 +71,18 @@ def _reference(name, params, x, s):
 def test_rotation_is_orthogonal_at_init_and_after_any_step(kind):
   k, dtype = kind
   rot = jt.init_rotation(jax.random.key(0), 7, k, dtype)
-  q0 = jax.jit(jt.orthogonal)(rot)
+  q0 = jax.jit(jl.orthogonal)(rot)
   kk = 7 if k is None else k
   assert q0.shape == (7, kk) and q0.dtype == dtype
   assert jnp.array_equal(q0, rot["base"][:, :kk])  # raw = -I maps to the base
   moved = dict(rot, raw=rot["raw"] + jax.random.normal(jax.random.key(1), rot["raw"].shape, dtype))
-  q = jax.jit(jt.orthogonal)(moved)
+  q = jax.jit(jl.orthogonal)(moved)
   tol = 1e-13 if dtype == jnp.float64 else 1e-5
   q, q0 = np.asarray(q, np.float64), np.asarray(q0, np.float64)
   assert np.abs(q.T @ q - np.eye(kk)).max() < tol
   assert np.abs(q - q0).max() > 0.1
   # No gradient reaches the base.
-  g = jax.jit(jax.grad(lambda r: jt.orthogonal(r).sum()))(moved)
+  g = jax.jit(jax.grad(lambda r: jl.orthogonal(r).sum()))(moved)
   assert not g["base"].any() and g["raw"].any()
 
 

@@ -184,7 +184,7 @@ def test_loreft_forward_and_gradients_equal_pyreft_formula():
   )
   source = torch.nn.Linear(D, 3).double()
   with torch.no_grad():
-    # Off the diagonal: torch reads the diagonal through .int() (see jaxlens.train.orthogonal).
+    # Off the diagonal: torch reads the diagonal through .int() (see jaxlens.orthogonal).
     noise = torch.randn(D, 3, dtype=torch.float64).tril(-1)
     rotate.parametrizations.weight.original.add_(0.3 * noise)
   x = torch.randn(4, 5, D, dtype=torch.float64)

@@ -472,3 +472,29 @@ def test_every_method_initialises_in_half_precision(dtype):
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(dtype)}
   with pytest.raises(jl.InvalidArgumentError, match="must be a float dtype, got 'float33'"):
     jt.DAS(2).init(jax.random.key(0), 8, "float33")
+
+
+# --------------------------------------------------------------------------------------------
+# One home per name.
+
+
+def test_each_public_name_has_one_home():
+  """No object is exported both by jaxlens.internal (or core / intervention) and by a tool:
+  Donor, SiteGrad and SiteGrads live in jaxlens.core, orthogonal and boundary_mask in
+  jaxlens.intervention (the root re-exports both facades by design)."""
+  import importlib
+
+  from jaxlens import internal
+
+  facades = {"jaxlens.core": jl.core, "jaxlens.intervention": jl.intervention}
+  facades["jaxlens.internal"] = internal
+  tools = [*(f"jaxlens.{t}" for t in jl._TOOLS), "jaxlens.contract", "jaxlens.train", "jaxlens.sae"]
+  seen = {}
+  for name in [*facades, *tools]:
+    module = facades.get(name) or importlib.import_module(name)
+    for export in module.__all__:
+      seen.setdefault(id(getattr(module, export)), []).append(f"{name}.{export}")
+  doubled = [v for v in seen.values() if len(v) > 1]
+  assert not doubled, doubled
+  assert jl.Donor is jl.core.Donor and jl.SiteGrads is jl.core.SiteGrads
+  assert jl.orthogonal is jl.intervention.orthogonal

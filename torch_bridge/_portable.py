@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 import jaxlens as jl
-from jaxlens import contract
 from torch_bridge import reference as ref
 
 
@@ -79,7 +78,7 @@ class _Converter:
       return self.edit(v, where)
     if isinstance(v, jl.Population):
       return ref.Population(self.value(v.values, where))
-    if isinstance(v, contract.Donor):
+    if isinstance(v, jl.Donor):
       values = {}
       for label, value in v.donor_values().items():
         if label in self.inverse and self.inverse[label]:

@@ -34,7 +34,7 @@ def from_pyvene(intervention) -> dict:
   ``learned_source`` linear layer (pyreft's ``LoreftIntervention``) adds ``"W"`` and ``"b"``
   (``jt.LoReFT(rank)``). The rotation keeps torch's parametrisation: ``raw`` is
   ``rotate_layer.parametrizations.weight.original`` and ``base`` its fixed base, so
-  ``jaxlens.train.orthogonal`` gives the same matrix.
+  ``jaxlens.orthogonal`` gives the same matrix.
 
   Example:
     >>> import pyvene as pv, torch_bridge

@@ -1,7 +1,8 @@
 """Every name that builds or wraps an edit (``jaxlens.intervention``).
 
 The verbs, the backward verbs, the trained interventions (``das``,
-``boundless_das``, ``low_rank_das``, ``loreft``, ``direft``; ``jaxlens.train``
+``boundless_das``, ``low_rank_das``, ``loreft``, ``direft``, with ``orthogonal``, a rotation
+parameter's matrix, and ``boundary_mask``, Boundless DAS's mask; ``jaxlens.train``
 initialises and trains their parameters), ``keep_grad``, ``compose``, ``hook``,
 ``gate``, ``at_positions``, ``at_steps``, the selections (``units``, ``subspace`` and the
 ``subspace_*`` edits), populations, and the edit types. ``jaxlens`` re-exports all of them, so
@@ -30,7 +31,9 @@ from jaxlens._src.trained import boundless_das as boundless_das
 from jaxlens._src.trained import das as das
 from jaxlens._src.trained import direft as direft
 from jaxlens._src.trained import loreft as loreft
+from jaxlens._src.trained import boundary_mask as boundary_mask
 from jaxlens._src.trained import low_rank_das as low_rank_das
+from jaxlens._src.trained import orthogonal as orthogonal
 from jaxlens._src.verbs import add as add
 from jaxlens._src.verbs import add_noise as add_noise
 from jaxlens._src.verbs import at_positions as at_positions
@@ -68,6 +71,7 @@ __all__ = [
   "at_positions",
   "at_steps",
   "backward_hook",
+  "boundary_mask",
   "boundless_das",
   "clamp",
   "compose",
@@ -82,6 +86,7 @@ __all__ = [
   "loreft",
   "low_rank_das",
   "mean_ablate",
+  "orthogonal",
   "orthonormal",
   "patch_from",
   "permute_batch",

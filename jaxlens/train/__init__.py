@@ -7,7 +7,8 @@ that applies them (``jl.das``, ``jl.boundless_das``, ``jl.low_rank_das``, ``jl.l
 ``jl.units``, ``layer=``, saved specs and :func:`jaxlens.generate`.
 :func:`train_iit` (interchange intervention training) and :func:`train_reft`
 (representation fine-tuning on (prompt, answer) pairs) train the parameters with optax;
-:func:`iia` measures interchange intervention accuracy. See docs/trained_interventions.md.
+:func:`iia` measures interchange intervention accuracy; ``jl.orthogonal(params["rotation"])``
+is a learned rotation's matrix. See docs/trained_interventions.md.
 
 >>> import jax, jaxlens as jl
 >>> from jaxlens import train as jt
@@ -16,8 +17,6 @@ that applies them (``jl.das``, ``jl.boundless_das``, ``jl.low_rank_das``, ``jl.l
 ['base', 'raw']
 """
 
-from jaxlens.internal import boundary_mask as boundary_mask
-from jaxlens.internal import orthogonal as orthogonal
 from jaxlens.train._loops import TrainResult as TrainResult
 from jaxlens.train._loops import answer_batch as answer_batch
 from jaxlens.train._loops import iia as iia
@@ -41,13 +40,11 @@ __all__ = [
   "LowRankDAS",
   "TrainResult",
   "answer_batch",
-  "boundary_mask",
   "frozen_leaves",
   "iia",
   "init_rotation",
   "intervened_output",
   "last_position",
-  "orthogonal",
   "train_iit",
   "train_reft",
 ]

@@ -281,7 +281,7 @@ def _unit(direction, x, ctx, verb, feature_axis):
 
 
 class Donor:
-  """A run whose saved values a verb reads (:class:`Trace`; ``jaxlens.contract.Donor`` in torch)."""
+  """A run whose saved values a verb reads (:class:`Trace`; ``jaxlens.Donor`` in torch)."""
 
   def value_for_donor(self, label: str, verb: str) -> torch.Tensor:
     raise NotImplementedError
