@@ -431,9 +431,9 @@ def collect(
   present = _prepare(root, meta, overwrite)
   total = _complete_count(root)
   if total is not None:
-    if all(i in present for i in range(total)):
+    if present == set(range(total)):
       return ActivationStore(root)
-    (root / _DONE).unlink()  # a shard is missing or damaged: recollect it
+    (root / _DONE).unlink()  # a shard missing or damaged, or a wrong count: collect again
   done = len(present)
   row_bytes = sum(
     int(np.prod(s.shape[1:], dtype=np.int64)) * np.dtype(s.dtype).itemsize for s in shapes.values()
@@ -526,8 +526,9 @@ class ActivationStore:
     self.complete = total is not None
     if total is not None and self.num_batches != total:
       missing = [i for i in range(total) if not _shard(root, i).exists()]
+      what = f"shards {missing[:8]} are missing" if missing else f"it holds {self.num_batches}"
       raise StoreError(
-        f"{root} is a complete store of {total} batches, but shards {missing[:8]} are missing",
+        f"{root} is a complete store of {total} batches, but {what}",
         code="store_corrupt",
         path=str(_shard(root, missing[0]) if missing else root),
         fix="collect() again with the same batches: it recomputes the missing shards",

@@ -7,7 +7,8 @@ in the template's structure, dtypes and shapes. Each checkpoint holds the state 
 (what the loop needs besides arrays: how many batches it consumed, its metric history) with the
 state's signature (its structure and each leaf's shape and dtype), checked before the state is
 read, so a loop never resumes from a checkpoint of another configuration, and a CRC-32 of each
-leaf, checked after (a flipped byte in an array's file is not a silently different state).
+leaf, checked after (a flipped byte in an array's file is not a silently different state); the
+JSON dict holds its own CRC-32 too.
 
 Every failure is a :class:`CheckpointError` naming the directory and the cause: a path that is
 a file (``checkpoint_path_invalid``), a directory another process is training into
@@ -26,7 +27,9 @@ from __future__ import annotations
 import errno
 import gc
 import json
+import glob
 import os
+import shutil
 import sys
 import zlib
 
@@ -70,6 +73,10 @@ def _checksums(state) -> list | None:
   if not all(getattr(a, "is_fully_addressable", True) for a in leaves):
     return None
   return [zlib.crc32(np.ascontiguousarray(jax.device_get(a)).tobytes()) for a in leaves]
+
+
+def _json_crc(obj) -> int:
+  return zlib.crc32(json.dumps(obj, sort_keys=True).encode())
 
 
 def _drop_orbax_leftovers():
@@ -211,28 +218,36 @@ class Checkpoints:
   def __exit__(self, *exc):
     self.close()
 
+  def _reading(self, step, read):
+    """``read()``, or ``checkpoint_corrupt`` for the step. The error does not chain orbax's:
+    its traceback would keep the coroutines of the failed read alive until some later
+    collection reports them ("coroutine ignored GeneratorExit"), so they are collected now."""
+    try:
+      return read()
+    except (Exception, RecursionError) as error:
+      failed = self._read_error(error, step)
+    _drop_orbax_leftovers()
+    raise failed
+
   def latest_step(self):
     """The latest checkpoint's step, or None."""
-    try:
-      return self.manager.latest_step()
-    except Exception as error:
-      raise self._read_error(error, None) from error
+    return self._reading(None, self.manager.latest_step)
 
   def restore_meta(self) -> dict | None:
     """The latest checkpoint's JSON dict, or None without a checkpoint."""
     step = self.latest_step()
     if step is None:
       return None
-    try:
-      out = self.manager.restore(
-        step, args=self.ocp.args.Composite(meta=self.ocp.args.JsonRestore())
-      )
-      meta = out["meta"]
-    except (Exception, RecursionError) as error:
-      raise self._read_error(error, step) from error
+    args = self.ocp.args.Composite(meta=self.ocp.args.JsonRestore())
+    meta = self._reading(step, lambda: self.manager.restore(step, args=args)["meta"])
     if not isinstance(meta, dict) or not isinstance(meta.get("signature"), dict):
       raise self._read_error(ValueError("its meta item is not a jaxlens checkpoint's"), step)
-    return dict(meta)
+    meta = dict(meta)
+    if meta.pop("meta_crc32", None) != _json_crc(meta):
+      raise self._read_error(
+        ValueError("its meta item differs from the CRC-32 saved with it"), step
+      )
+    return meta
 
   def restore(self, template, meta: dict | None = None):
     """The latest checkpoint's state, in ``template``'s structure, dtypes and shapes; None
@@ -252,20 +267,15 @@ class Checkpoints:
     abstract = jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype), template
     )
-    try:
-      out = self.manager.restore(
-        step, args=self.ocp.args.Composite(state=self.ocp.args.StandardRestore(abstract))
-      )
-      state = out["state"]
+    args = self.ocp.args.Composite(state=self.ocp.args.StandardRestore(abstract))
+
+    def read():
+      state = self.manager.restore(step, args=args)["state"]
       if jax.tree.structure(state) != jax.tree.structure(template):
         raise ValueError("the restored state has another structure")
-    except Exception as error:
-      failed = self._read_error(error, step)
-    else:
-      failed = None
-    if failed is not None:
-      _drop_orbax_leftovers()
-      raise failed
+      return state
+
+    state = self._reading(step, read)
     saved = meta.get("checksums")
     if saved is not None and _checksums(state) not in (None, saved):
       raise self._read_error(
@@ -281,6 +291,7 @@ class Checkpoints:
     if self.latest_step() == step:
       return False
     meta = {**(meta or {}), "signature": signature(state), "checksums": _checksums(state)}
+    meta["meta_crc32"] = _json_crc(meta)
     try:
       json.dumps(meta)
       args = self.ocp.args.Composite(
@@ -289,8 +300,15 @@ class Checkpoints:
       self.manager.save(step, args=args, force=True)
       self.manager.wait_until_finished()
     except Exception as error:
-      raise self._write_error(error, f"refused checkpoint {step}") from error
-    return True
+      failed = self._write_error(error, f"refused checkpoint {step}")
+    else:
+      return True
+    for leftover in glob.glob(
+      os.path.join(glob.escape(self.path), f"{step}.orbax-checkpoint-tmp*")
+    ):
+      shutil.rmtree(leftover, ignore_errors=True)  # the failed save's partial files
+    _drop_orbax_leftovers()
+    raise failed
 
   def close(self):
     """Waits for pending saves, releases the manager and the lock."""

@@ -23,9 +23,10 @@ def loads(text: str | bytes, max_depth: int = MAX_DEPTH):
   """``json.loads(text)``, or a ``ValueError`` if arrays and objects nest deeper than
   ``max_depth``.
 
-  >>> loads('{"a": [1, {"b": 2}]}')
+  >>> from jaxlens.internal import json_loads
+  >>> json_loads('{"a": [1, {"b": 2}]}')
   {'a': [1, {'b': 2}]}
-  >>> loads("[" * 100 + "]" * 100)
+  >>> json_loads("[" * 100 + "]" * 100)
   Traceback (most recent call last):
   ...
   ValueError: JSON nested deeper than 64 levels
