@@ -249,7 +249,7 @@ def _write_json(path: Path, obj) -> None:
 
 
 def _crc(array: np.ndarray) -> int:
-  return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
+  return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1).data)
 
 
 def _save_shard(arrays: dict, path: Path) -> None:

@@ -72,7 +72,12 @@ def _checksums(state) -> list | None:
   leaves = jax.tree.leaves(state)
   if not all(getattr(a, "is_fully_addressable", True) for a in leaves):
     return None
-  return [zlib.crc32(np.ascontiguousarray(jax.device_get(a)).tobytes()) for a in leaves]
+  return [_crc(jax.device_get(a)) for a in leaves]
+
+
+def _crc(array) -> int:
+  # A view of the bytes, not a copy (a bfloat16 array has no buffer of its own type).
+  return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1).data)
 
 
 def _json_crc(obj) -> int:
