@@ -125,3 +125,16 @@ def test_gemma3_long_context():
   assert report["cache_local"] == report["cache_global"] == [report["tokens"]]
   first, second = report["induction_nats"]
   assert second < 0.3 * first
+
+
+@needs_smollm2
+def test_lenses_smollm2(tmp_path):
+  # One training step of one 8-token sequence and a 3 x 3 patchscope grid (layers 0, 15, 30):
+  # every part runs; the full run's figures are in docs/lenses.md.
+  argv = "--steps 1 --batch 1 --seq 8 --held 1 --new 2 --every 15".split()
+  report = run("lenses_smollm2", argv + ["--out", str(tmp_path)])
+  for name in ("logit_lens.png", "dla.png", "kl.png", "tuned_lens/params.pt"):
+    assert (tmp_path / name).is_file(), name
+  assert report["final_top"] == " Paris" and report["layers"] == 30
+  assert len(report["patchscope_diagonal"]) == 3 and len(report["kl_tuned"]) == 31
+  assert math.isfinite(report["dla_logit_diff"]) and report["dla_logit_diff"] > 0

@@ -138,11 +138,17 @@ def kl_to_final(model, variables, tokens, lens: TunedLens | None = None, *, atte
 
 
 def tuned_lens_optimizer(
-  steps: int, *, lr_scale: float = 1.0, momentum: float = 0.9, weight_decay: float = 1e-3
+  steps: int,
+  *,
+  lr_scale: float = 1.0,
+  momentum: float = 0.9,
+  weight_decay: float = 1e-3,
+  clip: float = 1.0,
 ) -> optax.GradientTransformation:
-  """The ``tuned-lens`` package's default optimiser: SGD with Nesterov momentum 0.9 and
-  learning rate ``lr_scale * (1 - momentum)`` (0.1), decayed linearly to zero over ``steps``,
-  with torch's coupled weight decay 1e-3 (added to the gradient)."""
+  """The ``tuned-lens`` package's default optimiser (its ``train`` command): the gradient's
+  global norm clipped to ``clip`` (1.0), then SGD with Nesterov momentum 0.9 and learning rate
+  ``lr_scale * (1 - momentum)`` (0.1) decayed linearly to zero over ``steps``, with torch's
+  coupled weight decay 1e-3 (added to the gradient)."""
   lr = lr_scale * (1 - momentum)
 
   def schedule(count):  # torch's LambdaLR of get_linear_schedule_with_warmup(opt, 0, steps)
@@ -150,6 +156,7 @@ def tuned_lens_optimizer(
     return lr * jnp.clip(1.0 - t / steps, 0.0, 1.0)
 
   return optax.chain(
+    optax.clip_by_global_norm(clip),
     optax.add_decayed_weights(weight_decay),
     optax.sgd(schedule, momentum=momentum, nesterov=True),
   )
