@@ -246,7 +246,7 @@ def _rope_base(config, layer_type=None):
   return rope["rope_theta"], rope.get("partial_rotary_factor", 1.0)
 
 
-def _f64_inv_freq(cfg, head_dim, layer_type, seq_len):
+def _f64_inv_freq(cfg, head_dim, layer_type, position_ids):
   """The rotary frequencies and cos/sin factor of ``cfg`` (a scaled ``rope_type`` too) as
   transformers' own function computes them, run in float64: its float32 dtype names and
   ``Tensor.float`` are pointed at float64 for the call (transformers computes the frequencies
@@ -270,6 +270,9 @@ def _f64_inv_freq(cfg, head_dim, layer_type, seq_len):
       if layer_type is not None and layer_type in cfg.rope_parameters
       else {}
     )
+    # The sequence length (dynamic scaling's) only here: torch.export cannot read a tensor's
+    # value, and the default rotation, which converted models use, needs none.
+    seq_len = int(position_ids.max()) + 1
     inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](cfg, None, seq_len=seq_len, **kwargs)
   finally:
     torch.float, torch.float32, torch.Tensor.float = saved
@@ -313,7 +316,7 @@ def exact_float64(hf):
   head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
   def rotary(x, position_ids, layer_type=None):
-    inv_freq, scale = _f64_inv_freq(cfg, head_dim, layer_type, int(position_ids.max()) + 1)
+    inv_freq, scale = _f64_inv_freq(cfg, head_dim, layer_type, position_ids)
     freqs = position_ids[..., None].double() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)

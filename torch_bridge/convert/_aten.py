@@ -188,6 +188,17 @@ def _min_dim(x, dim, keepdim=False):
   return (jnp.min(x, axis=dim, keepdims=keepdim), jnp.argmin(x, axis=dim, keepdims=keepdim))
 
 
+def _topk(x, k, dim=-1, largest=True, sorted=True):
+  """``torch.topk``: the ``k`` largest (or smallest) along ``dim`` and their indices, best
+  first (also for ``sorted=False``, which leaves the order to the implementation). Equal values:
+  the lower index first."""
+  del sorted
+  x = jnp.moveaxis(x, dim, -1)
+  values, index = jax.lax.top_k(x if largest else -x, k)
+  values = values if largest else -values
+  return jnp.moveaxis(values, -1, dim), jnp.moveaxis(index, -1, dim)
+
+
 # -- elementwise --------------------------------------------------------------
 
 
@@ -734,6 +745,9 @@ ATEN: dict[str, Callable[..., Any]] = {
   "aten.flip.default": lambda x, dims: jnp.flip(x, axis=tuple(dims)),
   "aten.roll.default": _roll,
   "aten.repeat.default": _repeat,
+  "aten.repeat_interleave.self_int": lambda x, r, dim=None, output_size=None: jnp.repeat(
+    x, r, axis=dim
+  ),
   "aten.tril.default": lambda x, k=0: jnp.tril(x, k),
   "aten.triu.default": lambda x, k=0: jnp.triu(x, k),
   "aten.diff.default": _diff,
@@ -748,6 +762,7 @@ ATEN: dict[str, Callable[..., Any]] = {
   "aten.max.dim": _max_dim,
   "aten.min.dim": _min_dim,
   "aten.argmax.default": lambda x, d=None, k=False: jnp.argmax(x, axis=d, keepdims=k),
+  "aten.topk.default": _topk,
   "aten.var.correction": _var,
   "aten.var.dim": _var,
   # elementwise arithmetic

@@ -35,6 +35,18 @@ _GEMMA = {
   "blocks_{i}/resid_mid": ("model.layers.{i}.pre_feedforward_layernorm", "in"),
   "blocks_{i}/mlp_out": ("model.layers.{i}.post_feedforward_layernorm", "out"),
 }
+# Gemma 1: Llama's block (no post-norms) with Gemma's scaled embedding.
+_GEMMA1 = {
+  **{k: v for k, v in _LLAMA.items() if k != "embed"},
+  "embed_scaled": ("model.embed_tokens", "out"),
+}
+# OLMo 2: norms after the sub-blocks only; attn_out and mlp_out are after them.
+_OLMO2 = {
+  **_LLAMA,
+  "blocks_{i}/attn_out": ("model.layers.{i}.post_attention_layernorm", "out"),
+  "blocks_{i}/resid_mid": ("model.layers.{i}.mlp", "in"),
+  "blocks_{i}/mlp_out": ("model.layers.{i}.post_feedforward_layernorm", "out"),
+}
 # GPT-NeoX's parallel residual computes no resid_mid (x + attn + mlp in one sum).
 _NEOX = {
   "embed": ("gpt_neox.embed_in", "out"),
@@ -63,6 +75,14 @@ HF_SITES: dict[str, dict[str, tuple[str, str]]] = {
   "mistral": _LLAMA,
   "qwen2": _LLAMA,
   "qwen3": _LLAMA,
+  "phi3": _LLAMA,
+  "gemma": _GEMMA1,
+  "olmo2": _OLMO2,
+  # Mixtures of experts: the MoE block is the layer's mlp (Mixtral's too, in transformers 5).
+  "mixtral": _LLAMA,
+  "qwen2_moe": _LLAMA,
+  "qwen3_moe": _LLAMA,
+  "olmoe": _LLAMA,
   "gemma3_text": _GEMMA,
   "gemma2": _GEMMA,
   "gpt_neox": _NEOX,
