@@ -1,0 +1,47 @@
+"""Attribution graphs over transcoders (circuit-tracer's method), exact and by one VJP.
+
+* :func:`attribute`: the graph of a prompt through per-layer transcoders (with or without
+  skip connections) or a cross-layer transcoder, on the zoo's decoders: active features,
+  one error node per layer and position, token embeddings and logit targets; an edge is the
+  direct effect of a source's write on a target's pre-activation or logit, in the local
+  replacement model (norm scales, attention patterns and MLP outputs frozen on the prompt).
+* :func:`prune`, :func:`graph_scores`: circuit-tracer's pruning by node and edge influence and
+  its replacement and completeness scores.
+* :func:`save_graph` / :func:`load_graph` (safetensors + JSON), :func:`to_neuronpedia_json`.
+
+See docs/circuits.md.
+"""
+
+from jaxlens.circuits._attribute import Graph as Graph
+from jaxlens.circuits._attribute import Replacement as Replacement
+from jaxlens.circuits._attribute import LocalReplacement as LocalReplacement
+from jaxlens.circuits._attribute import attribute as attribute
+from jaxlens.circuits._attribute import local_replacement as local_replacement
+from jaxlens.circuits._attribute import replacement as replacement
+from jaxlens.circuits._freeze import CircuitError as CircuitError
+from jaxlens.circuits._freeze import Recording as Recording
+from jaxlens.circuits._freeze import frozen_forward as frozen_forward
+from jaxlens.circuits._freeze import record as record
+from jaxlens.circuits._freeze import stop_gradient_freeze as stop_gradient_freeze
+from jaxlens.circuits._prune import PruneResult as PruneResult
+from jaxlens.circuits._prune import find_threshold as find_threshold
+from jaxlens.circuits._prune import graph_scores as graph_scores
+from jaxlens.circuits._prune import prune as prune
+
+__all__ = [
+  "CircuitError",
+  "Graph",
+  "LocalReplacement",
+  "PruneResult",
+  "Recording",
+  "Replacement",
+  "attribute",
+  "find_threshold",
+  "frozen_forward",
+  "graph_scores",
+  "local_replacement",
+  "prune",
+  "record",
+  "replacement",
+  "stop_gradient_freeze",
+]

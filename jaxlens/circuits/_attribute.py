@@ -1,0 +1,548 @@
+"""Attribution graphs: the direct effects between active transcoder features, error nodes,
+token embeddings and logits, in circuit-tracer's layout, from one VJP of the replacement
+model (:mod:`jaxlens.circuits._freeze`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlens.circuits._freeze import CircuitError, frozen_forward, record
+from jaxlens.circuits._prune import partial_influences
+from jaxlens.sae import CrossLayerTranscoder, Transcoder
+
+__all__ = [
+  "Graph",
+  "LocalReplacement",
+  "Replacement",
+  "attribute",
+  "local_replacement",
+  "replacement",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Replacement:
+  """The transcoders of a model, one layout for per-layer transcoders and a cross-layer one.
+
+  Attributes:
+    n_layers: the model's layers.
+    W_enc: per layer ``(d_in, d_sae)``.
+    b_enc: per layer ``(d_sae,)``.
+    W_dec: per source layer, ``(n_targets, d_sae, d)``: its decoders into layers
+      ``l, l + 1, ...`` (one for a per-layer transcoder).
+    b_dec: per layer ``(d,)``.
+    W_skip: per layer ``(d, d_in)`` or None.
+    encoders: per layer, ``x -> acts`` (the transcoder's own ``encode``).
+    cross_layer: whether the features write to later layers too.
+  """
+
+  n_layers: int
+  W_enc: tuple
+  b_enc: tuple
+  W_dec: tuple
+  b_dec: tuple
+  W_skip: tuple
+  encoders: tuple
+  cross_layer: bool
+
+  def skip(self, layer: int, x):
+    w = self.W_skip[layer]
+    return jnp.zeros_like(x) if w is None else x.astype(w.dtype) @ w.T
+
+  def decode_writes(self, acts):
+    """Per layer, what the features write (no ``b_dec``): ``acts`` is per layer ``(seq, d_sae)``."""
+    out = []
+    for j in range(self.n_layers):
+      total = 0
+      for i in range(j + 1):
+        if j - i < self.W_dec[i].shape[0]:
+          total = total + acts[i] @ self.W_dec[i][j - i]
+      out.append(total)
+    return jnp.stack(out)
+
+
+def _mismatch(message, **fields) -> CircuitError:
+  return CircuitError(message, code="circuit_transcoder_mismatch", **fields)
+
+
+def replacement(model, transcoders) -> Replacement:
+  """The :class:`Replacement` of ``transcoders`` for ``model``: a sequence of one
+  :class:`jaxlens.sae.Transcoder` per layer (reading the MLP's input, writing ``mlp_out``) or
+  one :class:`jaxlens.sae.CrossLayerTranscoder`.
+
+  Raises:
+    CircuitError: ``circuit_transcoder_mismatch`` (another layer count, widths that are not
+      the model's, a run-time normalisation the graph cannot freeze, a TopK activation).
+  """
+  n = model.config.n_layers
+  d = model.config.d_model
+  if isinstance(transcoders, CrossLayerTranscoder):
+    clt = transcoders
+    if clt.n_layers != n:
+      raise _mismatch(
+        f"the cross-layer transcoder has {clt.n_layers} layers, the model {n}",
+        expected=n,
+        received=clt.n_layers,
+        fix="one encoder per layer of the model",
+      )
+    if clt.W_enc.shape[1] != d or clt.b_dec.shape[-1] != d:
+      raise _mismatch(
+        f"the cross-layer transcoder reads {clt.W_enc.shape[1]} and writes "
+        f"{clt.b_dec.shape[-1]} features, the model's width is {d}",
+        expected=d,
+        received=(int(clt.W_enc.shape[1]), int(clt.b_dec.shape[-1])),
+        fix="a transcoder trained on this model's MLP inputs and outputs",
+      )
+    return Replacement(
+      n,
+      tuple(clt.W_enc[i] for i in range(n)),
+      tuple(clt.b_enc[i] for i in range(n)),
+      tuple(clt.W_dec),
+      tuple(clt.b_dec[i] for i in range(n)),
+      (None,) * n,
+      tuple(lambda x, i=i: clt.encode_layer(i, x) for i in range(n)),
+      True,
+    )
+  if not isinstance(transcoders, Sequence) or not all(
+    isinstance(t, Transcoder) for t in transcoders
+  ):
+    raise CircuitError(
+      "transcoders must be a sequence of jaxlens.sae.Transcoder (one per layer) or a "
+      f"jaxlens.sae.CrossLayerTranscoder, got {type(transcoders).__name__}",
+      code="invalid_argument",
+      received=type(transcoders).__name__,
+      fix="[sae.Transcoder.init(...) for each layer] or sae.CrossLayerTranscoder.init(...)",
+    )
+  if len(transcoders) != n:
+    raise _mismatch(
+      f"{len(transcoders)} transcoders for a model of {n} layers",
+      expected=n,
+      received=len(transcoders),
+      fix="one transcoder per layer, in layer order",
+    )
+  for i, t in enumerate(transcoders):
+    if t.d_in != d or t.d_out != d:
+      raise _mismatch(
+        f"transcoder {i} reads {t.d_in} and writes {t.d_out} features, the model's width is {d}",
+        site=f"blocks_{i}/mlp",
+        expected=d,
+        received=(t.d_in, t.d_out),
+        fix="a transcoder trained on this model's MLP inputs and outputs",
+      )
+    if t.normalize_activations != "none" or t.activation in ("topk", "batchtopk"):
+      raise _mismatch(
+        f"transcoder {i} has normalize_activations={t.normalize_activations!r} and activation "
+        f"{t.activation!r}: a graph needs each feature's pre-activation linear in its input "
+        "and its activation a function of its own pre-activation",
+        site=f"blocks_{i}/mlp",
+        received=(t.normalize_activations, t.activation),
+        fix="normalize_activations='none' and a relu or jumprelu activation",
+      )
+  return Replacement(
+    n,
+    tuple(t.W_enc for t in transcoders),
+    tuple(t.b_enc for t in transcoders),
+    tuple(t.W_dec[None] for t in transcoders),
+    tuple(t.b_dec for t in transcoders),
+    tuple(t.W_skip for t in transcoders),
+    tuple(t.encode for t in transcoders),
+    False,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+  """An attribution graph in circuit-tracer's layout.
+
+  Nodes are ordered ``[selected features, errors (layer-major, then position), tokens,
+  logits]``; ``adjacency[target, source]`` is the direct effect of ``source`` on ``target``
+  (a feature's pre-activation, or a logit): rows of errors and tokens are zero.
+
+  Attributes:
+    adjacency: ``(n, n)`` numpy array.
+    input_tokens: int ``(seq,)``.
+    active_features: int ``(n_active, 3)``: ``(layer, position, feature)`` of every active
+      feature, in that order.
+    activation_values: ``(n_active,)``.
+    selected_features: int indices into ``active_features`` of the feature nodes.
+    logit_tokens: int ``(n_logits,)`` (``-1`` for a direction the user gave).
+    logit_probabilities: ``(n_logits,)``: the weights of the logit nodes.
+    n_layers: the model's layers.
+  """
+
+  adjacency: Any
+  input_tokens: Any
+  active_features: Any
+  activation_values: Any
+  selected_features: Any
+  logit_tokens: Any
+  logit_probabilities: Any
+  n_layers: int
+
+  @property
+  def n_pos(self) -> int:
+    return int(len(self.input_tokens))
+
+  @property
+  def n_features(self) -> int:
+    return int(len(self.selected_features))
+
+  @property
+  def n_logits(self) -> int:
+    return int(len(self.logit_tokens))
+
+  @property
+  def n_errors(self) -> int:
+    return self.n_layers * self.n_pos
+
+  def node_slices(self) -> dict[str, slice]:
+    """The node kinds' index ranges: ``features``, ``errors``, ``tokens``, ``logits``."""
+    f, e, t = self.n_features, self.n_errors, self.n_pos
+    return {
+      "features": slice(0, f),
+      "errors": slice(f, f + e),
+      "tokens": slice(f + e, f + e + t),
+      "logits": slice(f + e + t, f + e + t + self.n_logits),
+    }
+
+  def logit_weights(self):
+    """``(n,)``: the logit nodes' probabilities, zero elsewhere (the influence's start)."""
+    w = np.zeros(self.adjacency.shape[0], self.adjacency.dtype)
+    w[self.node_slices()["logits"]] = self.logit_probabilities
+    return w
+
+
+def _salient_logits(logits, unembed, max_n_logits: int, desired_logit_prob: float):
+  """circuit-tracer's ``compute_salient_logits``: the fewest top tokens whose probability
+  reaches ``desired_logit_prob`` (at most ``max_n_logits``), their probabilities and their
+  unembedding rows minus the mean row."""
+
+  @jax.jit
+  def top(logits):
+    probs = jax.nn.softmax(logits)
+    top_p, top_idx = jax.lax.top_k(probs, min(max_n_logits, probs.shape[-1]))
+    return top_p, top_idx, unembed(top_idx) - unembed(None)
+
+  top_p, top_idx, vecs = (np.asarray(a) for a in top(logits))
+  cutoff = int(np.searchsorted(np.cumsum(top_p), desired_logit_prob)) + 1
+  return top_idx[:cutoff], top_p[:cutoff], vecs[:cutoff]
+
+
+def _check_tokens(model, tokens):
+  t = np.asarray(tokens)
+  if t.ndim == 2 and t.shape[0] == 1:
+    t = t[0]
+  if t.ndim != 1 or not np.issubdtype(t.dtype, np.integer):
+    raise CircuitError(
+      f"tokens must be one prompt of int token ids (seq,) or (1, seq), got {t.dtype} "
+      f"of shape {t.shape}",
+      code="invalid_argument",
+      received=str(t.shape),
+      fix="jnp.asarray(token_ids, jnp.int32)",
+    )
+  if t.size == 0:
+    raise CircuitError(
+      "the prompt is empty: a graph needs at least one token",
+      code="invalid_argument",
+      received=0,
+      fix="a prompt of one or more tokens",
+    )
+  vocab = model.config.vocab_size
+  bad = (t < 0) | (t >= vocab)
+  if bad.any():
+    raise CircuitError(
+      f"token id {int(t[bad][0])} is outside the vocabulary [0, {vocab})",
+      code="index_out_of_range",
+      expected=f"[0, {vocab})",
+      received=int(t[bad][0]),
+      fix="token ids of the model's tokenizer",
+    )
+  return jnp.asarray(t, jnp.int32)
+
+
+def _positive_int(value, name, allow_none=False):
+  if value is None and allow_none:
+    return
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+    raise CircuitError(
+      f"{name} must be a positive int, got {value!r}",
+      code="invalid_argument",
+      received=repr(value),
+      fix=f"{name}=64" if name == "batch_size" else f"{name}=10",
+    )
+
+
+def _unembedding(model, variables):
+  """``index -> rows`` of the unembedding (``None``: the mean row), in the model's dtype."""
+  from jaxlens.lens._readout import readout
+
+  ro = readout(model, variables)
+
+  def rows(index):
+    if index is None:
+      return jnp.mean(ro.chunk_rows(0, ro.vocab).astype(ro.dtype), axis=0)
+    return ro.rows(index).astype(ro.dtype)
+
+  return rows, ro.vocab
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalReplacement:
+  """The local replacement model of one prompt.
+
+  ``run(tok, writes) -> (mlp_in, final)`` is affine (a jitted
+  :func:`~jaxlens.circuits.frozen_forward`); at ``(tok, node_writes + errors)`` it gives the
+  model's own values on the prompt.
+
+  Attributes:
+    recording: the model's run (:class:`~jaxlens.circuits.Recording`).
+    acts: ``(L, seq, d_sae)`` feature activations (zero at position 0 with ``zero_bos``).
+    node_writes: ``(L, seq, d)``: what the features write to each MLP output.
+    errors: ``(L, seq, d)``: the error nodes (MLP output minus the transcoder's).
+    const: ``(L, seq, d)``: the rest of each MLP output (``b_dec``; the first position's
+      error with ``zero_bos``).
+    tok: ``(seq, d)``: the token embeddings (the residual stream entering block 0, less
+      learned position embeddings).
+    run: the replacement model.
+  """
+
+  recording: Any
+  acts: Any
+  node_writes: Any
+  errors: Any
+  const: Any
+  tok: Any
+  run: Any
+
+
+def local_replacement(model, variables, tokens, transcoders, *, zero_bos: bool = False):
+  """The :class:`LocalReplacement` of ``model`` on ``tokens`` (``(seq,)`` or ``(1, seq)``)
+  with ``transcoders`` (a :class:`Replacement`, a list of per-layer transcoders or a
+  cross-layer transcoder).
+
+  Raises:
+    CircuitError: as :func:`attribute`.
+  """
+  toks = _check_tokens(model, tokens)
+  rep = transcoders if isinstance(transcoders, Replacement) else replacement(model, transcoders)
+  n_layers, seq = rep.n_layers, int(toks.shape[0])
+
+  def prepare(variables, toks):
+    rec = record(model, variables, toks[None])
+    dtype = rec.resid0.dtype
+    acts = [rep.encoders[i](rec.mlp_in[i][0]).astype(dtype) for i in range(n_layers)]
+    if zero_bos:
+      acts = [a.at[0].set(0) for a in acts]
+    skips = jnp.stack([rep.skip(i, rec.mlp_in[i][0]) for i in range(n_layers)]).astype(dtype)
+    node_writes = rep.decode_writes(acts).astype(dtype)
+    mlp_out = jnp.stack([rec.mlp_out[i][0] for i in range(n_layers)])
+    bdec = jnp.stack([jnp.broadcast_to(b, (seq, b.shape[-1])) for b in rep.b_dec]).astype(dtype)
+    errors = mlp_out - node_writes - bdec - skips
+    if zero_bos:
+      errors = errors.at[:, 0].set(0)
+    const = mlp_out - node_writes - errors - skips
+    tok = rec.resid0[0] - (0 if rec.pos is None else rec.pos[0])
+    return rec, jnp.stack(acts), node_writes, errors, const, tok
+
+  rec, acts, node_writes, errors, const, tok = jax.jit(prepare)(variables, toks)
+  run = jax.jit(frozen_forward(model, variables, toks[None], rec, rep.skip, const))
+  return LocalReplacement(rec, acts, node_writes, errors, const, tok, run)
+
+
+def attribute(
+  model,
+  variables,
+  tokens,
+  transcoders,
+  *,
+  max_n_logits: int = 10,
+  desired_logit_prob: float = 0.95,
+  directions=None,
+  max_feature_nodes: int | None = None,
+  batch_size: int = 64,
+  zero_bos: bool = False,
+  update_interval: int = 4,
+  local: LocalReplacement | None = None,
+) -> Graph:
+  """The attribution graph of ``tokens`` through ``transcoders`` (circuit-tracer's
+  ``attribute``).
+
+  The model is replaced by its local replacement model on the prompt (norm scales, attention
+  patterns and MLP outputs frozen; a skip transcoder's skip term live), one VJP of which gives
+  every row: a feature target's cotangent is its encoder vector at its layer's MLP input and
+  position, a logit target's the demeaned unembedding row at the final norm's output (last
+  position); the rows are contracted with each source's write (a feature's decoder vectors
+  times its activation, an error vector, a token embedding).
+
+  Args:
+    model: a decoder of :mod:`jaxlens.models` (not scanned).
+    variables: its variables.
+    tokens: int ``(seq,)`` or ``(1, seq)``.
+    transcoders: one :class:`jaxlens.sae.Transcoder` per layer, or a
+      :class:`jaxlens.sae.CrossLayerTranscoder`.
+    max_n_logits, desired_logit_prob: the logit targets: the most likely next tokens until
+      their probability reaches ``desired_logit_prob``, at most ``max_n_logits``.
+    directions: instead, ``(k, d_model)`` directions read at the final norm's output (last
+      position), each weighted ``1 / k``.
+    max_feature_nodes: a budget of feature nodes, chosen greedily by partial influence on the
+      logits as circuit-tracer does (``None``: every active feature, exact).
+    batch_size: rows per VJP batch.
+    zero_bos: zero the first position's activations and error (circuit-tracer does when the
+      first token is a special token).
+    update_interval: batches between re-rankings under a budget.
+    local: the :class:`LocalReplacement` of this prompt and transcoders, when it is built
+      already (:func:`local_replacement`; ``zero_bos`` is then its own).
+
+  Returns:
+    A :class:`Graph`.
+
+  Raises:
+    CircuitError: ``invalid_argument`` (an empty prompt, a budget or batch size that is not a
+      positive int), ``index_out_of_range`` (a token outside the vocabulary),
+      ``circuit_transcoder_mismatch``, ``circuit_unsupported_model``.
+  """
+  toks = _check_tokens(model, tokens)
+  _positive_int(batch_size, "batch_size")
+  _positive_int(max_n_logits, "max_n_logits")
+  _positive_int(max_feature_nodes, "max_feature_nodes", allow_none=True)
+  _positive_int(update_interval, "update_interval")
+  rep = replacement(model, transcoders)
+  n_layers, seq = rep.n_layers, int(toks.shape[0])
+
+  if local is None:
+    local = local_replacement(model, variables, toks, rep, zero_bos=zero_bos)
+  lr = local
+  rec, acts, node_writes, errors, tok = lr.recording, lr.acts, lr.node_writes, lr.errors, lr.tok
+  dtype = tok.dtype
+  acts_np = np.asarray(acts)  # (L, seq, d_sae)
+  active = np.argwhere(acts_np != 0)  # (n_active, 3), ordered (layer, pos, feature)
+  values = acts_np[tuple(active.T)] if len(active) else np.zeros(0, acts_np.dtype)
+  n_active = len(active)
+
+  # Targets: logits.
+  if directions is None:
+    unembed, vocab = _unembedding(model, variables)
+    logit_idx, logit_p, logit_vecs = _salient_logits(
+      rec.logits[0, -1], unembed, max_n_logits, desired_logit_prob
+    )
+  else:
+    logit_vecs = jnp.asarray(directions)
+    if logit_vecs.ndim != 2 or logit_vecs.shape[-1] != model.config.d_model:
+      raise CircuitError(
+        f"directions must be (k, {model.config.d_model}), got {logit_vecs.shape}",
+        code="invalid_argument",
+        received=str(logit_vecs.shape),
+        fix="directions=jnp.stack([direction_1, direction_2])",
+      )
+    logit_idx = np.full(logit_vecs.shape[0], -1)
+    logit_p = np.full(logit_vecs.shape[0], 1.0 / logit_vecs.shape[0])
+  logit_vecs = jnp.asarray(logit_vecs, dtype)
+  n_logits = len(logit_idx)
+
+  # One VJP of the replacement model.
+  _, vjp = jax.vjp(lr.run, tok, node_writes + errors)
+
+  # The sources' writes: features (decoder vectors times activation), errors, tokens.
+  n_dec = max(w.shape[0] for w in rep.W_dec)
+  d = tok.shape[-1]
+  np_dtype = np.dtype(dtype)
+  dec = np.zeros((n_active, n_dec, d), np_dtype)
+  enc = np.zeros((n_active, rec.mlp_in[0].shape[-1]), np_dtype)
+  for i in range(n_layers):
+    sel = np.flatnonzero(active[:, 0] == i) if n_active else np.zeros(0, int)
+    if sel.size:
+      w = np.asarray(rep.W_dec[i])[:, active[sel, 2]]  # (J_i, n_sel, d)
+      dec[sel, : w.shape[0]] = np.moveaxis(w, 0, 1)
+      enc[sel] = np.asarray(rep.W_enc[i])[:, active[sel, 2]].T
+  dec *= values.astype(np_dtype)[:, None, None]
+  later = (active[:, :1] if n_active else np.zeros((0, 1), int)) + np.arange(n_dec)[None]
+  dec *= (later < n_layers)[..., None]
+  t_layer = jnp.asarray(np.minimum(later, n_layers - 1))
+  t_pos = jnp.asarray(active[:, 1:2] if n_active else np.zeros((0, 1), int))
+  dec_j = jnp.asarray(dec)
+  d_in = rec.mlp_in[0].shape[-1]
+
+  @jax.jit
+  def rows(vjp, li, pi, v_in, v_final):
+    def one(li, pi, vi, vf):
+      ci = jnp.zeros((n_layers, seq, d_in), dtype).at[li, pi].set(vi)
+      cf = jnp.zeros((seq, d), dtype).at[seq - 1].set(vf)
+      g_tok, g_w = vjp((ci, cf))
+      feat = jnp.einsum("njd,njd->n", g_w[t_layer, t_pos], dec_j)
+      err = jnp.einsum("lsd,lsd->ls", g_w, errors).reshape(-1)
+      tk = jnp.einsum("sd,sd->s", g_tok, tok)
+      return jnp.concatenate([feat, err, tk])
+
+    return jax.vmap(one)(li, pi, v_in, v_final)
+
+  def batch(li, pi, v_in, v_final):
+    # Padded to batch_size rows: one compiled program for every batch.
+    k = len(li)
+    pad = batch_size - k
+
+    def grow(a):
+      a = np.asarray(a)
+      return np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+
+    out = rows(vjp, grow(li), grow(pi), grow(v_in), grow(v_final))
+    return np.asarray(out)[:k]
+
+  def logit_rows(vecs):
+    k = len(vecs)
+    return batch(np.zeros(k, np.int32), np.zeros(k, np.int32), np.zeros((k, d_in), np_dtype), vecs)
+
+  def feature_rows(idx):
+    k = len(idx)
+    return batch(active[idx, 0], active[idx, 1], enc[idx], np.zeros((k, d), np_dtype))
+
+  logit_offset = n_active + (n_layers + 1) * seq
+  total_nodes = logit_offset + n_logits
+  budget = n_active if max_feature_nodes is None else min(max_feature_nodes, n_active)
+  edge = np.zeros((budget + n_logits, total_nodes), np.dtype(dtype))
+  row_to_node = np.zeros(budget + n_logits, np.int64)
+  for s in range(0, n_logits, batch_size):
+    vecs = np.asarray(logit_vecs[s : s + batch_size])
+    edge[s : s + len(vecs), :logit_offset] = logit_rows(vecs)
+    row_to_node[s : s + len(vecs)] = np.arange(s, s + len(vecs)) + logit_offset
+  st = n_logits
+  visited = np.zeros(n_active, bool)
+  n_visited = 0
+  while n_visited < budget:
+    if budget == n_active:
+      pending = np.arange(n_active)
+    else:
+      influence = partial_influences(edge[:st], logit_p, row_to_node[:st])
+      rank = np.argsort(-influence[:n_active], kind="stable")
+      size = min(update_interval * batch_size, budget - n_visited)
+      pending = rank[~visited[rank]][:size]
+    for s in range(0, len(pending), batch_size):
+      idx = pending[s : s + batch_size]
+      n_visited += len(idx)
+      edge[st : st + len(idx), :logit_offset] = feature_rows(idx)
+      row_to_node[st : st + len(idx)] = idx
+      visited[idx] = True
+      st += len(idx)
+  selected = np.flatnonzero(visited)
+  if budget < n_active:
+    edge = edge[:, np.concatenate([selected, np.arange(n_active, total_nodes)])]
+  edge = edge[np.argsort(row_to_node, kind="stable")]
+  n = edge.shape[1]
+  full = np.zeros((n, n), edge.dtype)
+  full[:budget] = edge[:budget]
+  full[n - n_logits :] = edge[budget:]
+  return Graph(
+    adjacency=full,
+    input_tokens=np.asarray(toks),
+    active_features=active,
+    activation_values=values,
+    selected_features=selected,
+    logit_tokens=np.asarray(logit_idx),
+    logit_probabilities=np.asarray(logit_p, np.dtype(dtype)),
+    n_layers=n_layers,
+  )

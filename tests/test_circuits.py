@@ -1,0 +1,421 @@
+"""Attribution graphs (jaxlens.circuits) on tiny random float64 decoders: the graph's edges are
+the replacement model's real interventions, the frozen forward is the model's own on the prompt,
+the gradient under circuit-tracer's stop-gradient freezes gives the same edges, and pruning and
+the scores follow circuit-tracer's definitions."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlens import circuits, sae
+from jaxlens.models import GPT2, Gemma3, Gemma3Config, GPT2Config, Llama, LlamaConfig
+
+VOCAB, D, L, SAE_WIDTH = 31, 16, 2, 24
+F64 = jnp.float64
+TOKENS = jnp.asarray([1, 5, 7, 3, 9], jnp.int32)
+
+MODELS = {
+  "llama": lambda: Llama(
+    LlamaConfig(
+      vocab_size=VOCAB, d_model=D, n_layers=L, n_heads=4, n_kv_heads=2, d_mlp=24, dtype=F64
+    )
+  ),
+  "gpt2": lambda: GPT2(
+    GPT2Config(
+      vocab_size=VOCAB, d_model=D, n_layers=L, n_heads=4, max_len=8, tie_embeddings=False, dtype=F64
+    )
+  ),
+  # post-norms, QK-norm, a final soft-cap and tied embeddings
+  "gemma": lambda: Gemma3(
+    Gemma3Config(
+      vocab_size=VOCAB,
+      d_model=D,
+      n_layers=L,
+      n_heads=4,
+      n_kv_heads=2,
+      head_dim=4,
+      d_mlp=24,
+      final_softcap=5.0,
+      dtype=F64,
+    )
+  ),
+}
+
+
+def _init(model):
+  rng = np.random.default_rng(0)
+  shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+
+  def draw(path, leaf):
+    name = jax.tree_util.keystr(path[-1:])
+    if "bias" in name:
+      return jnp.asarray(rng.normal(0.0, 0.1, leaf.shape), leaf.dtype)
+    if "scale" in name or "weight" in name:
+      return jnp.asarray(1.0 + rng.normal(0.0, 0.2, leaf.shape), leaf.dtype)
+    return jnp.asarray(rng.normal(0.0, 0.3, leaf.shape), leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def _transcoders(kind):
+  if kind == "clt":
+    clt = sae.CrossLayerTranscoder.init(jax.random.key(7), n_layers=L, d_in=D, d_sae=SAE_WIDTH)
+    clt = jax.tree.map(lambda a: a.astype(F64), clt)
+    return clt.replace(
+      b_enc=clt.b_enc - 0.3, b_dec=clt.b_dec + 0.05, W_dec=tuple(w * 5.0 for w in clt.W_dec)
+    )
+  out = []
+  for i in range(L):
+    t = sae.Transcoder.init(
+      jax.random.key(i), d_in=D, d_sae=SAE_WIDTH, dtype=F64, skip=kind == "skip"
+    )
+    extra = {
+      "W_enc": t.W_enc * 10,
+      "b_enc": t.b_enc - 0.2,
+      "b_dec": t.b_dec + 0.05,
+      "W_dec": t.W_dec * 3.0,
+    }
+    if kind == "skip":
+      extra["W_skip"] = jnp.asarray(np.random.default_rng(i).normal(0, 0.2, (D, D)), F64)
+    out.append(t.replace(**extra))
+  return out
+
+
+# family -> the transcoders it is tested with (each kind on one family, to keep the cost down)
+CASES = {"llama": "skip", "gpt2": "plain", "gemma": "clt"}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request):
+  family = request.param
+  model = MODELS[family]()
+  variables = _init(model)
+  tcs = _transcoders(CASES[family])
+  lr = circuits.local_replacement(model, variables, TOKENS, tcs)
+  graph = circuits.attribute(model, variables, TOKENS, tcs, batch_size=32, local=lr)
+  return family, model, variables, tcs, graph, lr
+
+
+def _unembedding(family, variables):
+  p = variables["params"]
+  return p["embed"]["embedding"] if family == "gemma" else p["lm_head"]["kernel"].T
+
+
+def _targets(case):
+  """``(tok, writes) -> every row target's value``: selected features' pre-activations (their
+  linear part) and the logit targets (demeaned unembedding rows at the final norm's output)."""
+  family, model, variables, tcs, graph, lr = case
+  rep = circuits.replacement(model, tcs)
+  feats = graph.active_features[graph.selected_features]
+  enc = jnp.stack([rep.W_enc[layer][:, f] for layer, _, f in feats])
+  w_u = _unembedding(family, variables)
+  vecs = w_u[graph.logit_tokens] - w_u.mean(0)
+
+  def targets(tok, writes):
+    mlp_in, final = lr.run(tok, writes)
+    pre = jnp.einsum("nd,nd->n", mlp_in[feats[:, 0], feats[:, 1]], enc)
+    return jnp.concatenate([pre, vecs @ final[-1]])
+
+  return targets, rep
+
+
+def test_the_frozen_forward_is_the_model_on_the_prompt(case):
+  family, model, variables, tcs, graph, lr = case
+  mlp_in, final = lr.run(lr.tok, lr.node_writes + lr.errors)
+  rec = lr.recording
+  want_in = jnp.stack([rec.mlp_in[i][0] for i in range(L)])
+  assert float(jnp.abs(mlp_in - want_in).max()) < 1e-12
+  assert float(jnp.abs(final - rec.final[0]).max()) < 1e-12
+  # the recorded run is the model's own
+  logits = jax.jit(model.apply)(variables, TOKENS[None])
+  assert float(jnp.abs(rec.logits - logits).max()) < 1e-12
+  # and the graph is not trivial
+  assert graph.n_features > 20 and graph.n_logits >= 1
+  assert np.abs(graph.adjacency).max() > 1e-3
+
+
+def test_edges_equal_interventions_in_the_frozen_model(case):
+  """Ablating one node in the frozen model moves every target by its edge, to rounding."""
+  family, model, variables, tcs, graph, lr = case
+  targets, rep = _targets(case)
+  writes = lr.node_writes + lr.errors
+  clean = targets(lr.tok, writes)
+  sl = graph.node_slices()
+  rows = np.r_[sl["features"], sl["logits"]]
+  rng = np.random.default_rng(0)
+  feats = rng.choice(graph.n_features, 6, replace=False)
+
+  def feature_write(i):
+    layer, pos, f = graph.active_features[graph.selected_features[i]]
+    a = graph.activation_values[graph.selected_features[i]]
+    w = jnp.zeros_like(writes)
+    for j in range(layer, L):
+      if j - layer < rep.W_dec[layer].shape[0]:
+        w = w.at[j, pos].set(a * rep.W_dec[layer][j - layer, f])
+    return w
+
+  ablations = [(lr.tok, writes - feature_write(i), sl["features"].start + i) for i in feats]
+  for layer, pos in [(0, 0), (0, 3), (1, 4), (1, 2)]:
+    col = sl["errors"].start + layer * graph.n_pos + pos
+    ablations.append((lr.tok, writes.at[layer, pos].add(-lr.errors[layer, pos]), col))
+  for pos in (0, 2, 4):
+    ablations.append((lr.tok.at[pos].set(0.0), writes, sl["tokens"].start + pos))
+  scale = np.abs(graph.adjacency).max()
+  for tok, w, col in ablations:
+    effect = np.asarray(clean - targets(tok, w))
+    np.testing.assert_allclose(effect, graph.adjacency[rows, col], rtol=0, atol=1e-11 * scale)
+  # direct effects only: a feature cannot reach a target at its own layer or before
+  feats_all = graph.active_features[graph.selected_features]
+  a_ff = graph.adjacency[sl["features"], sl["features"]]
+  if not isinstance(tcs, sae.CrossLayerTranscoder):
+    upstream = feats_all[:, 0][None, :] >= feats_all[:, 0][:, None]
+    assert np.all(a_ff[upstream] == 0)
+  later_pos = feats_all[:, 1][None, :] > feats_all[:, 1][:, None]
+  assert np.all(a_ff[later_pos] == 0)
+
+
+def test_stop_gradient_freezes_on_the_real_model_give_the_same_edges(case):
+  """circuit-tracer's freezing by stop_gradient, on the model's own forward, gives the token
+  and error columns of the graph (an independent path: no recorded values)."""
+  family, model, variables, tcs, graph, lr = case
+  if family != "llama":
+    pytest.skip("one family suffices: the by-value model is checked on all three above")
+  rep = circuits.replacement(model, tcs)
+  feats = graph.active_features[graph.selected_features]
+  enc = jnp.stack([rep.W_enc[layer][:, f] for layer, _, f in feats])
+  w_u = _unembedding(family, variables)
+  vecs = w_u[graph.logit_tokens] - w_u.mean(0)
+
+  def targets(d_tok, d_err):
+    got = {}
+
+    def perturb(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      path = "/".join(context.module.path)
+      if path == "blocks_0/resid_pre":
+        return out + d_tok[None]
+      if path.endswith("/mlp_out"):
+        return out + d_err[int(path.split("/")[0][len("blocks_") :])][None]
+      if path.endswith("/mlp"):
+        pass
+      return out
+
+    def read(next_fun, args, kwargs, context):
+      path = "/".join(context.module.path)
+      if path.endswith("/mlp"):
+        got[int(path.split("/")[0][len("blocks_") :])] = args[0][0]
+      out = next_fun(*args, **kwargs)
+      if path == "ln_final":
+        got["final"] = out[0]
+      return out
+
+    with nn.intercept_methods(read), nn.intercept_methods(perturb):
+      with nn.intercept_methods(circuits.stop_gradient_freeze(rep)):
+        model.apply(variables, TOKENS[None])
+    mlp_in = jnp.stack([got[i] for i in range(L)])
+    pre = jnp.einsum("nd,nd->n", mlp_in[feats[:, 0], feats[:, 1]], enc)
+    return jnp.concatenate([pre, vecs @ got["final"][-1]])
+
+  zeros = (jnp.zeros_like(lr.tok), jnp.zeros_like(lr.errors))
+  j_tok, j_err = jax.jacrev(targets, argnums=(0, 1))(*zeros)
+  token_cols = np.asarray(jnp.einsum("rsd,sd->rs", j_tok, lr.tok))
+  error_cols = np.asarray(jnp.einsum("rlsd,lsd->rls", j_err, lr.errors)).reshape(len(j_tok), -1)
+  sl = graph.node_slices()
+  rows = np.r_[sl["features"], sl["logits"]]
+  scale = np.abs(graph.adjacency).max()
+  np.testing.assert_allclose(token_cols, graph.adjacency[rows][:, sl["tokens"]], atol=1e-11 * scale)
+  np.testing.assert_allclose(error_cols, graph.adjacency[rows][:, sl["errors"]], atol=1e-11 * scale)
+
+
+def test_a_node_budget_keeps_exact_rows_of_the_greedy_features(case):
+  family, model, variables, tcs, graph, lr = case
+  if family != "gpt2":
+    pytest.skip("one family suffices")
+  budget = 7
+  small = circuits.attribute(
+    model,
+    variables,
+    TOKENS,
+    tcs,
+    max_feature_nodes=budget,
+    batch_size=4,
+    update_interval=1,
+    local=lr,
+  )
+  assert small.n_features == budget
+  sel = small.selected_features
+  cols = np.r_[sel, np.arange(graph.n_features, graph.adjacency.shape[0])]
+  rows_small = np.r_[np.arange(budget), small.adjacency.shape[0] - np.arange(small.n_logits, 0, -1)]
+  rows_full = np.r_[sel, graph.adjacency.shape[0] - np.arange(graph.n_logits, 0, -1)]
+  np.testing.assert_allclose(
+    small.adjacency[rows_small], graph.adjacency[rows_full][:, cols], atol=1e-12
+  )
+  # the first batch (4 features) is the top of the logit rows' influence
+  from jaxlens.circuits._prune import partial_influences
+
+  n = graph.adjacency.shape[0]
+  logit_rows = graph.adjacency[n - graph.n_logits :]
+  # columns before the graph's own reordering: active features first, as attribute builds them
+  influence = partial_influences(
+    logit_rows, graph.logit_probabilities, np.arange(n - graph.n_logits, n)
+  )[: graph.n_features]
+  first = set(np.argsort(-influence, kind="stable")[:4])
+  assert first <= set(sel)
+
+
+def test_zero_bos_and_user_directions(case):
+  family, model, variables, tcs, graph, lr = case
+  if family != "gpt2":
+    pytest.skip("one family suffices")
+  direction = jnp.asarray(np.random.default_rng(3).normal(size=(1, D)), F64)
+  g = circuits.attribute(model, variables, TOKENS, tcs, directions=direction, zero_bos=True)
+  assert not np.any(g.active_features[:, 1] == 0)
+  sl = g.node_slices()
+  errors = g.adjacency[:, sl["errors"]].reshape(-1, L, g.n_pos)
+  assert np.all(errors[:, :, 0] == 0) and np.abs(errors[:, :, 1:]).max() > 0
+  assert g.n_logits == 1 and g.logit_tokens[0] == -1 and g.logit_probabilities[0] == 1.0
+
+
+def test_logit_targets_follow_circuit_tracer(case):
+  family, model, variables, tcs, graph, lr = case
+  probs = np.asarray(jax.nn.softmax(lr.recording.logits[0, -1]))
+  order = np.argsort(-probs)
+  k = graph.n_logits
+  np.testing.assert_array_equal(graph.logit_tokens, order[:k])
+  np.testing.assert_allclose(graph.logit_probabilities, probs[order[:k]], rtol=1e-12)
+  cum = np.cumsum(probs[order])
+  assert k == min(10, int(np.searchsorted(cum, 0.95)) + 1)
+
+
+# -- pruning and scores --------------------------------------------------------------------
+
+
+def _sorted_threshold(scores, fraction):  # circuit-tracer's find_threshold, by a full sort
+  s = np.sort(np.ravel(scores))[::-1]
+  cum = np.cumsum(s) / s.sum()
+  return s[min(int(np.searchsorted(cum, fraction)), len(s) - 1)]
+
+
+@pytest.mark.parametrize("n", [5, 300, 5000])
+def test_find_threshold_by_selection_equals_the_sort(n):
+  rng = np.random.default_rng(n)
+  scores = np.abs(rng.standard_cauchy(n))
+  scores[: n // 3] = np.round(scores[: n // 3], 1)  # ties
+  scores[rng.random(n) < 0.3] = 0.0
+  for fraction in (0.0, 0.5, 0.8, 0.98, 0.999):
+    assert circuits.find_threshold(scores, fraction) == _sorted_threshold(scores, fraction)
+  assert circuits.find_threshold(scores, 1.0) == scores.min()  # keeps everything
+
+
+def _hand_graph(adjacency):
+  return circuits.Graph(
+    adjacency=np.asarray(adjacency, np.float64),
+    input_tokens=np.array([0]),
+    active_features=np.array([[0, 0, 0]]),
+    activation_values=np.array([1.0]),
+    selected_features=np.array([0]),
+    logit_tokens=np.array([0]),
+    logit_probabilities=np.array([1.0]),
+    n_layers=1,
+  )
+
+
+def test_scores_on_a_graph_worked_by_hand():
+  # nodes: feature, error, token, logit; the feature reads the error and the token equally
+  a = [[0, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0], [2, 1, 1, 0]]
+  replacement, completeness = circuits.graph_scores(_hand_graph(a))
+  # influence: feature 0.5, error 0.25 + 0.25, token 0.25 + 0.25
+  assert replacement == pytest.approx(0.5, abs=1e-15)
+  # non-error input fractions (0.5, 1, 1, 0.75) weighted by (0.5, 0.5, 0.5, 1) / 2.5
+  assert completeness == pytest.approx(0.8, abs=1e-15)
+
+
+def _prune_by_sorting(graph, node_threshold, edge_threshold):
+  """circuit-tracer 0.5's prune_graph as it is written (full sorts), in numpy."""
+  a = graph.adjacency
+  n_logits, n_tokens, n_features = graph.n_logits, graph.n_pos, graph.n_features
+  w = np.zeros(len(a))
+  w[-n_logits:] = graph.logit_probabilities
+
+  def influence(m):
+    current = w @ m
+    total = current.copy()
+    while current.any():
+      current = current @ m
+      total += current
+    return total
+
+  def normalize(m):
+    m = np.abs(m)
+    return m / np.maximum(m.sum(1, keepdims=True), 1e-10)
+
+  node_influence = influence(normalize(a))
+  node_mask = node_influence >= _sorted_threshold(node_influence, node_threshold)
+  node_mask[-n_logits - n_tokens :] = True
+  pruned = a.copy()
+  pruned[~node_mask] = 0
+  pruned[:, ~node_mask] = 0
+  normalized = normalize(pruned)
+  edge_scores = normalized * (influence(normalized) + w)[:, None]
+  edge_mask = edge_scores >= _sorted_threshold(edge_scores, edge_threshold)
+  old = node_mask.copy()
+  node_mask[: -n_logits - n_tokens] &= edge_mask[:, : -n_logits - n_tokens].any(0)
+  node_mask[:n_features] &= edge_mask[:n_features].any(1)
+  while not np.all(node_mask == old):
+    old[:] = node_mask
+    edge_mask[~node_mask] = False
+    edge_mask[:, ~node_mask] = False
+    node_mask[: -n_logits - n_tokens] &= edge_mask[:, : -n_logits - n_tokens].any(0)
+    node_mask[:n_features] &= edge_mask[:n_features].any(1)
+  return node_mask, edge_mask
+
+
+def test_pruning_keeps_what_circuit_tracer_keeps(case):
+  family, model, variables, tcs, graph, lr = case
+  for node_threshold, edge_threshold in [(0.8, 0.98), (0.5, 0.9), (0.95, 0.999)]:
+    result = circuits.prune(graph, node_threshold=node_threshold, edge_threshold=edge_threshold)
+    node_mask, edge_mask = _prune_by_sorting(graph, node_threshold, edge_threshold)
+    np.testing.assert_array_equal(result.node_mask, node_mask)
+    np.testing.assert_array_equal(result.edge_mask, edge_mask)
+  sl = graph.node_slices()
+  assert result.node_mask[sl["tokens"]].all() and result.node_mask[sl["logits"]].all()
+  assert 0 < result.edge_mask.sum() < result.edge_mask.size
+  assert np.isclose(result.cumulative_scores.max(), 1.0)
+  r, c = circuits.graph_scores(graph)
+  assert 0 < r < 1 and 0 < c < 1
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused_with_a_typed_error(case):
+  family, model, variables, tcs, graph, lr = case
+  if family != "gpt2":
+    pytest.skip("one family suffices")
+
+  def refused(code, match, **kwargs):
+    args = {"tokens": TOKENS, "transcoders": tcs, **kwargs}
+    with pytest.raises(circuits.CircuitError, match=match) as info:
+      circuits.attribute(model, variables, args.pop("tokens"), args.pop("transcoders"), **args)
+    assert info.value.fields["code"] == code
+
+  refused("invalid_argument", "empty", tokens=jnp.zeros((0,), jnp.int32))
+  refused("index_out_of_range", "outside the vocabulary", tokens=jnp.asarray([1, VOCAB]))
+  refused("invalid_argument", "one prompt", tokens=jnp.zeros((2, 3), jnp.int32))
+  refused("invalid_argument", "max_feature_nodes must be a positive int", max_feature_nodes=0)
+  refused("invalid_argument", "batch_size", batch_size=-1)
+  refused("circuit_transcoder_mismatch", "1 transcoders for a model of 2", transcoders=tcs[:1])
+  wide = [sae.Transcoder.init(jax.random.key(0), d_in=D + 1, d_sae=4, dtype=F64)] * L
+  refused("circuit_transcoder_mismatch", "model's width is 16", transcoders=wide)
+  topk = [t.replace(activation="topk", k=2) for t in tcs]
+  refused("circuit_transcoder_mismatch", "linear in its input", transcoders=topk)
+  refused("invalid_argument", "sequence of jaxlens.sae.Transcoder", transcoders=[1, 2])
+  refused("invalid_argument", "directions must be", directions=jnp.ones((D,)))
+  clt = sae.CrossLayerTranscoder.init(jax.random.key(0), n_layers=3, d_in=D, d_sae=4)
+  refused("circuit_transcoder_mismatch", "3 layers, the model 2", transcoders=clt)
+  with pytest.raises(circuits.CircuitError, match="fraction in"):
+    circuits.prune(graph, node_threshold=1.5)
