@@ -137,6 +137,19 @@ def kl_to_final(model, variables, tokens, lens: TunedLens | None = None, *, atte
   return jax.lax.map(layer_kl, h)
 
 
+def _clip_like_torch(max_norm: float) -> optax.GradientTransformation:
+  """``torch.nn.utils.clip_grad_norm_``: every gradient times ``min(1, max_norm / (norm +
+  1e-6))``, the norm taken over all of them."""
+
+  def clip(updates, params=None):
+    del params
+    norm = optax.global_norm(updates)
+    coef = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
+    return jax.tree.map(lambda u: u * coef.astype(u.dtype), updates)
+
+  return optax.stateless(clip)
+
+
 def tuned_lens_optimizer(
   steps: int,
   *,
@@ -156,7 +169,7 @@ def tuned_lens_optimizer(
     return lr * jnp.clip(1.0 - t / steps, 0.0, 1.0)
 
   return optax.chain(
-    optax.clip_by_global_norm(clip),
+    _clip_like_torch(clip),
     optax.add_decayed_weights(weight_decay),
     optax.sgd(schedule, momentum=momentum, nesterov=True),
   )
@@ -221,7 +234,7 @@ def train_tuned_lens(
   sites = check_layers(model, None)
 
   @jax.jit
-  def step(lens, state, tokens, mask):
+  def step(variables, lens, state, tokens, mask):  # the variables an argument, not constants
     res = residuals(model, variables, tokens, layers=sites, attention_mask=mask)
     res = jax.lax.stop_gradient(res)
     final = jax.lax.stop_gradient(model.unembed(variables, res[-1]))
@@ -267,7 +280,7 @@ def train_tuned_lens(
 
       rows = NamedSharding(mesh, PartitionSpec(data_axis))
       tokens, mask = jax.device_put(tokens, rows), jax.device_put(mask, rows)
-    lens, state, kl = step(lens, state, tokens, mask)
+    lens, state, kl = step(variables, lens, state, tokens, mask)
     if not bool(jnp.all(jnp.isfinite(kl))):
       raise LensError(
         f"batch {i}: the KL is not finite (NaN or infinity in the model's values on it)",
