@@ -5,6 +5,8 @@ the scores follow circuit-tracer's definitions."""
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -89,15 +91,29 @@ def _transcoders(kind):
 CASES = {"llama": "skip", "gpt2": "plain", "gemma": "clt"}
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case(request):
-  family = request.param
+@functools.cache
+def _build(family):
   model = MODELS[family]()
   variables = _init(model)
   tcs = _transcoders(CASES[family])
   lr = circuits.local_replacement(model, variables, TOKENS, tcs)
   graph = circuits.attribute(model, variables, TOKENS, tcs, batch_size=32, local=lr)
   return family, model, variables, tcs, graph, lr
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request):
+  return _build(request.param)
+
+
+@pytest.fixture(scope="module")
+def llama():
+  return _build("llama")
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+  return _build("gpt2")
 
 
 def _unembedding(family, variables):
@@ -115,6 +131,7 @@ def _targets(case):
   w_u = _unembedding(family, variables)
   vecs = w_u[graph.logit_tokens] - w_u.mean(0)
 
+  @jax.jit
   def targets(tok, writes):
     mlp_in, final = lr.run(tok, writes)
     pre = jnp.einsum("nd,nd->n", mlp_in[feats[:, 0], feats[:, 1]], enc)
@@ -149,24 +166,29 @@ def test_edges_equal_interventions_in_the_frozen_model(case):
   rng = np.random.default_rng(0)
   feats = rng.choice(graph.n_features, 6, replace=False)
 
-  def feature_write(i):
+  tok, writes, errors = np.asarray(lr.tok), np.asarray(writes), np.asarray(lr.errors)
+
+  def without_feature(i):
     layer, pos, f = graph.active_features[graph.selected_features[i]]
     a = graph.activation_values[graph.selected_features[i]]
-    w = jnp.zeros_like(writes)
+    w = writes.copy()
     for j in range(layer, L):
       if j - layer < rep.W_dec[layer].shape[0]:
-        w = w.at[j, pos].set(a * rep.W_dec[layer][j - layer, f])
+        w[j, pos] -= a * np.asarray(rep.W_dec[layer][j - layer, f])
     return w
 
-  ablations = [(lr.tok, writes - feature_write(i), sl["features"].start + i) for i in feats]
+  ablations = [(tok, without_feature(i), sl["features"].start + i) for i in feats]
   for layer, pos in [(0, 0), (0, 3), (1, 4), (1, 2)]:
-    col = sl["errors"].start + layer * graph.n_pos + pos
-    ablations.append((lr.tok, writes.at[layer, pos].add(-lr.errors[layer, pos]), col))
+    w = writes.copy()
+    w[layer, pos] -= errors[layer, pos]
+    ablations.append((tok, w, sl["errors"].start + layer * graph.n_pos + pos))
   for pos in (0, 2, 4):
-    ablations.append((lr.tok.at[pos].set(0.0), writes, sl["tokens"].start + pos))
+    t = tok.copy()
+    t[pos] = 0.0
+    ablations.append((t, writes, sl["tokens"].start + pos))
   scale = np.abs(graph.adjacency).max()
-  for tok, w, col in ablations:
-    effect = np.asarray(clean - targets(tok, w))
+  for t, w, col in ablations:
+    effect = np.asarray(clean - targets(t, w))
     np.testing.assert_allclose(effect, graph.adjacency[rows, col], rtol=0, atol=1e-11 * scale)
   # direct effects only: a feature cannot reach a target at its own layer or before
   feats_all = graph.active_features[graph.selected_features]
@@ -178,12 +200,10 @@ def test_edges_equal_interventions_in_the_frozen_model(case):
   assert np.all(a_ff[later_pos] == 0)
 
 
-def test_stop_gradient_freezes_on_the_real_model_give_the_same_edges(case):
+def test_stop_gradient_freezes_on_the_real_model_give_the_same_edges(llama):
   """circuit-tracer's freezing by stop_gradient, on the model's own forward, gives the token
   and error columns of the graph (an independent path: no recorded values)."""
-  family, model, variables, tcs, graph, lr = case
-  if family != "llama":
-    pytest.skip("one family suffices: the by-value model is checked on all three above")
+  family, model, variables, tcs, graph, lr = llama
   rep = circuits.replacement(model, tcs)
   feats = graph.active_features[graph.selected_features]
   enc = jnp.stack([rep.W_enc[layer][:, f] for layer, _, f in feats])
@@ -200,8 +220,6 @@ def test_stop_gradient_freezes_on_the_real_model_give_the_same_edges(case):
         return out + d_tok[None]
       if path.endswith("/mlp_out"):
         return out + d_err[int(path.split("/")[0][len("blocks_") :])][None]
-      if path.endswith("/mlp"):
-        pass
       return out
 
     def read(next_fun, args, kwargs, context):
@@ -221,7 +239,7 @@ def test_stop_gradient_freezes_on_the_real_model_give_the_same_edges(case):
     return jnp.concatenate([pre, vecs @ got["final"][-1]])
 
   zeros = (jnp.zeros_like(lr.tok), jnp.zeros_like(lr.errors))
-  j_tok, j_err = jax.jacrev(targets, argnums=(0, 1))(*zeros)
+  j_tok, j_err = jax.jit(jax.jacrev(targets, argnums=(0, 1)))(*zeros)
   token_cols = np.asarray(jnp.einsum("rsd,sd->rs", j_tok, lr.tok))
   error_cols = np.asarray(jnp.einsum("rlsd,lsd->rls", j_err, lr.errors)).reshape(len(j_tok), -1)
   sl = graph.node_slices()
@@ -231,10 +249,8 @@ def test_stop_gradient_freezes_on_the_real_model_give_the_same_edges(case):
   np.testing.assert_allclose(error_cols, graph.adjacency[rows][:, sl["errors"]], atol=1e-11 * scale)
 
 
-def test_a_node_budget_keeps_exact_rows_of_the_greedy_features(case):
-  family, model, variables, tcs, graph, lr = case
-  if family != "gpt2":
-    pytest.skip("one family suffices")
+def test_a_node_budget_keeps_exact_rows_of_the_greedy_features(gpt2):
+  family, model, variables, tcs, graph, lr = gpt2
   budget = 7
   small = circuits.attribute(
     model,
@@ -267,17 +283,23 @@ def test_a_node_budget_keeps_exact_rows_of_the_greedy_features(case):
   assert first <= set(sel)
 
 
-def test_zero_bos_and_user_directions(case):
-  family, model, variables, tcs, graph, lr = case
-  if family != "gpt2":
-    pytest.skip("one family suffices")
-  direction = jnp.asarray(np.random.default_rng(3).normal(size=(1, D)), F64)
-  g = circuits.attribute(model, variables, TOKENS, tcs, directions=direction, zero_bos=True)
-  assert not np.any(g.active_features[:, 1] == 0)
-  sl = g.node_slices()
-  errors = g.adjacency[:, sl["errors"]].reshape(-1, L, g.n_pos)
-  assert np.all(errors[:, :, 0] == 0) and np.abs(errors[:, :, 1:]).max() > 0
+def test_zero_bos_and_user_directions(gpt2):
+  family, model, variables, tcs, graph, lr = gpt2
+  bos = circuits.local_replacement(model, variables, TOKENS, tcs, zero_bos=True)
+  assert not np.any(np.asarray(bos.acts)[:, 0]) and np.asarray(bos.acts)[:, 1:].any()
+  assert not np.any(np.asarray(bos.errors)[:, 0]) and np.asarray(bos.errors)[:, 1:].any()
+  mlp_in, final = bos.run(bos.tok, bos.node_writes + bos.errors)  # still the model's values
+  assert float(jnp.abs(final - lr.recording.final[0]).max()) < 1e-12
+  # a direction read at the final norm's output: its row is that logit's row, rescaled
+  w_u = _unembedding(family, variables)
+  top = int(graph.logit_tokens[0])
+  direction = (w_u[top] - w_u.mean(0))[None] * 2.0
+  g = circuits.attribute(model, variables, TOKENS, tcs, directions=direction, local=lr)
   assert g.n_logits == 1 and g.logit_tokens[0] == -1 and g.logit_probabilities[0] == 1.0
+  base = g.adjacency.shape[0] - 1
+  np.testing.assert_allclose(
+    g.adjacency[-1, :base], 2.0 * graph.adjacency[-graph.n_logits, :base], atol=1e-12
+  )
 
 
 def test_logit_targets_follow_circuit_tracer(case):
@@ -392,10 +414,8 @@ def test_pruning_keeps_what_circuit_tracer_keeps(case):
 # -- bad input -----------------------------------------------------------------------------
 
 
-def test_bad_input_is_refused_with_a_typed_error(case):
-  family, model, variables, tcs, graph, lr = case
-  if family != "gpt2":
-    pytest.skip("one family suffices")
+def test_bad_input_is_refused_with_a_typed_error(gpt2):
+  family, model, variables, tcs, graph, lr = gpt2
 
   def refused(code, match, **kwargs):
     args = {"tokens": TOKENS, "transcoders": tcs, **kwargs}

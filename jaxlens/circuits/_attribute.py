@@ -414,7 +414,15 @@ def attribute(
   _positive_int(update_interval, "update_interval")
   rep = replacement(model, transcoders)
   n_layers, seq = rep.n_layers, int(toks.shape[0])
-
+  if directions is not None and (
+    np.ndim(directions) != 2 or np.shape(directions)[-1] != model.config.d_model
+  ):
+    raise CircuitError(
+      f"directions must be (k, {model.config.d_model}), got shape {np.shape(directions)}",
+      code="invalid_argument",
+      received=str(np.shape(directions)),
+      fix="directions=jnp.stack([direction_1, direction_2])",
+    )
   if local is None:
     local = local_replacement(model, variables, toks, rep, zero_bos=zero_bos)
   lr = local
@@ -433,13 +441,6 @@ def attribute(
     )
   else:
     logit_vecs = jnp.asarray(directions)
-    if logit_vecs.ndim != 2 or logit_vecs.shape[-1] != model.config.d_model:
-      raise CircuitError(
-        f"directions must be (k, {model.config.d_model}), got {logit_vecs.shape}",
-        code="invalid_argument",
-        received=str(logit_vecs.shape),
-        fix="directions=jnp.stack([direction_1, direction_2])",
-      )
     logit_idx = np.full(logit_vecs.shape[0], -1)
     logit_p = np.full(logit_vecs.shape[0], 1.0 / logit_vecs.shape[0])
   logit_vecs = jnp.asarray(logit_vecs, dtype)
