@@ -33,9 +33,9 @@ def test_the_root_is_what_its_rule_says():
 
 
 def test_all_lists_are_unique_and_resolve():
-  from jaxlens import internal
+  from jaxlens import circuits, internal
 
-  for module in (jl, ji, jl.sweep, jl.core, internal):
+  for module in (jl, ji, jl.sweep, jl.core, internal, circuits):
     assert len(module.__all__) == len(set(module.__all__)), module.__name__
     for name in module.__all__:
       assert hasattr(module, name), f"{module.__name__}.{name}"

@@ -439,3 +439,62 @@ def test_bad_input_is_refused_with_a_typed_error(gpt2):
   refused("circuit_transcoder_mismatch", "3 layers, the model 2", transcoders=clt)
   with pytest.raises(circuits.CircuitError, match="fraction in"):
     circuits.prune(graph, node_threshold=1.5)
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+def test_graph_files_round_trip_and_refuse_damage(gpt2, tmp_path):
+  family, model, variables, tcs, graph, lr = gpt2
+  path = circuits.save_graph(graph, tmp_path / "g")
+  again = circuits.load_graph(path)
+  for name in ("adjacency", "active_features", "selected_features", "logit_tokens"):
+    np.testing.assert_array_equal(getattr(again, name), getattr(graph, name))
+  assert again.n_layers == graph.n_layers and again.adjacency.dtype == graph.adjacency.dtype
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["g"]  # nothing left beside it
+
+  def refused(code, match, where=path):
+    with pytest.raises(circuits.CircuitError, match=match) as info:
+      circuits.load_graph(where)
+    assert info.value.fields["code"] == code
+
+  data = (path / "graph.safetensors").read_bytes()
+  (path / "graph.safetensors").write_bytes(data[: len(data) // 2])  # truncated
+  refused("circuit_file_corrupt", "SHA-256")
+  edited = bytearray(data)
+  edited[-3] ^= 1
+  (path / "graph.safetensors").write_bytes(bytes(edited))
+  refused("circuit_file_corrupt", "SHA-256")
+  (path / "graph.safetensors").write_bytes(data)
+  meta = (path / "graph.json").read_text()
+  (path / "graph.json").write_text(meta[:-5])
+  refused("circuit_file_corrupt", "not JSON")
+  (path / "graph.json").write_text(meta.replace('"version": 1', '"version": 9'))
+  refused("circuit_file_version", "format version 9")
+  refused("circuit_file_missing", "no graph.json", tmp_path / "nowhere")
+  with pytest.raises(circuits.CircuitError, match="exists") as info:
+    circuits.save_graph(graph, path)
+  assert info.value.fields["code"] == "circuit_file_exists"
+  circuits.save_graph(graph, path, overwrite=True)
+  assert circuits.load_graph(path).n_features == graph.n_features
+
+
+def test_neuronpedia_json_has_the_viewers_fields(gpt2, tmp_path):
+  family, model, variables, tcs, graph, lr = gpt2
+  import json
+
+  out = circuits.to_neuronpedia_json(graph, tmp_path / "g.json", slug="t", d_transcoder=SAE_WIDTH)
+  assert json.loads((tmp_path / "g.json").read_text()) == out
+  assert set(out) == {"metadata", "qParams", "nodes", "links"}
+  assert out["metadata"]["prompt_tokens"] == [str(int(t)) for t in TOKENS]
+  kinds = {n["feature_type"] for n in out["nodes"]}
+  assert {"embedding", "logit"} <= kinds
+  ids = {n["node_id"] for n in out["nodes"]}
+  assert all(link["source"] in ids and link["target"] in ids for link in out["links"])
+  mask = circuits.prune(graph)
+  assert len(out["links"]) == int(mask.edge_mask.sum())
+  logits = [n for n in out["nodes"] if n["feature_type"] == "logit"]
+  assert sum(n["is_target_logit"] for n in logits) == 1 and logits[0]["layer"] == str(L + 1)
+  feature = next(n for n in out["nodes"] if n["feature_type"] == "cross layer transcoder")
+  layer, feat, pos = (int(x) for x in feature["node_id"].split("_"))
+  assert feature["feature"] == feat + 100 * layer and feature["ctx_idx"] == pos

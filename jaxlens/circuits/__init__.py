@@ -18,7 +18,10 @@ from jaxlens.circuits._attribute import LocalReplacement as LocalReplacement
 from jaxlens.circuits._attribute import attribute as attribute
 from jaxlens.circuits._attribute import local_replacement as local_replacement
 from jaxlens.circuits._attribute import replacement as replacement
-from jaxlens.circuits._freeze import CircuitError as CircuitError
+from jaxlens.circuits._errors import CircuitError as CircuitError
+from jaxlens.circuits._files import load_graph as load_graph
+from jaxlens.circuits._files import save_graph as save_graph
+from jaxlens.circuits._files import to_neuronpedia_json as to_neuronpedia_json
 from jaxlens.circuits._freeze import Recording as Recording
 from jaxlens.circuits._freeze import frozen_forward as frozen_forward
 from jaxlens.circuits._freeze import record as record
@@ -39,9 +42,12 @@ __all__ = [
   "find_threshold",
   "frozen_forward",
   "graph_scores",
+  "load_graph",
   "local_replacement",
   "prune",
   "record",
   "replacement",
+  "save_graph",
   "stop_gradient_freeze",
+  "to_neuronpedia_json",
 ]

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens.circuits._freeze import CircuitError, frozen_forward, record
+from jaxlens.circuits._errors import CircuitError
+from jaxlens.circuits._freeze import frozen_forward, record
+from jaxlens.lens import readout
 from jaxlens.circuits._prune import partial_influences
 from jaxlens.sae import CrossLayerTranscoder, Transcoder
 
@@ -280,8 +282,6 @@ def _positive_int(value, name, allow_none=False):
 
 def _unembedding(model, variables):
   """``index -> rows`` of the unembedding (``None``: the mean row), in the model's dtype."""
-  from jaxlens.lens._readout import readout
-
   ro = readout(model, variables)
 
   def rows(index):

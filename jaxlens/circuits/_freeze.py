@@ -20,20 +20,21 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxlens.core import InvalidArgumentError
-from jaxlens.models._layers import FlaxLayerNorm, LayerNorm, RMSNorm, softmax_dtype
+from jaxlens.circuits._errors import CircuitError
+from jaxlens.models.blocks import RMSNorm
 from jaxlens.models.gemma import GemmaRMSNorm
+from jaxlens.models.gpt_neox import LayerNorm
 
-__all__ = ["CircuitError", "Recording", "frozen_forward", "record", "stop_gradient_freeze"]
+__all__ = ["Recording", "frozen_forward", "record", "stop_gradient_freeze"]
 
-_NORMS = (RMSNorm, LayerNorm, FlaxLayerNorm, GemmaRMSNorm, nn.LayerNorm)
+# The zoo's norms (GPT-2's FlaxLayerNorm is a flax.linen.LayerNorm).
+_NORMS = (RMSNorm, LayerNorm, GemmaRMSNorm, nn.LayerNorm)
 _BLOCK = re.compile(r"^blocks_(\d+)$")
 
 
-class CircuitError(InvalidArgumentError):
-  """An attribution graph refuses its input: a model it cannot freeze, transcoders that do not
-  fit the model, a prompt or target out of range, a graph file that is damaged
-  (``docs/errors.md``)."""
+def softmax_dtype(dtype):
+  # The zoo's norms compute their statistics in at least float32.
+  return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize >= 4 else jnp.dtype(jnp.float32)
 
 
 def _centred(module, x):

@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxlens.circuits._errors import CircuitError
+
 __all__ = [
   "PruneResult",
   "compute_influence",
@@ -38,8 +40,6 @@ def compute_influence(a, logit_weights, max_iter: int = 1000):
       return influence
     current = current @ a
     influence += current
-  from jaxlens.circuits._freeze import CircuitError
-
   raise CircuitError(
     f"the influence did not converge in {max_iter} iterations: the adjacency has a cycle",
     code="circuit_not_acyclic",
@@ -60,8 +60,6 @@ def partial_influences(edge_matrix, logit_p, row_to_node, max_iter: int = 128):
     if not prod.any():
       return influence
     influence += prod
-  from jaxlens.circuits._freeze import CircuitError
-
   raise CircuitError(
     f"the partial influence did not converge in {max_iter} iterations",
     code="circuit_not_acyclic",
@@ -109,8 +107,6 @@ class PruneResult(NamedTuple):
 
 def _check_fraction(value, name):
   if not isinstance(value, (int, float, np.floating)) or not 0.0 <= float(value) <= 1.0:
-    from jaxlens.circuits._freeze import CircuitError
-
     raise CircuitError(
       f"{name} must be a fraction in [0, 1], got {value!r}",
       code="invalid_argument",
