@@ -1,0 +1,741 @@
+"""Billion-parameter models on one machine: Llama-3.2-1B, Gemma-2-2B and Llama-3.1-8B shapes.
+
+Writes checkpoints with random weights in each model's real shape (its published config.json,
+Hugging Face tensor names, float32 or bfloat16, one file or shards with an index) into a
+temporary directory (``--dir``, deleted at the end unless ``--keep``), then measures, each in a
+fresh process so that its peak resident memory (``VmHWM``) is its own:
+
+* ``load``: ``jaxlens.models.load_hf`` time and peak RSS over the weights' bytes in the chosen
+  dtype (target <= 1.1), beside ``transformers.AutoModelForCausalLM.from_pretrained``;
+* ``trace``: a jitted ``jl.trace`` saving every ``blocks_*/resid_post`` at 512 tokens: peak RSS
+  over the weights + the saved values + the logits (target <= 1.2), time, and the last
+  position's logits against transformers' (``output_hidden_states=True``);
+* ``decode``: greedy ``jl.generate`` tokens/s against the memory-bandwidth floor (the bytes of
+  weights a step reads over the bandwidth of a jitted sum over 1 GiB, measured in the same
+  process; target >= 0.8 of the floor), beside transformers' ``generate``;
+* ``sweep``: ``jl.sweep.patching_sweep`` over every layer's residual stream x every position
+  of a 16-token prompt (1B shape only): time and peak RSS, beside the same grid of eager torch
+  forward hooks.
+
+Torch runs at one thread and at its default (two here); the table gives the better, with its CPU
+time beside its wall time. The 8B model is written in bfloat16 only (float32 would not fit in
+24 GB) and run only with ``--models`` naming it and 19 GB of memory available.
+
+Llama 3.x configs name ``rope_scaling`` of type llama3; where the zoo refuses it, the config is
+written without it (for both sides) and the result says so.
+
+Usage::
+
+  python benchmarks/bench_big.py --models 1b --parts load,trace,decode,sweep [--torch]
+  python benchmarks/bench_big.py --models 8b --parts load,decode --dtypes bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+  sys.path.insert(0, str(_ROOT))
+
+import numpy as np
+
+DEFAULT_OUT = _ROOT / "benchmarks" / "results" / "big.json"
+GIB = 2**30
+
+_LLAMA3_ROPE = {
+  "high_freq_factor": 4.0,
+  "low_freq_factor": 1.0,
+  "original_max_position_embeddings": 8192,
+  "rope_type": "llama3",
+}
+# The published config.json of each model (meta-llama/Llama-3.2-1B, meta-llama/Llama-3.1-8B,
+# google/gemma-2-2b), less the token ids.
+CONFIGS = {
+  "1b": {
+    "name": "Llama-3.2-1B",
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, **_LLAMA3_ROPE},
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 128256,
+  },
+  "8b": {
+    "name": "Llama-3.1-8B",
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, **_LLAMA3_ROPE},
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 128256,
+  },
+  "2b": {
+    "name": "Gemma-2-2B",
+    "architectures": ["Gemma2ForCausalLM"],
+    "attention_bias": False,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "max_position_embeddings": 8192,
+    "model_type": "gemma2",
+    "num_attention_heads": 8,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 4,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "tie_word_embeddings": True,
+    "vocab_size": 256000,
+  },
+}
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+  """Hugging Face tensor name -> shape, in the order transformers writes them."""
+  d, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+  hd = cfg.get("head_dim", d // cfg["num_attention_heads"])
+  q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+  norms = ["input_layernorm", "post_attention_layernorm"]
+  if cfg["model_type"] == "gemma2":
+    norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+  out = {"model.embed_tokens.weight": (v, d)}
+  for i in range(cfg["num_hidden_layers"]):
+    h = f"model.layers.{i}."
+    for n in norms:
+      out[h + f"{n}.weight"] = (d,)
+    for p, s in (("q", (q, d)), ("k", (kv, d)), ("v", (kv, d)), ("o", (d, q))):
+      out[h + f"self_attn.{p}_proj.weight"] = s
+    for p, s in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+      out[h + f"mlp.{p}_proj.weight"] = s
+  out["model.norm.weight"] = (d,)
+  if not cfg["tie_word_embeddings"]:
+    out["lm_head.weight"] = (v, d)
+  return out
+
+
+def n_params(cfg: dict) -> int:
+  return sum(math.prod(s) for s in tensor_shapes(cfg).values())
+
+
+_POOL = None
+
+
+def _pool() -> np.ndarray:
+  """64 Mi normal values (std 0.02) that every tensor takes its values from, cyclically, from a
+  start of its own: random-looking weights at disk speed (drawing 8e9 normals takes minutes)."""
+  global _POOL
+  if _POOL is None:
+    _POOL = (np.random.default_rng(0).standard_normal(2**26, np.float32) * 0.02).astype(np.float32)
+  return _POOL
+
+
+def _values(n: int, start: int, dtype, norm: bool, gemma: bool):
+  """``n`` values in parts of at most 16 Mi, as ``dtype``."""
+  pool = _pool()
+  at = start % pool.size
+  while n:
+    k = min(n, pool.size - at, 2**24)
+    part = pool[at : at + k]
+    if norm and not gemma:
+      part = part + np.float32(1.0)  # RMSNorm weights near 1 (Gemma stores 1 + w: near 0)
+    yield part.astype(dtype)
+    n, at = n - k, (at + k) % pool.size
+
+
+def write_checkpoint(path: Path, cfg: dict, dtype: str, shard_bytes: int | None = None) -> int:
+  """Writes config.json and the safetensors file(s) of ``cfg`` with random weights of
+  ``dtype`` ("float32" / "bfloat16"), one tensor at a time; returns the weights' bytes."""
+  import ml_dtypes
+
+  np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
+  st_dtype = {"float32": "F32", "bfloat16": "BF16"}[dtype]
+  path.mkdir(parents=True, exist_ok=True)
+  config = {k: v for k, v in cfg.items() if k != "name"}
+  config["torch_dtype"] = dtype
+  (path / "config.json").write_text(json.dumps(config, indent=2))
+  shapes = tensor_shapes(cfg)
+  shards: list[list[str]] = [[]]
+  size = 0
+  for name, shape in shapes.items():
+    nbytes = math.prod(shape) * np_dtype.itemsize
+    if shard_bytes and shards[-1] and size + nbytes > shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(name)
+    size += nbytes
+  gemma = cfg["model_type"] == "gemma2"
+  files = (
+    ["model.safetensors"]
+    if len(shards) == 1
+    else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+  )
+  total = 0
+  for file, names in zip(files, shards):
+    header, off = {}, 0
+    for name in names:
+      n = math.prod(shapes[name]) * np_dtype.itemsize
+      header[name] = {
+        "dtype": st_dtype,
+        "shape": list(shapes[name]),
+        "data_offsets": [off, off + n],
+      }
+      off += n
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with (path / file).open("wb") as f:
+      f.write(len(text).to_bytes(8, "little"))
+      f.write(text)
+      for name in names:
+        norm = len(shapes[name]) == 1
+        for part in _values(
+          math.prod(shapes[name]), zlib.crc32(name.encode()) % 2**26, np_dtype, norm, gemma
+        ):
+          f.write(part.tobytes())
+    total += off
+  if len(files) > 1:
+    index = {
+      "metadata": {"total_size": total},
+      "weight_map": {n: file for file, names in zip(files, shards) for n in names},
+    }
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+  return total
+
+
+# ------------------------------------------------------------------------------ children
+
+
+def _status(key: str) -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(key):
+        return int(line.split()[1]) * 1024
+  raise KeyError(key)
+
+
+def _reset_peak() -> None:
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS
+
+
+def _tokens(vocab: int, seq: int, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(1, vocab, (1, seq)).astype(np.int32)
+
+
+def _jax_load(path, dtype):
+  import jax
+  import jax.numpy as jnp
+
+  from jaxlens.models import load_hf
+
+  jnp.zeros(3).block_until_ready()
+  base = _status("VmRSS:")
+  _reset_peak()
+  t0 = time.perf_counter()
+  lm = load_hf(path, dtype=getattr(jnp, dtype))
+  jax.block_until_ready(lm.variables)
+  load_s = time.perf_counter() - t0
+  weights = sum(x.nbytes for x in jax.tree.leaves(lm.variables))
+  return lm, {
+    "load_s": load_s,
+    "weights_bytes": weights,
+    "base_rss": base,
+    "load_peak_bytes": _status("VmHWM:") - base,
+    "after_load_bytes": _status("VmRSS:") - base,
+  }
+
+
+def _bandwidth() -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  a = jnp.ones((GIB // 4,), jnp.float32)
+  f = jax.jit(jnp.sum)
+  f(a).block_until_ready()
+  times = []
+  for _ in range(7):
+    t0 = time.perf_counter()
+    f(a).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  del a
+  s = sorted(times)[3]
+  return {"bytes": GIB, "median_s": s, "gb_s": GIB / s / 1e9}
+
+
+def _step_bytes(variables, tied: bool) -> int:
+  """Bytes of parameters a decoding step reads: every array once, except an untied token
+  embedding (one row is read); a tied one is read whole by the unembedding."""
+  import jax
+
+  total = sum(x.nbytes for x in jax.tree.leaves(variables))
+  if not tied:
+    total -= variables["params"]["embed"]["embedding"].nbytes
+  return total
+
+
+def child_jax(args) -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  import jaxlens as jl
+
+  out: dict = {"side": "jaxlens", "dtype": args.dtype}
+  lm, out["load"] = _jax_load(args.path, args.dtype)
+  cfg = json.loads((Path(args.path) / "config.json").read_text())
+  model, variables = lm.model, lm.variables
+  base = out["load"]["base_rss"]
+  weights = out["load"]["weights_bytes"]
+  if "trace" in args.parts:
+    x = jnp.asarray(_tokens(cfg["vocab_size"], args.seq))
+    every = jl.module("blocks*/resid_post")
+
+    def values(v, x):
+      t = jl.trace(model, v, x, save=every, keep_inputs=False)
+      return t.output, t.values
+
+    f = jax.jit(values)
+    _reset_peak()
+    t0 = time.perf_counter()
+    logits, saved = jax.block_until_ready(f(variables, x))
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    logits, saved = jax.block_until_ready(f(variables, x))
+    second = time.perf_counter() - t0
+    saved_bytes = sum(v.nbytes for v in jax.tree.leaves(saved))
+    peak = _status("VmHWM:") - base
+    np.save(Path(args.work) / f"jax_{args.dtype}_logits.npy", np.asarray(logits[0, -1], np.float32))
+    out["trace"] = {
+      "seq": args.seq,
+      "sites": len(saved),
+      "first_s": first,
+      "second_s": second,
+      "saved_bytes": saved_bytes,
+      "logits_bytes": logits.nbytes,
+      "peak_bytes": peak,
+      "peak_over_weights_saved": peak / (weights + saved_bytes),
+      "peak_over_weights_saved_logits": peak / (weights + saved_bytes + logits.nbytes),
+    }
+    del logits, saved, f
+    print("trace", out["trace"], file=sys.stderr, flush=True)
+  if "decode" in args.parts:
+    bw = _bandwidth()
+    prompt = jnp.asarray(_tokens(cfg["vocab_size"], 8, seed=1))
+
+    def gen(n):
+      return jl.generate(model, variables, prompt, n).tokens
+
+    times = {}
+    for n in (1, args.new):
+      jax.block_until_ready(gen(n))  # compiles
+      ts = []
+      for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        toks = jax.block_until_ready(gen(n))
+        ts.append(time.perf_counter() - t0)
+      times[n] = sorted(ts)[len(ts) // 2]
+    step_s = (times[args.new] - times[1]) / (args.new - 1)
+    b = _step_bytes(variables, cfg["tie_word_embeddings"])
+    floor_s = b / (bw["gb_s"] * 1e9)
+    np.save(Path(args.work) / f"jax_{args.dtype}_tokens.npy", np.asarray(toks))
+    out["decode"] = {
+      "bandwidth": bw,
+      "new_tokens": args.new,
+      "generate_s": {str(k): v for k, v in times.items()},
+      "step_s": step_s,
+      "tokens_per_s": 1 / step_s,
+      "step_bytes": b,
+      "floor_s": floor_s,
+      "floor_tokens_per_s": 1 / floor_s,
+      "of_floor": floor_s / step_s,
+      "peak_bytes": _status("VmHWM:") - base,
+    }
+    print("decode", out["decode"], file=sys.stderr, flush=True)
+  if "sweep" in args.parts:
+    clean = jnp.asarray(_tokens(cfg["vocab_size"], args.sweep_seq, seed=2))
+    corrupt = clean.at[0, 3].set((clean[0, 3] + 1) % cfg["vocab_size"])
+    _reset_peak()
+    times = []
+    for _ in range(2):
+      t0 = time.perf_counter()
+      grid = jax.block_until_ready(
+        jl.sweep.patching_sweep(model, variables, clean, corrupt, _metric)
+      )
+      times.append(time.perf_counter() - t0)
+    np.save(Path(args.work) / f"jax_{args.dtype}_sweep.npy", np.asarray(grid, np.float32))
+    out["sweep"] = {
+      "grid": list(grid.shape),
+      "first_s": times[0],
+      "second_s": times[1],
+      "peak_bytes": _status("VmHWM:") - base,
+      "peak_over_weights": (_status("VmHWM:") - base) / weights,
+    }
+    print("sweep", out["sweep"], file=sys.stderr, flush=True)
+  return out
+
+
+# The sweep's metric: the last position's logit of token 1 minus token 2 (module level, so the
+# sweep's program is not recompiled for a new closure).
+def _metric(logits):
+  return logits[..., -1, 1] - logits[..., -1, 2]
+
+
+def child_torch(args) -> dict:
+  import torch
+  import transformers
+
+  torch.set_num_threads(args.threads)
+  tdtype = getattr(torch, args.dtype)
+  out: dict = {"side": "transformers", "dtype": args.dtype, "threads": torch.get_num_threads()}
+  cfg = json.loads((Path(args.path) / "config.json").read_text())
+  base = _status("VmRSS:")
+  _reset_peak()
+  t0, c0 = time.perf_counter(), time.process_time()
+  hf = transformers.AutoModelForCausalLM.from_pretrained(args.path, dtype=tdtype).eval()
+  weights = sum(p.numel() * p.element_size() for p in hf.parameters())
+  out["load"] = {
+    "load_s": time.perf_counter() - t0,
+    "load_cpu_s": time.process_time() - c0,
+    "weights_bytes": weights,
+    "load_peak_bytes": _status("VmHWM:") - base,
+    "after_load_bytes": _status("VmRSS:") - base,
+  }
+  print("torch load", out["load"], file=sys.stderr, flush=True)
+  with torch.no_grad():
+    if "trace" in args.parts:
+      x = torch.as_tensor(_tokens(cfg["vocab_size"], args.seq), dtype=torch.long)
+      times = []
+      _reset_peak()
+      for _ in range(2):
+        t0, c0 = time.perf_counter(), time.process_time()
+        res = hf(x, output_hidden_states=True)
+        times.append((time.perf_counter() - t0, time.process_time() - c0))
+      saved = sum(h.numel() * h.element_size() for h in res.hidden_states[1:])
+      np.save(Path(args.work) / f"torch_{args.dtype}_logits.npy", res.logits[0, -1].float().numpy())
+      peak = _status("VmHWM:") - base
+      out["trace"] = {
+        "first_s": times[0][0],
+        "second_s": times[1][0],
+        "second_cpu_s": times[1][1],
+        "saved_bytes": saved,
+        "logits_bytes": res.logits.numel() * res.logits.element_size(),
+        "peak_bytes": peak,
+        "peak_over_weights_saved": peak / (weights + saved),
+      }
+      del res
+      print("torch trace", out["trace"], file=sys.stderr, flush=True)
+    if "decode" in args.parts:
+      prompt = torch.as_tensor(_tokens(cfg["vocab_size"], 8, seed=1), dtype=torch.long)
+
+      def gen(n):
+        return hf.generate(
+          prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+
+      times = {}
+      for n in (1, args.new):
+        gen(n)
+        ts = []
+        for _ in range(args.repeats):
+          t0, c0 = time.perf_counter(), time.process_time()
+          toks = gen(n)
+          ts.append((time.perf_counter() - t0, time.process_time() - c0))
+        times[n] = sorted(ts)[len(ts) // 2]
+      step = (times[args.new][0] - times[1][0]) / (args.new - 1)
+      step_cpu = (times[args.new][1] - times[1][1]) / (args.new - 1)
+      np.save(Path(args.work) / f"torch_{args.dtype}_tokens.npy", toks[:, 8:].numpy())
+      out["decode"] = {
+        "step_s": step,
+        "step_cpu_s": step_cpu,
+        "tokens_per_s": 1 / step,
+        "generate_s": {str(k): v for k, v in times.items()},
+      }
+      print("torch decode", out["decode"], file=sys.stderr, flush=True)
+    if "sweep" in args.parts:
+      out["sweep"] = _torch_sweep(hf, cfg, args)
+      print("torch sweep", out["sweep"], file=sys.stderr, flush=True)
+  return out
+
+
+def _torch_sweep(hf, cfg, args) -> dict:
+  """The patching grid of ``child_jax``'s sweep by eager forward pre-hooks: for each layer and
+  position, the corrupt run with that layer's input at that position taken from the clean run."""
+  import torch
+
+  clean = torch.as_tensor(_tokens(cfg["vocab_size"], args.sweep_seq, seed=2), dtype=torch.long)
+  corrupt = clean.clone()
+  corrupt[0, 3] = (corrupt[0, 3] + 1) % cfg["vocab_size"]
+  layers = hf.model.layers
+  stored = {}
+
+  def keep(i):
+    def hook(module, a, kw):
+      stored[i] = (a[0] if a else kw["hidden_states"]).clone()
+
+    return hook
+
+  handles = [
+    layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)
+  ]
+  hf(clean)
+  for h in handles:
+    h.remove()
+  grid = np.zeros((len(layers), args.sweep_seq), np.float32)
+  t0, c0 = time.perf_counter(), time.process_time()
+  for i, layer in enumerate(layers):
+    for p in range(args.sweep_seq):
+
+      def patch(module, a, kw, i=i, p=p):
+        h = (a[0] if a else kw["hidden_states"]).clone()
+        h[:, p] = stored[i][:, p]
+        if a:
+          return (h, *a[1:]), kw
+        return a, {**kw, "hidden_states": h}
+
+      handle = layer.register_forward_pre_hook(patch, with_kwargs=True)
+      logits = hf(corrupt).logits
+      handle.remove()
+      grid[i, p] = float(logits[0, -1, 1] - logits[0, -1, 2])
+  np.save(Path(args.work) / f"torch_{args.dtype}_sweep.npy", grid)
+  return {
+    "grid": list(grid.shape),
+    "time_s": time.perf_counter() - t0,
+    "cpu_s": time.process_time() - c0,
+  }
+
+
+# ------------------------------------------------------------------------------- parent
+
+
+def _available_gb() -> float:
+  with open("/proc/meminfo") as f:
+    for line in f:
+      if line.startswith("MemAvailable:"):
+        return int(line.split()[1]) / 2**20
+  return 0.0
+
+
+def _run_child(argv: list[str], need_gb: float, timeout: float) -> dict:
+  if _available_gb() < need_gb:
+    return {"skipped": f"{_available_gb():.1f} GB available, {need_gb:.1f} GB needed"}
+  cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *argv]
+  print("$", " ".join(cmd[2:]), flush=True)
+  try:
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return {"error": f"timed out after {timeout:.0f} s"}
+  sys.stderr.write(run.stderr[-3000:])
+  if run.returncode != 0:
+    return {"error": run.stderr[-2000:]}
+  return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _zoo_takes_rope_scaling(cfg: dict) -> bool:
+  from jaxlens.models import LoadError, config_from_hf
+
+  try:
+    config_from_hf({k: v for k, v in cfg.items() if k != "name"})
+  except LoadError:
+    return False
+  return True
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--models", default="1b,2b", help="comma-separated of 1b, 2b, 8b")
+  p.add_argument("--dtypes", default="float32,bfloat16")
+  p.add_argument("--parts", default="load,trace,decode,sweep")
+  p.add_argument("--torch", action="store_true", help="transformers' figures beside")
+  p.add_argument("--threads", default="1,0", help="torch thread counts (0: its default)")
+  p.add_argument("--seq", type=int, default=512, help="tokens of the trace")
+  p.add_argument("--new", type=int, default=16, help="new tokens of the decoding")
+  p.add_argument("--sweep-seq", type=int, default=16, help="positions of the sweep")
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--dir", default=None, help="where to write the checkpoints (a temp dir)")
+  p.add_argument("--keep", action="store_true", help="keep the checkpoints")
+  p.add_argument("--out", default=str(DEFAULT_OUT))
+  # a child's arguments
+  p.add_argument("--child", choices=("jax", "torch"), default=None)
+  p.add_argument("--path", default=None)
+  p.add_argument("--work", default=None)
+  p.add_argument("--dtype", default="float32")
+  p.add_argument("--threads-one", dest="threads_one", type=int, default=0)
+  return p.parse_args(argv)
+
+
+def _child_argv(args, side, path, dtype, parts, threads=0) -> list[str]:
+  return [
+    side,
+    "--path",
+    str(path),
+    "--work",
+    str(args.work),
+    "--dtype",
+    dtype,
+    "--parts",
+    ",".join(parts),
+    "--seq",
+    str(args.seq),
+    "--new",
+    str(args.new),
+    "--sweep-seq",
+    str(args.sweep_seq),
+    "--repeats",
+    str(args.repeats),
+    "--threads-one",
+    str(threads),
+  ]
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  if args.child:
+    args.parts = args.parts.split(",")
+    args.threads = args.threads_one or (os.cpu_count() or 1)
+    result = (child_jax if args.child == "jax" else child_torch)(args)
+    print(json.dumps(result, default=float))
+    return result
+  root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="jaxlens_big_"))
+  args.work = root / "work"
+  args.work.mkdir(parents=True, exist_ok=True)
+  models = [m for m in args.models.split(",") if m]
+  dtypes = [d for d in args.dtypes.split(",") if d]
+  parts = [p for p in args.parts.split(",") if p]
+  results: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "models": {}}
+  if DEFAULT_OUT.exists() and args.out == str(DEFAULT_OUT):
+    results["models"] = json.loads(DEFAULT_OUT.read_text()).get("models", {})
+  try:
+    for m in models:
+      cfg = dict(CONFIGS[m])
+      note = None
+      if "rope_scaling" in cfg and not _zoo_takes_rope_scaling(cfg):
+        cfg.pop("rope_scaling")
+        note = "rope_scaling removed from the config (the zoo refused it)"
+      res = results["models"].setdefault(cfg["name"], {})
+      res["params"] = n_params(cfg)
+      res["rope_scaling"] = note or "as published"
+      for dtype in dtypes if m != "8b" else ["bfloat16"]:
+        weights_gb = n_params(cfg) * (4 if dtype == "float32" else 2) / 1e9
+        one = root / f"{m}_{dtype}"
+        shards = root / f"{m}_{dtype}_sharded"
+        t0 = time.perf_counter()
+        if m != "8b":
+          write_checkpoint(one, cfg, dtype)
+        write_checkpoint(shards, cfg, dtype, shard_bytes=5 * 10**9 if m == "8b" else GIB)
+        r = res.setdefault(dtype, {})
+        r["write_s"] = time.perf_counter() - t0
+        need = weights_gb * 1.25 + 1.5
+        # loading only, every layout and cast: the same-dtype file, the other dtype's file
+        if "load" in parts:
+          r["load_sharded"] = _run_child(
+            _child_argv(args, "jax", shards, dtype, ["load"]), need, 1800
+          )
+          if m != "8b":
+            r["load_single"] = _run_child(
+              _child_argv(args, "jax", one, dtype, ["load"]), need, 1800
+            )
+        src = shards if m == "8b" else one
+        rest = [p for p in parts if p not in ("load", "casts")]
+        if rest:
+          r["jax"] = _run_child(_child_argv(args, "jax", src, dtype, rest), need + 1, 3600)
+        if args.torch:
+          # load, trace and decode at each thread count; the sweep (hundreds of forwards) at
+          # the count that decoded faster
+          best, best_s = 0, float("inf")
+          for t in [int(x) for x in args.threads.split(",")]:
+            key = f"torch_{t or 'default'}"
+            some = [p for p in parts if p not in ("sweep", "casts")]
+            r[key] = _run_child(_child_argv(args, "torch", src, dtype, some, t), need + 1, 3600)
+            step = r[key].get("decode", {}).get("step_s", float("inf"))
+            if step < best_s:
+              best, best_s = t, step
+          if "sweep" in parts:
+            r[f"torch_{best or 'default'}_sweep"] = _run_child(
+              _child_argv(args, "torch", src, dtype, ["sweep"], best), need + 1, 3600
+            )
+        _compare(args.work, dtype, r)
+        print(json.dumps({cfg["name"]: {dtype: r}}, indent=1, default=float), flush=True)
+        for d in (one, shards):
+          shutil.rmtree(d, ignore_errors=True)
+      if m != "8b" and "casts" in parts:
+        # the casts: the bfloat16 file into a float32 model and the float32 file into bfloat16
+        res["casts"] = {}
+        for file_dtype, model_dtype in (("bfloat16", "float32"), ("float32", "bfloat16")):
+          path = root / f"{m}_{file_dtype}"
+          write_checkpoint(path, cfg, file_dtype)
+          need = n_params(cfg) * (4 if model_dtype == "float32" else 2) / 1e9 * 1.25 + 1.5
+          res["casts"][f"{file_dtype} file -> {model_dtype}"] = _run_child(
+            _child_argv(args, "jax", path, model_dtype, ["load"]), need, 1800
+          )
+          shutil.rmtree(path, ignore_errors=True)
+  finally:
+    if not args.keep:
+      shutil.rmtree(root, ignore_errors=True)
+  if args.out:
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1, default=float) + "\n")
+    print("wrote", args.out)
+  return results
+
+
+def _compare(work: Path, dtype: str, r: dict) -> None:
+  """jaxlens against transformers on the same weights: the trace's last logits (relative max
+  difference), the greedy tokens, the sweep grid."""
+  work = Path(work)
+  out = {}
+  for what in ("logits", "tokens", "sweep"):
+    a, b = work / f"jax_{dtype}_{what}.npy", work / f"torch_{dtype}_{what}.npy"
+    if a.exists() and b.exists():
+      x, y = np.load(a).astype(np.float64), np.load(b).astype(np.float64)
+      if what == "tokens":
+        out["tokens_differing"] = int((x != y).sum())
+        out["tokens"] = int(x.size)
+      else:
+        out[f"{what}_rel_max_diff"] = float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30))
+  for f in work.glob(f"*_{dtype}_*.npy"):
+    f.unlink()
+  if out:
+    r["agreement"] = out
+
+
+if __name__ == "__main__":
+  main()
