@@ -146,6 +146,7 @@ class Checkpoints:
     self.path = os.path.abspath(os.fspath(directory))
     self.manager = None
     self._lock = None
+    self._failed = False
     if os.path.exists(self.path) and not os.path.isdir(self.path):
       raise CheckpointError(
         f"the checkpoint directory {self.path} is a file",
@@ -159,9 +160,13 @@ class Checkpoints:
       raise self._write_error(error, "cannot be created") from error
     if jax.process_index() == 0:
       self._lock = self._acquire_lock()
+      # What a run killed mid-save left, removed here and now: orbax's own cleanup runs in a
+      # thread that can race the first save of the same step (its files deleted under it).
+      for leftover in glob.glob(os.path.join(glob.escape(self.path), "*.orbax-checkpoint-tmp*")):
+        shutil.rmtree(leftover, ignore_errors=True)
     try:
       options = self.ocp.CheckpointManagerOptions(
-        max_to_keep=2, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True
+        max_to_keep=2, create=True, enable_async_checkpointing=False
       )
       self.manager = self.ocp.CheckpointManager(
         self.path, options=options, item_names=("state", "meta")
@@ -231,6 +236,7 @@ class Checkpoints:
       return read()
     except (Exception, RecursionError) as error:
       failed = self._read_error(error, step)
+    self._failed = True
     _drop_orbax_leftovers()
     raise failed
 
@@ -312,6 +318,7 @@ class Checkpoints:
       os.path.join(glob.escape(self.path), f"{step}.orbax-checkpoint-tmp*")
     ):
       shutil.rmtree(leftover, ignore_errors=True)  # the failed save's partial files
+    self._failed = True
     _drop_orbax_leftovers()
     raise failed
 
@@ -328,3 +335,5 @@ class Checkpoints:
       if self._lock is not None:
         lock, self._lock = self._lock, None
         lock.close()  # closing the file releases the flock
+      if self._failed:
+        _drop_orbax_leftovers()  # what a failed read or save left, now its loop is closed
