@@ -43,7 +43,7 @@ import numpy as np
 from jaxlens import core as jl
 from jaxlens.internal import Checkpoints, require, signature
 from jaxlens.intervention import zero_ablate
-from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder, batch_topk_relu, topk_relu
+from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder, batch_topk_relu
 from jaxlens.sae._splice import splice
 
 __all__ = [
@@ -205,27 +205,118 @@ def step_function(x, threshold, bandwidth: float):
 # The loss.
 
 
+# TopK's sparse products. A TopK row has k active features out of d_sae: the decoder reads
+# k of its rows, and the gradients of W_enc and W_dec touch only the active columns / rows.
+# XLA's CPU gather is many times slower on one (rows * k)-row gather than on k gathers of
+# `rows` rows each, so the row reads loop over the k slots; its scatter-add costs about
+# 4 ns per element, so the weight gradients are scatter-adds only when the dictionary is
+# much wider than k (below that, a dense one-hot matrix times the rows is cheaper).
+
+_SCATTER_ABOVE = 128  # d_sae / k above which a weight gradient is a scatter-add
+
+
+def _rows_dot(coef, index, table):
+  """``sum_s coef[:, s, None] * table[index[:, s]]``: ``(rows, k) x (n, d) -> (rows, d)``."""
+
+  def body(s, acc):
+    rows = table.at[index[:, s]].get(mode="promise_in_bounds")
+    return acc + coef[:, s, None] * rows
+
+  init = jnp.zeros((index.shape[0], table.shape[-1]), table.dtype)
+  return jax.lax.fori_loop(0, index.shape[1], body, init, unroll=min(index.shape[1], 8))
+
+
+def _rows_inner(vectors, index, table):
+  """``(vectors[:, None, :] * table[index]).sum(-1)``: ``(rows, d), (rows, k) -> (rows, k)``."""
+
+  def body(s, acc):
+    rows = table.at[index[:, s]].get(mode="promise_in_bounds")
+    return acc.at[s].set(jnp.sum(vectors * rows, -1))
+
+  init = jnp.zeros(index.shape[::-1], table.dtype)
+  return jax.lax.fori_loop(0, index.shape[1], body, init, unroll=min(index.shape[1], 8)).T
+
+
+def _outer_rows(coef, index, vectors, n, transpose=False):
+  """``out[j] = sum_{index[b, s] = j} coef[b, s] * vectors[b]``: ``(n, d)``, or ``(d, n)``
+  with ``transpose`` (the encoder's layout)."""
+  rows, k = index.shape
+  if n <= _SCATTER_ABOVE * k:
+    onehot = jnp.zeros((rows, n), coef.dtype)
+    onehot = onehot.at[jnp.arange(rows)[:, None], index].add(coef, mode="promise_in_bounds")
+    return vectors.T @ onehot if transpose else onehot.T @ vectors
+  upd = (coef[:, :, None] * vectors[:, None, :]).reshape(rows * k, -1)
+  out = jnp.zeros((n, vectors.shape[-1]), vectors.dtype)
+  out = out.at[index.reshape(-1)].add(upd, mode="promise_in_bounds")
+  return out.T if transpose else out
+
+
+@jax.custom_vjp
+def _sparse_decode_raw(values, index, W_dec):
+  return _rows_dot(values, index, W_dec)
+
+
+def _sparse_decode_fwd(values, index, W_dec):
+  return _rows_dot(values, index, W_dec), (values, index, W_dec)
+
+
+def _sparse_decode_bwd(res, g):
+  values, index, W_dec = res
+  d_values = _rows_inner(g, index, W_dec)
+  d_W_dec = _outer_rows(values, index, g, W_dec.shape[0])
+  return d_values, None, d_W_dec
+
+
+_sparse_decode_raw.defvjp(_sparse_decode_fwd, _sparse_decode_bwd)
+
+
+@jax.custom_vjp
+def _pick(x, shift, W_enc, b_enc, index, value):
+  """``value``, which is ``pre[b, index[b, s]]`` with ``pre = (x - shift) @ W_enc + b_enc``
+  (computed once, without gradient), differentiable in ``x``, ``shift``, ``W_enc`` and
+  ``b_enc`` through the ``k`` picked columns only."""
+  return value
+
+
+def _pick_fwd(x, shift, W_enc, b_enc, index, value):
+  return value, (x, shift, W_enc, index)
+
+
+def _pick_bwd(res, g):
+  x, shift, W_enc, index = res
+  n = W_enc.shape[1]
+  d_b_enc = jnp.zeros((n,), g.dtype).at[index.reshape(-1)].add(g.reshape(-1))
+  d_W_enc = _outer_rows(g, index, x - shift, n, transpose=True)
+  d_x = _rows_dot(g, index, W_enc.T)  # dead code in training: x is data
+  d_shift = -(W_enc @ d_b_enc)
+  return d_x, d_shift, d_W_enc, d_b_enc, None, None
+
+
+_pick.defvjp(_pick_fwd, _pick_bwd)
+
+
 def _sparse_decode(values, index, W_dec, norm=None):
   """``sum_j values[..., j] * W_dec[index[..., j]]`` (divided by the row norms when given): a
-  TopK decode that reads only the ``k`` active rows (dense: a ``(rows, d_sae)`` matmul)."""
+  TopK decode that reads only the ``k`` active rows, and whose gradient writes only them."""
   if norm is not None:
-    values = values / norm[index]
-  return jnp.einsum("...k,...kd->...d", values, W_dec[index])
+    values = values / norm.at[index].get(mode="promise_in_bounds")
+  return _sparse_decode_raw(values, index, W_dec)
 
 
-def _topk_aux(d, cfg, x, out, pre, dead):
-  """SAELens's TopK auxiliary loss: the top dead pre-activations reconstruct the residual."""
+def _topk_aux(d, cfg, x, out, pre, dead, pick):
+  """SAELens's TopK auxiliary loss: the top dead pre-activations reconstruct the residual.
+  ``pre`` is the (rescaled) pre-activation without gradient; ``pick(index)`` its entries at
+  ``index`` with their gradient."""
   num_dead = dead.sum()
   k_aux = min(x.shape[-1] // 2, d.d_sae)
-  rescale = cfg.rescale_acts_by_decoder_norm
+  norm = jnp.linalg.norm(d.W_dec, axis=-1) if cfg.rescale_acts_by_decoder_norm else None
 
   def aux():
     scale = jnp.minimum(num_dead / (x.shape[-1] // 2), 1.0).astype(x.dtype)
     # The top min(k_aux, num_dead) dead pre-activations (raw, not through ReLU, as SAELens):
     # past the dead ones top_k returns -inf entries, which count as zero.
-    values, index = jax.lax.top_k(jnp.where(dead, pre, -jnp.inf), k_aux)
-    values = jnp.where(jnp.isfinite(values), values, jnp.zeros((), values.dtype))
-    norm = jnp.linalg.norm(d.W_dec, axis=-1) if rescale else None
+    top, index = jax.lax.top_k(jnp.where(dead, pre, -jnp.inf), k_aux)
+    values = jnp.where(jnp.isfinite(top), pick(index), jnp.zeros((), top.dtype))
     recons = _sparse_decode(values, index, d.W_dec, norm)
     residual = jax.lax.stop_gradient(x - out)
     loss = jnp.mean(jnp.sum((recons - residual) ** 2, axis=-1))
@@ -238,32 +329,66 @@ def _topk_aux(d, cfg, x, out, pre, dead):
 def forward(d: SAE, cfg: TrainConfig, x):
   """The training forward: ``(acts, hidden_pre, x_hat)`` (SAELens's ``hidden_pre`` is the
   pre-activation after the decoder-norm rescaling of TopK)."""
+  acts, pre, out, _, _ = _forward(d, cfg, x)
+  return acts, pre, out
+
+
+def _forward(d: SAE, cfg: TrainConfig, x):
+  """:func:`forward`, and for TopK ``active``, the ``(rows, k)`` activations and their
+  feature indices, and ``pick(index)``: the (rescaled) pre-activations at
+  ``index`` with their gradient (``pre`` itself carries none for TopK: its gradient would be
+  a dense ``(rows, d_sae)`` product where only ``k`` columns per row are nonzero)."""
   sae_in = x.astype(d.dtype)
-  if d.apply_b_dec_to_input:
-    sae_in = sae_in - d.b_dec
-  pre = sae_in @ d.W_enc + d.b_enc
   norm = jnp.linalg.norm(d.W_dec, axis=-1)
   rescale = cfg.architecture in ("topk", "batchtopk") and cfg.rescale_acts_by_decoder_norm
-  if rescale:
-    pre = pre * norm
-  if cfg.architecture == "relu":
-    acts = jax.nn.relu(pre)
-  elif cfg.architecture == "jumprelu":
-    acts = jumprelu(pre, d.threshold.astype(pre.dtype), cfg.jumprelu_bandwidth)
-  elif cfg.architecture == "topk":
-    # The loss decodes the k active features by a gather; the dense activations (for the
-    # metrics and the dead-feature counters) carry no gradient.
-    values, index = jax.lax.top_k(pre, int(cfg.k))
-    out = _sparse_decode(jax.nn.relu(values), index, d.W_dec, norm if rescale else None)
-    out = out + d.b_dec
-    acts = jax.lax.stop_gradient(topk_relu(pre, int(cfg.k)))
+  pick = active = None
+  if cfg.architecture == "topk":
+    shift = d.b_dec if d.apply_b_dec_to_input else jnp.zeros_like(d.b_dec)
+    lead = sae_in.shape[:-1]
+    flat = sae_in.reshape(-1, sae_in.shape[-1])
+    # One product gives the rescaled pre-activation: (x - shift) @ W + b is x @ W + (b -
+    # shift @ W), the norm scales W's columns, and the bias rides on a column of ones (no
+    # pass over the (rows, d_sae) result but top_k's).
+    scale = jax.lax.stop_gradient(norm) if rescale else jnp.ones_like(norm)
+    W = jax.lax.stop_gradient(d.W_enc) * scale
+    b = jax.lax.stop_gradient(d.b_enc - shift @ d.W_enc) * scale
+    ones = jnp.ones((flat.shape[0], 1), flat.dtype)
+    pre = jnp.concatenate([flat, ones], -1) @ jnp.concatenate([W, b[None]], 0)
+
+    def pick(index):
+      at = scale.at[index].get(mode="promise_in_bounds")
+      raw = jax.lax.stop_gradient(jnp.take_along_axis(pre, index, axis=-1) / at)
+      values = _pick(flat, shift, d.W_enc, d.b_enc, index, raw)
+      return values * norm.at[index].get(mode="promise_in_bounds") if rescale else values
+
+    # The loss decodes the k active features (k rows of W_dec, and its gradient writes only
+    # them); the dense activations carry no gradient (the training step counts firing
+    # features from the k values and indices).
+    _, index = jax.lax.top_k(pre, int(cfg.k))
+    values = jax.nn.relu(pick(index))
+    out = _sparse_decode(values, index, d.W_dec, norm if rescale else None) + d.b_dec
+    acts = jnp.zeros_like(pre).at[jnp.arange(pre.shape[0])[:, None], index].set(values)
+    acts = jax.lax.stop_gradient(acts)
+    pre, acts, out = (a.reshape(*lead, a.shape[-1]) for a in (pre, acts, out))
+    pick_lead = pick
+    pick = lambda index: pick_lead(index.reshape(-1, index.shape[-1]))  # noqa: E731
+    active = (jax.lax.stop_gradient(values), index)
   else:
-    acts = batch_topk_relu(pre, cfg.k)
-  if cfg.architecture != "topk":
+    if d.apply_b_dec_to_input:
+      sae_in = sae_in - d.b_dec
+    pre = sae_in @ d.W_enc + d.b_enc
+    if rescale:
+      pre = pre * norm
+    if cfg.architecture == "relu":
+      acts = jax.nn.relu(pre)
+    elif cfg.architecture == "jumprelu":
+      acts = jumprelu(pre, d.threshold.astype(pre.dtype), cfg.jumprelu_bandwidth)
+    else:
+      acts = batch_topk_relu(pre, cfg.k)
     out = (acts / norm if rescale else acts) @ d.W_dec + d.b_dec
   if isinstance(d, Transcoder) and d.W_skip is not None:
     out = out + x.astype(d.dtype) @ d.W_skip.T
-  return acts, pre, out
+  return acts, pre, out, pick, active
 
 
 def loss_terms(d: SAE, cfg: TrainConfig, x, *, target=None, dead=None, coefficient=None):
@@ -280,9 +405,15 @@ def loss_terms(d: SAE, cfg: TrainConfig, x, *, target=None, dead=None, coefficie
   The terms are named as in SAELens: ``mse_loss``, ``l1_loss`` (relu), ``l0_loss``
   (jumprelu), ``auxiliary_reconstruction_loss`` (topk, batchtopk).
   """
+  total, terms, aux, _ = _loss_terms(d, cfg, x, target=target, dead=dead, coefficient=coefficient)
+  return total, terms, aux
+
+
+def _loss_terms(d, cfg, x, *, target, dead, coefficient):
+  """:func:`loss_terms`, and TopK's ``(values, index)`` (None otherwise)."""
   target = x if target is None else target
   target = target.astype(d.dtype)
-  acts, pre, out = forward(d, cfg, x)
+  acts, pre, out, pick, active = _forward(d, cfg, x)
   mse = jnp.mean(jnp.sum((out - target) ** 2, axis=-1))
   terms = {"mse_loss": mse}
   if cfg.architecture == "relu":
@@ -297,9 +428,11 @@ def loss_terms(d: SAE, cfg: TrainConfig, x, *, target=None, dead=None, coefficie
     if dead is None:
       dead = jnp.zeros((d.d_sae,), bool)
     residual_in = target
-    terms["auxiliary_reconstruction_loss"] = _topk_aux(d, cfg, residual_in, out, pre, dead)
+    if pick is None:  # BatchTopK: pre carries its gradient
+      pick = functools.partial(jnp.take_along_axis, pre, axis=-1)
+    terms["auxiliary_reconstruction_loss"] = _topk_aux(d, cfg, residual_in, out, pre, dead, pick)
   total = sum(terms.values())
-  return total, terms, (acts, pre, out)
+  return total, terms, (acts, pre, out), active
 
 
 def explained_variance(x, x_hat):
@@ -429,10 +562,12 @@ def make_step(cfg: TrainConfig, tx):
     coefficient = _coefficient(cfg, state.step).astype(d.dtype)
 
     def loss_fn(d):
-      total, terms, aux = loss_terms(d, cfg, x, target=target, dead=dead, coefficient=coefficient)
-      return total, (terms, aux)
+      total, terms, aux, active = _loss_terms(
+        d, cfg, x, target=target, dead=dead, coefficient=coefficient
+      )
+      return total, (terms, aux, active)
 
-    (total, (terms, (acts, pre, out))), grads = jax.value_and_grad(loss_fn, has_aux=True)(d)
+    (total, (terms, (acts, pre, out), active)), grads = jax.value_and_grad(loss_fn, has_aux=True)(d)
     # optax's Adam mixes its int32 step count with floats (bias correction), which strict
     # dtype promotion refuses: the update is traced under standard promotion.
     with jax.numpy_dtype_promotion("standard"):
@@ -440,7 +575,13 @@ def make_step(cfg: TrainConfig, tx):
       new = optax.apply_updates(d, updates)
     if cfg.normalize_decoder:
       new = new.replace(W_dec=_normalise_rows(new.W_dec))
-    fired = (acts != 0).reshape(-1, acts.shape[-1]).any(0)
+    if active is None:
+      fired = (acts != 0).reshape(-1, acts.shape[-1]).any(0)
+      l0 = jnp.mean(jnp.sum(acts != 0, axis=-1).astype(jnp.float32))
+    else:  # TopK: from the k values per row, not the dense activations
+      values, index = active
+      fired = jnp.zeros((d.d_sae,), bool).at[index.reshape(-1)].max(values.reshape(-1) != 0)
+      l0 = jnp.mean(jnp.sum(values != 0, axis=-1).astype(jnp.float32))
     since = jnp.where(fired, 0, state.since_fired + 1)
     threshold = state.topk_threshold
     if cfg.architecture == "batchtopk":
@@ -456,7 +597,7 @@ def make_step(cfg: TrainConfig, tx):
       "loss": total,
       **terms,
       "explained_variance": explained_variance(tgt, out),
-      "l0": jnp.mean(jnp.sum(acts != 0, axis=-1).astype(jnp.float32)),
+      "l0": l0,
       "dead_fraction": jnp.mean(dead.astype(jnp.float32)),
       # Read by train's _flush (not metrics): whether the step's loss and gradient, and the
       # batch, were finite.
