@@ -46,7 +46,7 @@ Example:
   ...   d_model: int = 8
   ...   dtype: object = jnp.float32
   ...   moe: MoEConfig = MoEConfig(n_experts=4, top_k=2, d_expert=16)
-  >>> h = jax.random.normal(jax.random.key(0), (1, 3, 8))
+  >>> h = jax.random.normal(jax.random.key(0), (1, 3, 8), jnp.float32)
   >>> variables = MoE(Cfg()).init(jax.random.key(1), h)
   >>> t = jl.trace(MoE(Cfg()), variables, h, save=jl.module("routing"))
   >>> routing = t["routing"].out
@@ -73,11 +73,9 @@ from jaxlens.core import InvalidArgumentError, named
 from jaxlens.models import _hf, llama
 from jaxlens.models._layers import softmax_dtype
 from jaxlens.models._params import StoredParams
-from jaxlens.models.blocks import GatedMLP, activation, dense
+from jaxlens.models.blocks import INIT, GatedMLP, activation, dense
 
 __all__ = ["MoE", "MoEConfig", "from_hf", "hf_moe_weights", "hf_tensor"]
-
-_INIT = nn.initializers.normal(stddev=0.02)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +152,7 @@ class Experts(StoredParams, nn.Module):
     d_model = x.shape[-1]
 
     def stacked(name, shape):
-      w = self.param(name, _INIT, (self.n_experts, *shape), self.dtype)
+      w = self.param(name, INIT, (self.n_experts, *shape), self.dtype)
       return jnp.asarray(w).astype(self.dtype)
 
     gate_w = stacked("gate_proj", (d_model, self.d_expert))
