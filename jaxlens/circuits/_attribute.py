@@ -463,10 +463,23 @@ def attribute(
       enc[sel] = np.asarray(rep.W_enc[i])[:, active[sel, 2]].T
   dec *= values.astype(np_dtype)[:, None, None]
   later = (active[:, :1] if n_active else np.zeros((0, 1), int)) + np.arange(n_dec)[None]
-  dec *= (later < n_layers)[..., None]
-  t_layer = jnp.asarray(np.minimum(later, n_layers - 1))
-  t_pos = jnp.asarray(active[:, 1:2] if n_active else np.zeros((0, 1), int))
-  dec_j = jnp.asarray(dec)
+  # The contraction with the decoders as one batched matmul: each (target layer, position)
+  # holds the decoder vectors written there, padded to the fullest one; a feature's edge is
+  # the sum of its slots (one per layer it writes to).
+  valid = later < n_layers
+  feature, j = np.nonzero(valid)
+  key = later[feature, j] * seq + active[feature, 1]
+  counts = np.bincount(key, minlength=n_layers * seq)
+  width = max(int(counts.max()) if len(key) else 0, 1)
+  order = np.argsort(key, kind="stable")
+  first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+  slot = np.empty(len(key), int)
+  slot[order] = np.arange(len(key)) - first[key[order]]
+  padded = np.zeros((n_layers * seq, width, d), np_dtype)
+  padded[key, slot] = dec[feature, j]
+  slots = np.full((n_active, n_dec), n_layers * seq * width)  # the last entry: a zero
+  slots[feature, j] = key * width + slot
+  padded_j, slots_j = jnp.asarray(padded), jnp.asarray(slots)
   d_in = rec.mlp_in[0].shape[-1]
 
   @jax.jit
@@ -475,7 +488,8 @@ def attribute(
       ci = jnp.zeros((n_layers, seq, d_in), dtype).at[li, pi].set(vi)
       cf = jnp.zeros((seq, d), dtype).at[seq - 1].set(vf)
       g_tok, g_w = vjp((ci, cf))
-      feat = jnp.einsum("njd,njd->n", g_w[t_layer, t_pos], dec_j)
+      per_slot = jnp.einsum("kd,kgd->kg", g_w.reshape(-1, d), padded_j).reshape(-1)
+      feat = jnp.concatenate([per_slot, jnp.zeros(1, per_slot.dtype)])[slots_j].sum(-1)
       err = jnp.einsum("lsd,lsd->ls", g_w, errors).reshape(-1)
       tk = jnp.einsum("sd,sd->s", g_tok, tok)
       return jnp.concatenate([feat, err, tk])
