@@ -4,7 +4,9 @@ state intact and typed; a sweep over a mesh, one compiled call with no partial s
 the identical grid.
 
 (The SAE and intervention training loops of ``jaxlens.sae.train`` and ``jaxlens.train`` test
-their own checkpoint-resume in their suites.)
+their own checkpoint-resume in their suites; tests/test_wings.py and
+tests/test_wings_properties.py fault their checkpoints: a real full disk, a second run, damage,
+a kill at a random batch or mid-save.)
 """
 
 import errno

@@ -142,7 +142,7 @@ def test_typed_errors_for_bad_paths_other_sites_and_a_full_disk(
   with pytest.raises(store.StoreError, match="disk_full"):
     store.collect(model, v, list(data()), tmp_path / "small", sites=["layers_0"], progress=False)
   monkeypatch.undo()
-  # A real full disk while writing: tests/test_checkpoints.py (a file-size limit).
+  # A real full disk while writing: tests/test_wings.py (a file-size limit).
 
 
 MEMORY_SCRIPT = textwrap.dedent("""
