@@ -65,8 +65,7 @@ def _median_time(fn, repeats: int) -> float:
 
 def bench_patchscope(model, variables, source, target, repeats: int) -> dict:
   n = len(model.layer_sites()) + 1
-  read = lambda logits: logits[:, -1]  # noqa: E731
-  grid_fn = lambda: lens.patchscope(model, variables, source, target, read=read)  # noqa: E731
+  grid_fn = lambda: lens.patchscope(model, variables, source, target)  # noqa: E731
   grid = jax.block_until_ready(grid_fn())  # compiles
   vectors = lens.residuals(model, variables, source)[:, :, -1]  # (n, batch, d)
   sites = lens.lens_sites(model)

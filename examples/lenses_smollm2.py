@@ -108,7 +108,7 @@ def main(argv=None) -> dict:
     target,
     source_layers=scoped,
     target_layers=scoped,
-    read=lambda logits: jnp.argmax(logits[:, -1], -1),
+    read=lambda logits: jnp.argmax(logits, -1),
   )
   grid = np.asarray(grid)  # (source layer, target layer, batch)
   report["patchscope_seconds"] = time.perf_counter() - t0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,11 +15,26 @@ from jaxlens import lens
 TOKENS = jnp.asarray([[3, 9, 4, 17, 5, 9, 26, 2], [1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
 
 
+@functools.cache
+def _family(name):
+  model, variables = build(name)
+  lensed, logits = jax.jit(lambda v: (lens.logit_lens(model, v, TOKENS), model.apply(v, TOKENS)))(
+    variables
+  )
+  return name, model, variables, lensed, logits
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
-  model, variables = build(request.param)
-  lensed = jax.jit(lambda v: lens.logit_lens(model, v, TOKENS))(variables)
-  return request.param, model, variables, lensed, jax.jit(model.apply)(variables, TOKENS)
+  """Every family: the claims about the lens's last layer and the attribution's sum."""
+  return _family(request.param)
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2", "gemma2"])
+def some_family(request):
+  """RMSNorm with biases, LayerNorm, and Gemma's norm with soft-caps and tied embeddings: the
+  readout's code paths, for the checks that do not depend on the family otherwise."""
+  return _family(request.param)
 
 
 def test_last_layer_is_the_models_logits(family):
@@ -28,11 +45,11 @@ def test_last_layer_is_the_models_logits(family):
   assert float(jnp.abs(ll[0] - logits).max()) > 1e-3
 
 
-def test_norm_is_recomputed_per_layer(family):
+def test_norm_is_recomputed_per_layer(some_family):
   """The lens of layer 1 is unembed(resid) with that residual's own norm scale, not the final
   position's scale (TransformerLens's old trap)."""
-  name, model, variables, ll, _ = family
-  res = lens.residuals(model, variables, TOKENS, layers=[1, -1])
+  name, model, variables, ll, _ = some_family
+  res = jax.jit(lambda v: lens.residuals(model, v, TOKENS, layers=[1, -1]))(variables)
   ro = lens.readout(model, variables)
   np.testing.assert_allclose(ro.logits(res[0]), ll[1], rtol=1e-12, atol=1e-12)
   np.testing.assert_allclose(model.unembed(variables, res[0]), ll[1], rtol=1e-12, atol=1e-12)
@@ -41,9 +58,9 @@ def test_norm_is_recomputed_per_layer(family):
 
 
 @pytest.mark.parametrize("chunk", [7, 50])  # 50 = 7 * 7 + 1: a last partial chunk
-def test_topk_in_chunks_equals_the_full_lens(family, chunk):
-  name, model, variables, ll, _ = family
-  top = lens.logit_lens_topk(model, variables, TOKENS, k=4, chunk=chunk)
+def test_topk_in_chunks_equals_the_full_lens(some_family, chunk):
+  name, model, variables, ll, _ = some_family
+  top = jax.jit(lambda v: lens.logit_lens_topk(model, v, TOKENS, k=4, chunk=chunk))(variables)
   vals, ids = jax.lax.top_k(ll, 4)
   np.testing.assert_array_equal(top.ids, ids)
   np.testing.assert_allclose(top.logits, vals, rtol=1e-12, atol=1e-12)
@@ -68,11 +85,13 @@ def test_topk_never_holds_a_vocab_wide_array():
       assert np.prod(shape, dtype=int) <= TOKENS.size * VOCAB, (eqn.primitive, shape)
 
 
-@pytest.mark.parametrize("minus", [None, 7])
-def test_dla_parts_sum_to_the_logit(family, minus):
+def test_dla_parts_sum_to_the_logit_difference(family):
+  minus = 7
   name, model, variables, _, logits = family
   target = jnp.asarray([11, 30])
-  dla = lens.direct_logit_attribution(model, variables, TOKENS, target, minus=minus)
+  dla = jax.jit(lambda v: lens.direct_logit_attribution(model, v, TOKENS, target, minus=minus))(
+    variables
+  )
   n_heads = model.config.n_heads
   assert (
     dla.parts.shape[1]
@@ -82,9 +101,7 @@ def test_dla_parts_sum_to_the_logit(family, minus):
   np.testing.assert_allclose(dla.parts.sum(-1), dla.logit, rtol=1e-11, atol=1e-11)
   if name == "gemma2":  # the parts sum to the logit before the final soft-cap
     logits = 30.0 * jnp.arctanh(logits / 30.0)
-  want = logits[jnp.arange(2), -1, target]
-  if minus is not None:
-    want = want - logits[:, -1, minus]
+  want = logits[jnp.arange(2), -1, target] - logits[:, -1, minus]
   np.testing.assert_allclose(dla.logit, want, rtol=1e-9, atol=1e-9)
   # every kind of part contributes (RMS-normed families have no final bias)
   for comp in set(dla.component) - ({"bias"} if name not in ("gpt2", "gpt_neox") else set()):
@@ -100,21 +117,29 @@ def test_dla_heads_are_their_own_writes():
   through the final norm with its scale frozen."""
   import jaxlens as jl
 
-  model, variables = build("llama")
-  dla = lens.direct_logit_attribution(model, variables, TOKENS, 11)
-  mask = jnp.ones((4, 4)).at[1].set(0.0)  # (heads, head_dim) with head 1 zeroed
-  zero_head = jl.hook(lambda z: z * mask.astype(z.dtype)[None, None])
-  mid = jl.module("blocks_1/resid_mid")
-  base = jl.trace(model, variables, TOKENS, save=mid)["blocks_1/resid_mid"].out[:, -1]
-  spec = jl.when(jl.module("blocks_1/attn/z"), zero_head)
-  edited = jl.trace(model, variables, TOKENS, intervene=spec, save=mid)
-  edited = edited["blocks_1/resid_mid"].out[:, -1]
-  final = lens.residuals(model, variables, TOKENS, layers=[-1])[0][:, -1]
-  ro = lens.readout(model, variables)
-  u = ro.rows(jnp.asarray([11, 11]))
-  scale = ro.scale(final)
-  change = jnp.sum(u * (ro.norm(base, scale) - ro.norm(edited, scale)), -1)
+  model, variables = _family("llama")[1:3]
+
+  @jax.jit
+  def run(variables):
+    dla = lens.direct_logit_attribution(model, variables, TOKENS, 11)
+    mask = jnp.ones((4, 4)).at[1].set(0.0)  # (heads, head_dim) with head 1 zeroed
+    zero_head = jl.hook(lambda z: z * mask.astype(z.dtype)[None, None])
+    save = [jl.module("blocks_1/resid_mid"), jl.module("blocks_1/resid_post")]
+    base = jl.trace(model, variables, TOKENS, save=save)
+    spec = jl.when(jl.module("blocks_1/attn/z"), zero_head)
+    edited = jl.trace(model, variables, TOKENS, intervene=spec, save=save)
+    ro = lens.readout(model, variables)
+    u = ro.rows(jnp.asarray([11, 11]))
+    scale = ro.scale(base["blocks_1/resid_post"].out[:, -1])
+    before = ro.norm(base["blocks_1/resid_mid"].out[:, -1], scale)
+    after = ro.norm(edited["blocks_1/resid_mid"].out[:, -1], scale)
+    return dla, jnp.sum(u * (before - after), -1)
+
+  dla, change = run(variables)
   np.testing.assert_allclose(dla.parts[:, dla.labels.index("L1H1")], change, rtol=1e-9)
+  # one target's logit (no difference) is a sum of the parts too
+  logits = _family("llama")[4]
+  np.testing.assert_allclose(dla.parts.sum(-1), logits[:, -1, 11], rtol=1e-10)
 
 
 def test_bad_input():

@@ -5,6 +5,7 @@ frozen at its value on the prompt."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -18,26 +19,31 @@ from jaxlens.lens._readout import LensError, _stats_dtype, out_projection, reado
 __all__ = ["Attribution", "direct_logit_attribution"]
 
 
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["parts", "logit"],
+  meta_fields=["labels", "layer", "component", "head"],
+)
 @dataclasses.dataclass(frozen=True)
 class Attribution:
-  """A direct logit attribution: ``parts.sum(-1) == logit``.
+  """A direct logit attribution: ``parts.sum(-1) == logit``. A pytree (``parts`` and
+  ``logit`` are its leaves), so ``jax.jit`` can return it.
 
   Attributes:
     parts: ``(batch, n_parts)``, each component's share of the logit.
     labels: one label per part: ``"embed"``, ``"L3H2"`` (layer 3's head 2), ``"L3 attn bias"``,
       ``"L3 mlp"``, ``"bias"`` (the final norm's and the unembedding's biases).
-    layer: int ``(n_parts,)``: the block of each part (-1 for the embeddings, ``n_layers`` for
-      the final biases).
+    layer: per part, its block (-1 for the embeddings, ``n_layers`` for the final biases).
     component: per part ``"embed"``, ``"head"``, ``"attn_bias"``, ``"mlp"`` or ``"bias"``.
-    head: int ``(n_parts,)``: the head of a ``"head"`` part, else -1.
+    head: per part, the head of a ``"head"`` part, else -1.
     logit: ``(batch,)``, the logit (or logit difference) before any final soft-cap.
   """
 
   parts: Any
   labels: tuple[str, ...]
-  layer: np.ndarray
+  layer: tuple[int, ...]
   component: tuple[str, ...]
-  head: np.ndarray
+  head: tuple[int, ...]
   logit: Any
 
   def by_layer(self):
@@ -196,8 +202,8 @@ def direct_logit_attribution(
   return Attribution(
     parts=jnp.concatenate(parts, axis=1),
     labels=tuple(labels),
-    layer=np.asarray(layer),
+    layer=tuple(layer),
     component=tuple(comp),
-    head=np.asarray(head),
+    head=tuple(head),
     logit=logit,
   )

@@ -66,6 +66,7 @@ def patchscope(
   source_layers=None,
   target_layers=None,
   read=None,
+  read_position: int | None = None,
   attention_mask=None,
 ):
   """Patchscope grid: every source layer's residual at ``source_position`` written into the
@@ -83,8 +84,10 @@ def patchscope(
       ``"cat -> cat; 1135 -> 1135; hello -> hello; ? ->"``).
     source_position, target_position: the positions read and written.
     source_layers, target_layers: lens layers (None: all ``n_layers + 1``).
-    read: a function of the patched run's logits ``(batch, seq_t, vocab)`` returning what is
-      kept per cell; default the logits at ``target_position`` ``(batch, vocab)``.
+    read: a function of the patched run's logits at ``read_position`` ``(batch, vocab)``
+      returning what is kept per cell (default: those logits). Only that position is
+      unembedded: the model's final norm and unembedding run on its residual stream alone.
+    read_position: the target position read (default ``target_position``).
     attention_mask: the source's padding mask (the target is not padded).
 
   Returns:
@@ -111,25 +114,42 @@ def patchscope(
   vectors = _sources(model, variables, source, source_position, src_layers, attention_mask)
   batch = vectors.shape[1]
   target = jnp.broadcast_to(target, (batch, target.shape[1]))
-  read = functools.partial(_at_position, position=tpos) if read is None else read
+  rpos = (
+    tpos
+    if read_position is None
+    else _check_position(read_position, target.shape[1], "read_position")
+  )
+  read = _identity if read is None else read
   layer_ids = jnp.asarray(tgt_layers, jnp.int32)
   return _grid(
-    model, variables, target, vectors, layer_ids, tgt_layers=tgt_layers, tpos=tpos, read=read
+    model,
+    variables,
+    target,
+    vectors,
+    layer_ids,
+    tgt_layers=tgt_layers,
+    tpos=tpos,
+    rpos=rpos,
+    read=read,
   )
 
 
-def _at_position(logits, position):
-  return logits[:, position]
+def _identity(logits):
+  return logits
 
 
-@functools.partial(jax.jit, static_argnames=("model", "tgt_layers", "tpos", "read"))
-def _grid(model, variables, target, vectors, layer_ids, *, tgt_layers, tpos, read):
-  """The grid as one program (cached by the model, layers, position and ``read``)."""
+@functools.partial(jax.jit, static_argnames=("model", "tgt_layers", "tpos", "rpos", "read"))
+def _grid(model, variables, target, vectors, layer_ids, *, tgt_layers, tpos, rpos, read):
+  """The grid as one program (cached by the model, layers, positions and ``read``)."""
+  final = jl.label(lens_sites(model)[-1])
 
   def cell(vector, layer):  # vector (batch, d), layer: the target layer (traced)
     row_layer = jnp.broadcast_to(layer, vector.shape[:1])
     spec = _patch_rules(model, tgt_layers, tpos, row_layer, vector)
-    return read(jl.trace(model, variables, target, intervene=spec, save=False).output)
+    t = jl.trace(model, variables, target, intervene=spec, save=final, keep_inputs=False)
+    # Only the read position is unembedded (the model's own logits are left unused).
+    resid = t[lens_sites(model)[-1]].out[:, rpos : rpos + 1]
+    return read(model.unembed(variables, resid)[:, 0])
 
   over_targets = jax.vmap(cell, in_axes=(None, 0))
   return jax.vmap(over_targets, in_axes=(0, None))(vectors, layer_ids)
