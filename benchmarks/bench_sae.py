@@ -1,11 +1,13 @@
 """jaxlens.sae against SAELens, in one process: training speed, splice overhead, feature recovery.
 
 1. Training: a TopK SAE (same width, k, batch, ``rescale_acts_by_decoder_norm``, Adam, gradient
-   clipping) trained for the same steps on the same batches by ``jaxlens.sae.train.train`` and
-   by SAELens's ``SAETrainer.fit`` (the trainer ``sae_lens.synthetic.train_toy_sae`` sets up),
-   alternately; the figure is steps/s(jaxlens) / steps/s(SAELens) (target >= 1.5). Both include
-   their per-run set-up; jaxlens's first run (its compilation) is a warm-up, and a second
-   figure gives the per-step ratio with the compiled step alone.
+   clipping), float32, at each ``--shapes`` (256 -> 2,048 and SmolLM2's 576 -> 16,384 by
+   default): jaxlens's compiled step against SAELens's ``SAETrainer._train_step`` on the same
+   batches, and end to end ``jaxlens.sae.train.train`` against ``SAETrainer.fit`` (the trainer
+   ``sae_lens.synthetic.train_toy_sae`` sets up, set-up included; jaxlens's compilation is in
+   the warm-up). SAELens runs at ``torch.set_num_threads(1)`` and at torch's default, interleaved
+   with jaxlens in the same process (``benchmarks._torch_peer``); the faster setting counts, and
+   each side's wall and CPU time per step are reported (target: >= 2x).
 2. Splice overhead: the jitted forward of a model with an SAE spliced (``sae.splice``, which
    also exposes three sites) against the jitted forward with the same SAE written by hand into
    the model through a plain Flax method interceptor (target <= 1.1).
@@ -39,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._timing import env_info, interleaved, median  # noqa: E402
+from benchmarks._torch_peer import against_torch_peer  # noqa: E402
 from jaxlens import sae  # noqa: E402
 from jaxlens.sae import train as sae_train  # noqa: E402
 
@@ -47,12 +50,15 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "sae.json"
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--d-in", type=int, default=256)
-  p.add_argument("--d-sae", type=int, default=2048)
+  p.add_argument(
+    "--shapes", default="256x2048,576x16384", help="d_in x d_sae of each training figure"
+  )
   p.add_argument("--k", type=int, default=32)
   p.add_argument("--batch", type=int, default=1024)
-  p.add_argument("--steps", type=int, default=100)
-  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--step-calls", type=int, default=5, help="steps per timed call")
+  p.add_argument("--fit-steps", type=int, default=30, help="steps per end-to-end fit (0: none)")
+  p.add_argument("--fit-repeats", type=int, default=2)
+  p.add_argument("--repeats", type=int, default=4)
   p.add_argument("--recovery-steps", type=int, default=1500)
   p.add_argument("--sections", default="train,splice,recovery")
   p.add_argument("--out", default=str(DEFAULT_OUT))
@@ -85,70 +91,70 @@ def _saelens_trainer(d_in, d_sae, k, batch, steps, batches_t, lr=3e-4):
   return ref, SAETrainer(cfg=cfg, sae=ref, data_provider=provider())
 
 
-def training_speed(args, out):
-  import torch
-
-  rng = np.random.default_rng(0)
-  batches = [rng.normal(size=(args.batch, args.d_in)).astype(np.float32) for _ in range(8)]
-  batches_t = [torch.from_numpy(b) for b in batches]
-  config = sae_train.TrainConfig(
-    d_sae=args.d_sae,
+def _shape_config(d_sae, k):
+  return sae_train.TrainConfig(
+    d_sae=d_sae,
     architecture="topk",
-    k=args.k,
+    k=k,
     rescale_acts_by_decoder_norm=True,
     b_dec_init="zeros",
   )
 
-  def ours():
-    data = (batches[i % 8] for i in range(args.steps))
-    r = sae_train.train(data, config, steps=args.steps, progress=False, log_every=args.steps)
-    return r.sae.W_enc
 
-  def theirs():
-    import contextlib
-    import io
+def training_speed(args, out, d_in, d_sae):
+  """Per step and end to end, against SAELens at its best torch thread setting."""
+  import contextlib
+  import io
 
-    _, trainer = _saelens_trainer(args.d_in, args.d_sae, args.k, args.batch, args.steps, batches_t)
-    with contextlib.redirect_stderr(io.StringIO()):  # its tqdm bar
-      trainer.fit()
-    return None
+  import torch
 
-  times = interleaved({"jaxlens": ours, "saelens": theirs}, args.repeats, warmup=1)
-  ours_s, theirs_s = median(times["jaxlens"]), median(times["saelens"])
-  out["train_fit"] = {
-    "jaxlens_s": ours_s,
-    "saelens_s": theirs_s,
-    "steps": args.steps,
-    "jaxlens_steps_per_s": args.steps / ours_s,
-    "saelens_steps_per_s": args.steps / theirs_s,
-    "activations_per_s_jaxlens": args.steps * args.batch / ours_s,
-    "activations_per_s_saelens": args.steps * args.batch / theirs_s,
-    "speedup": theirs_s / ours_s,
-  }
-  # The step alone: jaxlens's compiled step against SAELens's _train_step.
-  init, step = sae_train._compiled(config, args.steps)
-  state = init(jax.random.key(0), jnp.asarray(batches[0]), None, None)
+  rng = np.random.default_rng(0)
+  batches = [rng.normal(size=(args.batch, d_in)).astype(np.float32) for _ in range(8)]
+  batches_t = [torch.from_numpy(b) for b in batches]
+  config = _shape_config(d_sae, args.k)
+  result = {"d_in": d_in, "d_sae": d_sae, "k": args.k, "batch": args.batch}
+
+  # The step alone: jaxlens's compiled step against SAELens's SAETrainer._train_step.
+  per_call = args.step_calls
+  init, step = sae_train._compiled(config, 10**6)
+  holder = {"state": init(jax.random.key(0), jnp.asarray(batches[0]), None, None)}
   xs = [jnp.asarray(b) for b in batches]
-  ref, trainer = _saelens_trainer(args.d_in, args.d_sae, args.k, args.batch, 10**6, batches_t)
-  holder = {"state": state}
+  ref, trainer = _saelens_trainer(d_in, d_sae, args.k, args.batch, 10**6, batches_t)
 
   def ours_steps():
     s = holder["state"]
-    for i in range(20):
+    for i in range(per_call):
       s, m = step(s, xs[i % 8], None)
     holder["state"] = s
     return m["loss"]
 
   def theirs_steps():
-    for i in range(20):
+    for i in range(per_call):
       trainer._train_step(ref, batches_t[i % 8])
 
-  times = interleaved({"jaxlens": ours_steps, "saelens": theirs_steps}, args.repeats, warmup=1)
-  out["train_step"] = {
-    "jaxlens_ms": 1000 * median(times["jaxlens"]) / 20,
-    "saelens_ms": 1000 * median(times["saelens"]) / 20,
-    "speedup": median(times["saelens"]) / median(times["jaxlens"]),
-  }
+  result["step"] = against_torch_peer(
+    ours_steps, theirs_steps, args.repeats, per_call=per_call, peer_name="saelens"
+  )
+  if args.fit_steps:
+    # End to end: train() / SAETrainer.fit() on fit_steps batches, set-up included (jaxlens's
+    # programs compiled once in the warm-up call and cached).
+    n = args.fit_steps
+
+    def ours_fit():
+      data = (batches[i % 8] for i in range(n))
+      r = sae_train.train(data, config, steps=n, progress=False, log_every=n)
+      return r.sae.W_enc
+
+    def theirs_fit():
+      _, fit_trainer = _saelens_trainer(d_in, d_sae, args.k, args.batch, n, batches_t)
+      with contextlib.redirect_stderr(io.StringIO()):  # its tqdm bar
+        fit_trainer.fit()
+
+    result["fit"] = against_torch_peer(
+      ours_fit, theirs_fit, args.fit_repeats, per_call=n, peer_name="saelens"
+    )
+  out.setdefault("train", []).append(result)
+  return result
 
 
 def splice_overhead(args, out):
@@ -251,10 +257,9 @@ def main(argv=None):
   out = {"env": env_info(), "args": vars(args)}
   sections = args.sections.split(",")
   if "train" in sections:
-    training_speed(args, out)
-    print(
-      json.dumps(out["train_fit"], indent=1), json.dumps(out["train_step"], indent=1), flush=True
-    )
+    for shape in args.shapes.split(","):
+      d_in, d_sae = (int(v) for v in shape.split("x"))
+      print(json.dumps(training_speed(args, out, d_in, d_sae), indent=1), flush=True)
   if "splice" in sections:
     splice_overhead(args, out)
     print(json.dumps(out["splice"], indent=1), flush=True)

@@ -15,7 +15,7 @@ D_IN, D_SAE = 6, 16
 
 
 def _sae(activation="relu", dtype=jnp.float32, seed=0, **config):
-  k = {"topk": 3, "batchtopk": 2.0}.get(activation)
+  k = {"topk": 3, "batchtopk": 2.0, "abstopk": 3}.get(activation)
   d = jsae.SAE.init(
     jax.random.key(seed), D_IN, D_SAE, activation=activation, k=k, dtype=dtype, **config
   )
@@ -34,8 +34,8 @@ X = np.random.default_rng(0).normal(size=(4, D_IN)).astype(np.float32)
 def test_encode_decode_are_pure_under_jit_grad_vmap(activation):
   d = _sae(activation)
   acts = d.encode(X)
-  assert acts.shape == (4, D_SAE) and bool((acts >= 0).all())
-  if activation == "topk":
+  assert acts.shape == (4, D_SAE) and bool((acts >= 0).all() or activation == "abstopk")
+  if activation in ("topk", "abstopk"):
     assert int((acts != 0).sum(-1).max()) <= 3
   if activation == "batchtopk":
     assert int((acts != 0).sum()) <= 2 * 4
@@ -160,7 +160,7 @@ def _dir(tmp_path, cfg=None, tensors=None):
 @pytest.mark.parametrize(
   "cfg, tensors, code, field",
   [
-    ({"architecture": "gated"}, None, "sae_architecture_unsupported", "architecture"),
+    ({"architecture": "matching_pursuit"}, None, "sae_architecture_unsupported", "architecture"),
     ({"d_in": "six"}, None, "sae_config_invalid", "d_in"),
     ({"d_sae": None}, None, "sae_config_invalid", "d_sae"),
     ({"apply_b_dec_to_input": "yes"}, None, "sae_config_invalid", "apply_b_dec_to_input"),

@@ -31,7 +31,7 @@ from jaxlens.core import InvalidArgumentError
 
 __all__ = ["SAE", "Transcoder", "CrossLayerTranscoder", "SAEError", "ACTIVATIONS"]
 
-ACTIVATIONS = ("relu", "jumprelu", "topk", "batchtopk")
+ACTIVATIONS = ("relu", "jumprelu", "topk", "batchtopk", "abstopk", "gated")
 NORMALISATIONS = ("none", "expected_average_only_in", "constant_norm_rescale", "layer_norm")
 
 
@@ -100,7 +100,8 @@ class SAE:
     W_dec: ``(d_sae, d_in)`` (row ``i`` is feature ``i``'s direction).
     b_dec: ``(d_in,)``.
     threshold: ``(d_sae,)`` for ``activation="jumprelu"``, else None.
-    activation: ``"relu"``, ``"jumprelu"``, ``"topk"`` or ``"batchtopk"`` (static).
+    activation: ``"relu"``, ``"jumprelu"``, ``"topk"``, ``"batchtopk"``, ``"abstopk"`` (the
+      ``k`` entries of largest magnitude, signed, no ReLU) or ``"gated"`` (static).
     k: the TopK ``k`` (an int), or BatchTopK's mean active features per row (static).
     apply_b_dec_to_input: subtract ``b_dec`` from the input before encoding (SAELens's
       default).
@@ -111,6 +112,9 @@ class SAE:
       and decode ``acts / |W_dec row|``.
     reshape_activations: ``"none"`` or ``"hook_z"`` (flatten ``(..., heads, d_head)``).
     metadata_json: SAELens's ``metadata`` (hook name, model name...) as JSON text.
+    r_mag, b_mag: a gated SAE's magnitude path (``(d_sae,)`` each): ``acts = (x @ W_enc +
+      b_enc > 0) * relu(x @ (W_enc * exp(r_mag)) + b_mag)``, ``b_enc`` being SAELens's
+      ``b_gate``; None otherwise.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -133,14 +137,16 @@ class SAE:
   rescale_acts_by_decoder_norm: bool = False
   reshape_activations: str = "none"
   metadata_json: str = "{}"
+  r_mag: Any = None
+  b_mag: Any = None
 
-  _data = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
+  _data = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "r_mag", "b_mag")
 
   def __post_init__(self):
     _check_choice(self.activation, ACTIVATIONS, "activation")
     _check_choice(self.normalize_activations, NORMALISATIONS, "normalize_activations")
     _check_choice(self.reshape_activations, ("none", "hook_z"), "reshape_activations")
-    if self.activation in ("topk", "batchtopk") and (
+    if self.activation in ("topk", "batchtopk", "abstopk") and (
       self.k is None or isinstance(self.k, bool) or not self.k > 0
     ):
       raise SAEError(
@@ -156,6 +162,13 @@ class SAE:
         field="threshold",
         fix="threshold=jnp.zeros((d_sae,))",
       )
+    if (self.activation == "gated") != (self.r_mag is not None and self.b_mag is not None):
+      raise SAEError(
+        "r_mag and b_mag are a gated SAE's (activation='gated' needs both, others neither)",
+        code="sae_config_invalid",
+        field="r_mag",
+        fix="activation='gated', r_mag=..., b_mag=... (arrays of shape (d_sae,))",
+      )
     self._check_shapes()
 
   def _check_shapes(self):
@@ -170,6 +183,8 @@ class SAE:
       "W_dec": (d_sae, self._d_out(d_in)),
       "b_dec": (self._d_out(d_in),),
       "threshold": (d_sae,),
+      "r_mag": (d_sae,),
+      "b_mag": (d_sae,),
       **self._extra_shapes(d_in, d_sae),
     }
     if shape("W_enc") is None or len(shape("W_enc")) != 2:
@@ -263,6 +278,11 @@ class SAE:
       threshold=jnp.full((d_sae,), threshold, dtype) if activation == "jumprelu" else None,
       activation=activation,
       k=k,
+      **(
+        {"r_mag": jnp.zeros((d_sae,), dtype), "b_mag": jnp.zeros((d_sae,), dtype)}
+        if activation == "gated"
+        else {}
+      ),
       **extra,
       **config,
     )
@@ -325,8 +345,11 @@ class SAE:
     return jnp.linalg.norm(self.W_dec, axis=-1)
 
   def hidden_pre(self, x):
-    """``x @ W_enc + b_enc`` of the prepared input (SAELens's ``hook_sae_acts_pre``)."""
+    """``x @ W_enc + b_enc`` of the prepared input (SAELens's ``hook_sae_acts_pre``; a gated
+    SAE's magnitude pre-activation ``x @ (W_enc * exp(r_mag)) + b_mag``)."""
     x, _ = self._prepare(x)
+    if self.activation == "gated":
+      return x @ (self.W_enc * jnp.exp(self.r_mag)) + self.b_mag
     return x @ self.W_enc + self.b_enc
 
   def activate(self, pre):
@@ -335,14 +358,29 @@ class SAE:
       return jax.nn.relu(pre)
     if self.activation == "jumprelu":
       return jax.nn.relu(pre) * (pre > self.threshold).astype(pre.dtype)
+    if self.activation == "gated":
+      raise SAEError(
+        "a gated SAE's activation needs its input (the gate): use encode(x)",
+        code="sae_config_invalid",
+        field="activation",
+        fix="sae.encode(x)",
+      )
     if self.rescale_acts_by_decoder_norm:
       pre = pre * self._decoder_norm()
     if self.activation == "topk":
       return topk_relu(pre, int(self.k))
+    if self.activation == "abstopk":
+      _, index = jax.lax.top_k(jnp.abs(pre), int(self.k))
+      values = jnp.take_along_axis(pre, index, axis=-1)
+      return jnp.put_along_axis(jnp.zeros_like(pre), index, values, axis=-1, inplace=False)
     return batch_topk_relu(pre, self.k)
 
   def encode(self, x):
     """The feature activations of ``x`` (``(..., d_in) -> (..., d_sae)``)."""
+    if self.activation == "gated":
+      x, _ = self._prepare(x)
+      gate = (x @ self.W_enc + self.b_enc > 0).astype(x.dtype)
+      return gate * jax.nn.relu(x @ (self.W_enc * jnp.exp(self.r_mag)) + self.b_mag)
     return self.activate(self.hidden_pre(x))
 
   def decode(self, acts, x=None):
@@ -353,7 +391,7 @@ class SAE:
       x: the input they were encoded from; needed only to undo a run-time
         normalisation (``constant_norm_rescale``, ``layer_norm``) or ``hook_z``.
     """
-    if self.activation in ("topk", "batchtopk") and self.rescale_acts_by_decoder_norm:
+    if self.activation in ("topk", "batchtopk", "abstopk") and self.rescale_acts_by_decoder_norm:
       acts = acts / self._decoder_norm()
     out = acts.astype(self.dtype) @ self.W_dec + self.b_dec
     if self.normalize_activations in ("constant_norm_rescale", "layer_norm"):

@@ -37,6 +37,8 @@ _ARCHITECTURES = {
   "jumprelu": (SAE, "jumprelu", False),
   "topk": (SAE, "topk", False),
   "batchtopk": (SAE, "batchtopk", False),
+  "abstopk": (SAE, "abstopk", False),
+  "gated": (SAE, "gated", False),
   "transcoder": (Transcoder, "relu", False),
   "skip_transcoder": (Transcoder, "relu", True),
   "jumprelu_transcoder": (Transcoder, "jumprelu", False),
@@ -183,6 +185,15 @@ def load_saelens(path, *, dtype=None):
   major = version.split(".")[0]
   if not major.isdigit() or int(major) < 6:
     cfg = _pre_6_0(cfg)
+  elif "architecture" not in cfg:
+    # SAELens 6 refuses such a config; read as "standard" it would turn a TopK or JumpReLU
+    # dictionary into a ReLU one without a word.
+    raise SAEError(
+      f'{root / CFG} (SAELens {version}) has no "architecture"',
+      code="sae_config_invalid",
+      field="architecture",
+      fix='add the architecture SAELens saved it with, e.g. "architecture": "topk"',
+    )
   arch = cfg.get("architecture", "standard")
   if arch not in _ARCHITECTURES:
     raise SAEError(
@@ -204,9 +215,13 @@ def load_saelens(path, *, dtype=None):
   meta = dict(metadata)
   if arch == "batchtopk" and "topk_threshold" in tensors:
     meta["topk_threshold"] = float(np.asarray(tensors["topk_threshold"], np.float64))
+  if arch == "gated" and "b_gate" in tensors:
+    tensors["b_enc"] = tensors.pop("b_gate")
   names = ["W_enc", "b_enc", "W_dec", "b_dec"]
   if activation == "jumprelu":
     names.append("threshold")
+  if activation == "gated":
+    names += ["r_mag", "b_mag"]
   if skip:
     names.append("W_skip")
   shapes = {
@@ -216,6 +231,8 @@ def load_saelens(path, *, dtype=None):
     "b_dec": (d_out,),
     "threshold": (d_sae,),
     "W_skip": (d_out, d_in),
+    "r_mag": (d_sae,),
+    "b_mag": (d_sae,),
   }
   arrays = {}
   for name in names:
@@ -245,7 +262,7 @@ def load_saelens(path, *, dtype=None):
     reshape_activations=cfg.get("reshape_activations", "none") or "none",
     metadata_json=json.dumps(meta, sort_keys=True, default=str),
   )
-  if activation in ("topk", "batchtopk"):
+  if activation in ("topk", "batchtopk", "abstopk"):
     k = cfg.get("k")
     if isinstance(k, bool) or not isinstance(k, (int, float)) or k <= 0:
       raise SAEError(
@@ -254,7 +271,7 @@ def load_saelens(path, *, dtype=None):
         field="k",
         fix='"k": 32',
       )
-    config["k"] = int(k) if activation == "topk" else float(k)
+    config["k"] = float(k) if activation == "batchtopk" else int(k)
     config["rescale_acts_by_decoder_norm"] = bool(cfg.get("rescale_acts_by_decoder_norm", False))
   return cls(**arrays, **config)
 
@@ -265,7 +282,13 @@ def _config_dict(sae) -> tuple[str, dict]:
     if arch is not None and sae.W_skip is not None:
       arch = arch.replace("transcoder", "skip_transcoder")
   elif isinstance(sae, SAE):
-    arch = {"relu": "standard", "jumprelu": "jumprelu", "topk": "topk"}.get(sae.activation)
+    arch = {
+      "relu": "standard",
+      "jumprelu": "jumprelu",
+      "topk": "topk",
+      "abstopk": "abstopk",
+      "gated": "gated",
+    }.get(sae.activation)
   else:
     arch = None
   if arch is None:
@@ -296,7 +319,7 @@ def _config_dict(sae) -> tuple[str, dict]:
     "metadata": metadata,
     "architecture": arch,
   }
-  if arch == "topk":
+  if arch in ("topk", "abstopk"):
     cfg["k"] = int(sae.k)
     cfg["rescale_acts_by_decoder_norm"] = bool(sae.rescale_acts_by_decoder_norm)
   if isinstance(sae, Transcoder):
@@ -331,13 +354,19 @@ def save_saelens(sae, path) -> Path:
     names.append("threshold")
   if "skip" in arch:
     names.append("W_skip")
+  if arch == "gated":
+    names += ["r_mag", "b_mag"]
+  # SAELens names a gated SAE's gate bias b_gate (it has no b_enc).
+  file_names = {"b_enc": "b_gate"} if arch == "gated" else {}
   _safetensors()
   from safetensors.flax import save_file
 
   root.parent.mkdir(parents=True, exist_ok=True)
   tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
   try:
-    save_file({n: jnp.asarray(getattr(sae, n)) for n in names}, str(tmp / WEIGHTS))
+    save_file(
+      {file_names.get(n, n): jnp.asarray(getattr(sae, n)) for n in names}, str(tmp / WEIGHTS)
+    )
     (tmp / CFG).write_text(json.dumps(cfg, indent=2))
     if root.exists():
       old = root.with_name(f".{root.name}.old")
