@@ -316,8 +316,10 @@ def test_loader_errors_name_the_tensor(llama):
   bad = {**tensors, "model.layers.1.mlp.up_proj.weight": up[:, :-1]}
   with pytest.raises(LoadError, match=r"\[tensor_shape\].*model.layers.1.mlp.up_proj") as e:
     params_from_hf(LLAMA, bad)
-  # (the shapes are the Flax kernel's: the torch weight transposed)
-  assert e.value.fields["expected"] == (32, 48) and e.value.fields["received"] == (31, 48)
+  # received is the checkpoint's own shape (the torch weight), expected the Flax kernel's, and
+  # the message gives both and the kernel's shape as read (the weight transposed)
+  assert e.value.fields["expected"] == (32, 48) and e.value.fields["received"] == (48, 31)
+  assert "(48, 31) in the checkpoint (read as (31, 48))" in str(e.value)
   with pytest.raises(LoadError, match=r"\[unknown_architecture\].*'t5'"):
     config_from_hf({"model_type": "t5"})
   unprefixed = {k.removeprefix("model."): v for k, v in tensors.items()}
