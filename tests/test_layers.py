@@ -21,10 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "jaxlens" / "_src"
 FACADES = {"jaxlens.core", "jaxlens.intervention", "jaxlens.internal"}
-# Deliberate function-level imports, each with its reason. The mixtures of experts build on the
-# Llama family (jaxlens.models.moe translates their configs with llama.from_hf), and a Llama
-# block whose config has experts runs moe.MoE: llama imports moe when it meets one.
-DEFERRED = {("jaxlens.models.llama", "jaxlens.models.moe")}
+# Deliberate function-level imports, each with its reason (none at present).
+DEFERRED: set[tuple[str, str]] = set()
 OURS = ("jaxlens", "torch_bridge")
 
 FLOORS = {

@@ -47,6 +47,7 @@ from jaxlens.core import named
 from jaxlens.models import _hf
 from jaxlens.models.blocks import Attention, GatedMLP, residual_block
 from jaxlens.models.compact import Dense, Embed
+from jaxlens.models.moe import MoE, MoEConfig, hf_moe_weights
 from jaxlens.models.rope import Rope, rotary
 from jaxlens.models.scan import ScanForm, scan_blocks, uniform_window
 from jaxlens.models._layers import (
@@ -124,7 +125,7 @@ class LlamaConfig:
   mlp_bias: bool = False
   qk_norm_scope: str = "head"
   norm_placement: str = "pre"
-  moe: Any = None
+  moe: MoEConfig | None = None
   fused_projections: bool = False
 
   @property
@@ -178,8 +179,6 @@ class LlamaBlock(nn.Module):
       name="attn",
     )
     if cfg.moe is not None:
-      from jaxlens.models.moe import MoE
-
       mlp: nn.Module = MoE(cfg, name="mlp")
     else:
       mlp = GatedMLP(cfg.d_mlp, cfg.d_model, cfg.activation, cfg.dtype, cfg.mlp_bias, name="mlp")
@@ -277,8 +276,8 @@ class Llama(ScanForm, LayerSites, nn.Module):
 
 # ------------------------------------------------------------------- Hugging Face checkpoints
 
-# The Hugging Face model types this family reads (mixtures of experts: jaxlens.models.moe).
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
+# The Hugging Face model types of the dense models of this family.
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
 
 
 def _layer_types(config: _hf.HFConfig) -> tuple[str, ...]:
@@ -292,9 +291,16 @@ def _layer_types(config: _hf.HFConfig) -> tuple[str, ...]:
   return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
 
 
-def from_hf(config: _hf.HFConfig, dtype, **options) -> LlamaConfig:
-  """The :class:`LlamaConfig` of a Hugging Face ``config.json`` of a ``MODEL_TYPES`` model;
-  ``options`` override fields (the mixtures of experts pass ``moe``)."""
+def from_hf(config: _hf.HFConfig, dtype) -> LlamaConfig:
+  """The :class:`LlamaConfig` of a Hugging Face ``config.json`` of a ``MODEL_TYPES`` model."""
+  if config.model_type in MOE_MODEL_TYPES:
+    return _moe_from_hf(config, dtype)
+  return _dense_from_hf(config, dtype)
+
+
+def _dense_from_hf(config: _hf.HFConfig, dtype, **options) -> LlamaConfig:
+  """:func:`from_hf` of a dense model; ``options`` override fields (the mixtures of experts
+  pass ``moe`` and their own defaults)."""
   kind = config.model_type
   heads = config["num_attention_heads"]
   window, layer_types = None, None
@@ -347,6 +353,96 @@ def from_hf(config: _hf.HFConfig, dtype, **options) -> LlamaConfig:
   return LlamaConfig(**fields)
 
 
+# The Hugging Face model types of the mixtures of experts: Llama-family blocks whose MLP is a
+# MoE (jaxlens.models.moe).
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+# transformers 5.23's defaults of the fields read here, per model type (a config.json without
+# the field means the class default).
+_MOE_DEFAULTS = {
+  "mixtral": {"num_experts_per_tok": 2, "num_experts": 8},
+  "qwen2_moe": {
+    "num_experts_per_tok": 4,
+    "num_experts": 60,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+    "rms_norm_eps": 1e-6,
+  },
+  "qwen3_moe": {
+    "num_experts_per_tok": 8,
+    "num_experts": 128,
+    "moe_intermediate_size": 768,
+    "rms_norm_eps": 1e-6,
+  },
+  "olmoe": {"num_experts_per_tok": 8, "num_experts": 64},
+}
+
+
+def _moe_from_hf(config: _hf.HFConfig, dtype) -> LlamaConfig:
+  """The :class:`LlamaConfig` (with ``moe``) of a Hugging Face ``config.json`` of a
+  ``MOE_MODEL_TYPES`` model.
+
+  Mixtral: every MLP a MoE renormalising its top-k, rotary base 1e6 by default, an optional
+  sliding window on every layer. Qwen2-MoE: q/k/v biases (``qkv_bias``), a shared expert with
+  a sigmoid gate. Qwen3-MoE: per-head QK-norm. OLMoE: QK-norm over the whole projection.
+
+  Raises:
+    LoadError: ``config_unsupported`` for dense layers among the sparse ones
+      (``mlp_only_layers``, ``decoder_sparse_step`` > 1), Qwen-MoE's sliding windows, OLMoE's
+      ``clip_qkv``.
+  """
+  kind = config.model_type
+  defaults = _MOE_DEFAULTS[kind]
+
+  def get(key):
+    return config.get(key, defaults.get(key))
+
+  # transformers aliases the two names (attribute_map): Mixtral's is num_local_experts, the
+  # others' num_experts, and Qwen3-MoE's to_dict writes num_local_experts.
+  counts = {k: config.get(k) for k in ("num_experts", "num_local_experts")}
+  counts = {k: v for k, v in counts.items() if v is not None}
+  if len(set(counts.values())) > 1:
+    raise config.refuse("num_experts", f"differs from num_local_experts ({counts})", "one count")
+  n_experts = next(iter(counts.values()), defaults.get("num_experts", 8))
+  options: dict[str, Any] = {}
+  if kind == "mixtral":
+    norm_topk, d_expert = True, config["intermediate_size"]
+    base, scaling = _hf.rope_from_hf(config, default_base=1e6)
+    options.update(
+      rope_base=base, rope_scaling=scaling, sliding_window=config.get("sliding_window")
+    )
+  else:
+    norm_topk = bool(config.get("norm_topk_prob", False))
+    d_expert = get("moe_intermediate_size") if kind != "olmoe" else config["intermediate_size"]
+  d_shared = None
+  if kind == "qwen2_moe":
+    d_shared = get("shared_expert_intermediate_size") or None
+    options["qkv_bias"] = bool(config.get("qkv_bias", True))
+  if kind in ("qwen2_moe", "qwen3_moe"):
+    config.require("use_sliding_window", (False,), "(Qwen-MoE's sliding windows) is refused")
+    config.require("mlp_only_layers", ([],), "(dense layers among the experts) is refused")
+    config.require("decoder_sparse_step", (1,), "(dense layers among the experts) is refused")
+    config.seen("sliding_window", "max_window_layers")
+    options.update(norm_eps=get("rms_norm_eps"), qk_norm=kind == "qwen3_moe")
+  if kind == "olmoe":
+    config.require("clip_qkv", (), "(clipping q, k and v) is not implemented")
+    options.update(qk_norm=True, qk_norm_scope="proj")
+  activation = _hf.activation_field(config, "hidden_act", default="silu")
+  experts = MoEConfig(
+    n_experts=n_experts,
+    top_k=get("num_experts_per_tok"),
+    d_expert=d_expert,
+    norm_topk_prob=norm_topk,
+    d_shared=d_shared,
+    shared_gate=d_shared is not None,
+    activation=activation,
+  )
+  return _dense_from_hf(config, dtype, moe=experts, **options)
+
+
+MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
+
+
 def _phi3_split(sizes: tuple[int, ...], k: int):
   """Part ``k`` of Phi-3's fused projection (``qkv_proj``: q, k, v rows; ``gate_up_proj``:
   gate, up rows) as a flax kernel."""
@@ -384,8 +480,6 @@ def hf_weights(cfg: LlamaConfig):
       for p in "qk":
         yield (b, "attn", f"{p}_norm", "weight"), h + f"self_attn.{p}_norm.weight", ident
     if cfg.moe is not None:
-      from jaxlens.models.moe import hf_moe_weights
-
       yield from hf_moe_weights(cfg, (b, "mlp"), h)
     elif cfg.fused_projections:
       sizes = (cfg.d_mlp, cfg.d_mlp)

@@ -90,7 +90,7 @@ class Pretrained:
 
 # The zoo's families: each module owns its Hugging Face translation (MODEL_TYPES, from_hf,
 # hf_weights) next to its model (jaxlens.models._hf).
-_FAMILY_MODULES = (llama, moe, gemma, gpt_neox, gpt2, bert)
+_FAMILY_MODULES = (llama, gemma, gpt_neox, gpt2, bert)
 _MODULE_OF = {kind: m for m in _FAMILY_MODULES for kind in m.MODEL_TYPES}
 
 # The Hugging Face ``model_type`` values config_from_hf reads, and the zoo family of each.

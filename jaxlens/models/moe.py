@@ -70,12 +70,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlens.core import InvalidArgumentError, named
-from jaxlens.models import _hf, llama
+from jaxlens.models import _hf
 from jaxlens.models._layers import softmax_dtype
 from jaxlens.models._params import StoredParams
 from jaxlens.models.blocks import INIT, GatedMLP, activation, dense
 
-__all__ = ["MoE", "MoEConfig", "from_hf", "hf_moe_weights", "hf_tensor"]
+__all__ = ["MoE", "MoEConfig", "hf_moe_weights", "hf_tensor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,92 +216,6 @@ class MoE(nn.Module):
 
 
 # ------------------------------------------------------------------- Hugging Face checkpoints
-
-# The Hugging Face model types of the mixtures of experts: Llama-family blocks whose MLP is a
-# MoE (jaxlens.models.llama reads the rest of their config).
-MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-
-# transformers 5.23's defaults of the fields read here, per model type (a config.json without
-# the field means the class default).
-_DEFAULTS = {
-  "mixtral": {"num_experts_per_tok": 2, "num_experts": 8},
-  "qwen2_moe": {
-    "num_experts_per_tok": 4,
-    "num_experts": 60,
-    "moe_intermediate_size": 1408,
-    "shared_expert_intermediate_size": 5632,
-    "rms_norm_eps": 1e-6,
-  },
-  "qwen3_moe": {
-    "num_experts_per_tok": 8,
-    "num_experts": 128,
-    "moe_intermediate_size": 768,
-    "rms_norm_eps": 1e-6,
-  },
-  "olmoe": {"num_experts_per_tok": 8, "num_experts": 64},
-}
-
-
-def from_hf(config: _hf.HFConfig, dtype) -> llama.LlamaConfig:
-  """The :class:`~jaxlens.models.llama.LlamaConfig` (with ``moe``) of a Hugging Face
-  ``config.json`` of a ``MODEL_TYPES`` model.
-
-  Mixtral: every MLP a MoE renormalising its top-k, rotary base 1e6 by default, an optional
-  sliding window on every layer. Qwen2-MoE: q/k/v biases (``qkv_bias``), a shared expert with
-  a sigmoid gate. Qwen3-MoE: per-head QK-norm. OLMoE: QK-norm over the whole projection.
-
-  Raises:
-    LoadError: ``config_unsupported`` for dense layers among the sparse ones
-      (``mlp_only_layers``, ``decoder_sparse_step`` > 1), Qwen-MoE's sliding windows, OLMoE's
-      ``clip_qkv``.
-  """
-  kind = config.model_type
-  defaults = _DEFAULTS[kind]
-
-  def get(key):
-    return config.get(key, defaults.get(key))
-
-  # transformers aliases the two names (attribute_map): Mixtral's is num_local_experts, the
-  # others' num_experts, and Qwen3-MoE's to_dict writes num_local_experts.
-  counts = {k: config.get(k) for k in ("num_experts", "num_local_experts")}
-  counts = {k: v for k, v in counts.items() if v is not None}
-  if len(set(counts.values())) > 1:
-    raise config.refuse("num_experts", f"differs from num_local_experts ({counts})", "one count")
-  n_experts = next(iter(counts.values()), defaults.get("num_experts", 8))
-  options: dict[str, Any] = {}
-  if kind == "mixtral":
-    norm_topk, d_expert = True, config["intermediate_size"]
-    base, scaling = _hf.rope_from_hf(config, default_base=1e6)
-    options.update(
-      rope_base=base, rope_scaling=scaling, sliding_window=config.get("sliding_window")
-    )
-  else:
-    norm_topk = bool(config.get("norm_topk_prob", False))
-    d_expert = get("moe_intermediate_size") if kind != "olmoe" else config["intermediate_size"]
-  d_shared = None
-  if kind == "qwen2_moe":
-    d_shared = get("shared_expert_intermediate_size") or None
-    options["qkv_bias"] = bool(config.get("qkv_bias", True))
-  if kind in ("qwen2_moe", "qwen3_moe"):
-    config.require("use_sliding_window", (False,), "(Qwen-MoE's sliding windows) is refused")
-    config.require("mlp_only_layers", ([],), "(dense layers among the experts) is refused")
-    config.require("decoder_sparse_step", (1,), "(dense layers among the experts) is refused")
-    config.seen("sliding_window", "max_window_layers")
-    options.update(norm_eps=get("rms_norm_eps"), qk_norm=kind == "qwen3_moe")
-  if kind == "olmoe":
-    config.require("clip_qkv", (), "(clipping q, k and v) is not implemented")
-    options.update(qk_norm=True, qk_norm_scope="proj")
-  activation = _hf.activation_field(config, "hidden_act", default="silu")
-  moe = MoEConfig(
-    n_experts=n_experts,
-    top_k=get("num_experts_per_tok"),
-    d_expert=d_expert,
-    norm_topk_prob=norm_topk,
-    d_shared=d_shared,
-    shared_gate=d_shared is not None,
-    activation=activation,
-  )
-  return llama.from_hf(config, dtype, moe=moe, **options)
 
 
 def _experts(w):
