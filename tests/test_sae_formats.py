@@ -111,3 +111,23 @@ def test_gated_needs_its_magnitude_path():
   assert info.value.fields["field"] == "r_mag"
   with pytest.raises(jsae.SAEError):
     d.activate(d.hidden_pre(jnp.ones((2, D_IN), d.dtype)))
+
+
+def test_pre_6_0_boolean_normalize_activations_reads_as_saelens_does(tmp_path, x):
+  from sae_lens import StandardSAE, StandardSAEConfig
+
+  ref = StandardSAE(StandardSAEConfig(d_in=D_IN, d_sae=D_SAE))
+  with torch.no_grad():
+    for i, p in enumerate(ref.parameters()):
+      p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.5)
+  ref.save_model(tmp_path / "d")
+  cfg = json.loads((tmp_path / "d" / "cfg.json").read_text())
+  for key in ("architecture", "metadata"):
+    cfg.pop(key)
+  cfg.update(normalize_activations=True, activation_fn_str="relu", hook_point="blocks.0.hook_x")
+  (tmp_path / "d" / "cfg.json").write_text(json.dumps(cfg))
+  ours = jsae.load_saelens(tmp_path / "d")
+  assert ours.normalize_activations == "expected_average_only_in"
+  theirs = sae_lens.SAE.load_from_disk(str(tmp_path / "d")).eval()
+  assert theirs.cfg.normalize_activations == "expected_average_only_in"
+  _agree(theirs, ours, x)

@@ -130,6 +130,12 @@ def _pre_6_0(cfg: dict) -> dict:
   renames = {"hook_point": "hook_name", "activation_fn_str": "activation_fn"}
   cfg = {renames.get(k, k): v for k, v in cfg.items()}
   cfg.setdefault("architecture", "standard")
+  if isinstance(cfg.get("normalize_activations"), bool):
+    # SAELens's backwards compatibility: true was "expected_average_only_in" (the scaling is
+    # folded into the weights, identity at inference).
+    cfg["normalize_activations"] = (
+      "expected_average_only_in" if cfg["normalize_activations"] else "none"
+    )
   kwargs = cfg.get("activation_fn_kwargs") or {}
   if cfg.get("activation_fn") == "topk" and kwargs.get("k") is not None:
     cfg["architecture"] = "topk"
