@@ -1,0 +1,204 @@
+"""Agreement with circuit-tracer 0.5.0, the jaxlens side (run after circuits_agreement_ct.py,
+which writes /tmp/ct/exchange_<layout>_<kind>[_b].npz from its own environment): the same weights
+in the zoo's GPT-2 or Llama, the same transcoders, the same graph, compared in float32 and
+float64 (adjacency, active and selected features, logit targets, pruning masks, scores).
+
+Usage::
+
+  LAYOUT=gpt2|llama [BUDGET=50] python benchmarks/circuits_agreement.py plain|skip
+"""
+
+import sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+jax.config.update("jax_enable_x64", True)
+from jaxlens import circuits, sae
+from jaxlens.models import GPT2, GPT2Config
+
+kind = sys.argv[1] if len(sys.argv) > 1 else "plain"
+import os
+
+budget = int(os.environ.get("BUDGET", "0")) or None
+layout = os.environ.get("LAYOUT", "gpt2")
+z = np.load(f"/tmp/ct/exchange_{layout}_{kind}{'_b' if budget else ''}.npz")
+w = {k[2:]: z[k] for k in z.files if k.startswith("w/")}
+
+
+def get(suffix):
+  hits = [k for k in w if k.endswith(suffix)]
+  assert len(hits) == 1, (suffix, hits)
+  return w[hits[0]]
+
+
+L, D, V = 2, 32, 50
+
+
+def build(dtype):
+  if layout == "llama":
+    return build_llama(dtype)
+  m = GPT2(
+    GPT2Config(
+      vocab_size=V,
+      d_model=D,
+      n_layers=L,
+      n_heads=4,
+      d_mlp=64,
+      max_len=16,
+      tie_embeddings=False,
+      dtype=dtype,
+    )
+  )
+  c = lambda a: jnp.asarray(a, dtype)
+  p = {
+    "embed": {"embedding": c(get("embed.W_E"))},
+    "pos_embed": {"embedding": c(get("pos_embed.W_pos"))},
+    "ln_final": {"scale": c(get("ln_final.w")), "bias": c(get("ln_final.b"))},
+    "lm_head": {"kernel": c(get("W_U"))},
+  }
+  for i in range(L):
+    b = f"blocks.{i}."
+    g = lambda s, b=b: get(b + s)
+    attn = {}
+    for n, x in (("q_proj", "Q"), ("k_proj", "K"), ("v_proj", "V")):
+      W = g(f"attn.W_{x}")  # (h, d, e)
+      attn[n] = {
+        "kernel": c(W.transpose(1, 0, 2).reshape(D, -1)),
+        "bias": c(g(f"attn.b_{x}").reshape(-1)),
+      }
+    attn["c_proj"] = {"kernel": c(g("attn.W_O").reshape(-1, D)), "bias": c(g("attn.b_O"))}
+    mlp_in = [k for k in w if k.startswith(b) and k.endswith("W_in")][0]
+    pre = mlp_in[: -len("W_in")]
+    p[f"blocks_{i}"] = {
+      "attn": attn,
+      "ln_1": {"scale": c(g("ln1.w")), "bias": c(g("ln1.b"))},
+      "ln_2": {"scale": c(g("ln2.w")), "bias": c(g("ln2.b"))},
+      "mlp": {
+        "c_fc": {"kernel": c(w[pre + "W_in"]), "bias": c(w[pre + "b_in"])},
+        "c_proj": {"kernel": c(w[pre + "W_out"]), "bias": c(w[pre + "b_out"])},
+      },
+    }
+  assert np.abs(get("b_U")).max() == 0
+  tcs = []
+  for i in range(L):
+    t = sae.Transcoder.init(jax.random.key(0), d_in=D, d_sae=64, dtype=dtype, skip=kind == "skip")
+    ch = dict(
+      W_enc=c(z[f"tc{i}/W_enc"].T),
+      b_enc=c(z[f"tc{i}/b_enc"]),
+      W_dec=c(z[f"tc{i}/W_dec"]),
+      b_dec=c(z[f"tc{i}/b_dec"]),
+    )
+    if kind == "skip":
+      ch["W_skip"] = c(z[f"tc{i}/W_skip"])
+    tcs.append(t.replace(**ch))
+  return m, {"params": p}, tcs
+
+
+def transcoders(dtype):
+  c = lambda a: jnp.asarray(a, dtype)
+  tcs = []
+  for i in range(L):
+    t = sae.Transcoder.init(jax.random.key(0), d_in=D, d_sae=64, dtype=dtype, skip=kind == "skip")
+    ch = dict(
+      W_enc=c(z[f"tc{i}/W_enc"].T),
+      b_enc=c(z[f"tc{i}/b_enc"]),
+      W_dec=c(z[f"tc{i}/W_dec"]),
+      b_dec=c(z[f"tc{i}/b_dec"]),
+    )
+    if kind == "skip":
+      ch["W_skip"] = c(z[f"tc{i}/W_skip"])
+    tcs.append(t.replace(**ch))
+  return tcs
+
+
+def build_llama(dtype):
+  from jaxlens.models import Llama, LlamaConfig
+
+  m = Llama(
+    LlamaConfig(
+      vocab_size=V,
+      d_model=D,
+      n_layers=L,
+      n_heads=4,
+      n_kv_heads=4,
+      d_mlp=64,
+      max_len=16,
+      dtype=dtype,
+    )
+  )
+  c = lambda a: jnp.asarray(a, dtype)
+  p = {
+    "embed": {"embedding": c(get("embed.W_E"))},
+    "ln_final": {"weight": c(get("ln_final.w"))},
+    "lm_head": {"kernel": c(get("W_U"))},
+  }
+  for i in range(L):
+    b = f"blocks.{i}."
+    g = lambda s, b=b: get(b + s)
+    attn = {}
+    for n, x in (("q_proj", "Q"), ("k_proj", "K"), ("v_proj", "V")):
+      attn[n] = {"kernel": c(g(f"attn.W_{x}").transpose(1, 0, 2).reshape(D, -1))}
+      assert np.abs(g(f"attn.b_{x}")).max() == 0
+    attn["o_proj"] = {"kernel": c(g("attn.W_O").reshape(-1, D))}
+    pre = [k for k in w if k.startswith(b) and k.endswith("W_in")][0][: -len("W_in")]
+    assert np.abs(w[pre + "b_in"]).max() == 0 and np.abs(w[pre + "b_out"]).max() == 0
+    p[f"blocks_{i}"] = {
+      "attn": attn,
+      "ln_1": {"weight": c(g("ln1.w"))},
+      "ln_2": {"weight": c(g("ln2.w"))},
+      "mlp": {
+        "gate_proj": {"kernel": c(w[pre + "W_gate"])},
+        "up_proj": {"kernel": c(w[pre + "W_in"])},
+        "down_proj": {"kernel": c(w[pre + "W_out"])},
+      },
+    }
+  return m, {"params": p}, transcoders(dtype)
+
+
+tokens = jnp.asarray(z["tokens"], jnp.int32)
+for dtype in (jnp.float32, jnp.float64):
+  m, v, tcs = build(dtype)
+  g = circuits.attribute(m, v, tokens, tcs, zero_bos=True, batch_size=16, max_feature_nodes=budget)
+  A, B = g.adjacency, z["adjacency"]
+  same_feats = np.array_equal(g.active_features, z["active_features"])
+  print(
+    dtype.__name__,
+    "adjacency shapes",
+    A.shape,
+    B.shape,
+    "same active features",
+    same_feats,
+    "same selected",
+    np.array_equal(g.selected_features, z["selected_features"]),
+    "same logits",
+    np.array_equal(g.logit_tokens, z["logit_tokens"]),
+  )
+  if A.shape == B.shape:
+    scale = np.abs(B).max()
+    print(
+      "  max |A - A_ct| / max|A_ct|",
+      float(np.abs(A - B).max() / scale),
+      " max rel (entries > 1e-3 max):",
+      float((np.abs(A - B) / np.maximum(np.abs(B), 1e-3 * scale)).max()),
+    )
+    print(
+      "  activations max rel",
+      float(
+        np.abs(g.activation_values - z["activation_values"]).max()
+        / np.abs(z["activation_values"]).max()
+      ),
+    )
+    r = circuits.prune(g)
+    print(
+      "  node masks equal",
+      np.array_equal(r.node_mask, z["node_mask"]),
+      "edge masks equal",
+      np.array_equal(r.edge_mask, z["edge_mask"]),
+      "edge mask diffs",
+      int((r.edge_mask != z["edge_mask"]).sum()),
+    )
+    s = circuits.graph_scores(g)
+    print(
+      "  scores", s, "circuit-tracer", z["scores"], "diff", np.abs(np.array(s) - z["scores"]).max()
+    )

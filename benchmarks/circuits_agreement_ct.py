@@ -1,0 +1,135 @@
+"""Agreement with circuit-tracer 0.5.0, the circuit-tracer side: a random GPT-2- or
+Llama-layout TransformerLens model with random per-layer transcoders (with or without skip),
+offline (the tokenizer attribute is a stand-in); writes its weights and its graph to
+/tmp/ct/exchange_<layout>_<kind>[_b].npz for benchmarks/circuits_agreement.py.
+
+Run it in a separate environment (not a jaxlens requirement)::
+
+  python3 -m venv /work/venv-ct && /work/venv-ct/bin/pip install torch==2.13.0 circuit-tracer==0.5.0
+  LAYOUT=gpt2|llama [BUDGET=50] /work/venv-ct/bin/python benchmarks/circuits_agreement_ct.py [skip]
+"""
+
+import os
+import sys
+
+import numpy as np
+import torch
+from transformer_lens import HookedTransformerConfig
+from circuit_tracer import attribute
+from circuit_tracer.replacement_model import ReplacementModel
+from circuit_tracer.transcoder import SingleLayerTranscoder, TranscoderSet
+from circuit_tracer.graph import prune_graph, compute_graph_scores
+
+skip = len(sys.argv) > 1 and sys.argv[1] == "skip"
+torch.manual_seed(0)
+L, D, V, S = 2, 32, 50, 8
+
+layout = os.environ.get("LAYOUT", "gpt2")
+if layout == "gpt2":
+  cfg = HookedTransformerConfig(
+    n_layers=L,
+    d_model=D,
+    n_ctx=16,
+    d_head=8,
+    n_heads=4,
+    d_mlp=64,
+    d_vocab=V,
+    act_fn="gelu_new",
+    normalization_type="LN",
+    dtype=torch.float32,
+    device="cpu",
+    positional_embedding_type="standard",
+  )
+else:  # Llama: RMSNorm, rotary (rotate-half), SwiGLU
+  cfg = HookedTransformerConfig(
+    n_layers=L,
+    d_model=D,
+    n_ctx=16,
+    d_head=8,
+    n_heads=4,
+    d_mlp=64,
+    d_vocab=V,
+    act_fn="silu",
+    normalization_type="RMS",
+    dtype=torch.float32,
+    device="cpu",
+    positional_embedding_type="rotary",
+    rotary_dim=8,
+    gated_mlp=True,
+    final_rms=True,
+  )
+
+tcs = {}
+g = torch.Generator().manual_seed(1)
+for i in range(L):
+  t = SingleLayerTranscoder(
+    D, 64, torch.nn.ReLU(), i, skip_connection=skip, dtype=torch.float32, device=torch.device("cpu")
+  )
+  with torch.no_grad():
+    t.W_enc.copy_(torch.randn(64, D, generator=g) * 0.3)
+    t.b_enc.copy_(torch.randn(64, generator=g) * 0.1 - 0.5)
+    t.W_dec.copy_(torch.randn(64, D, generator=g) * 0.2)
+    t.b_dec.copy_(torch.randn(D, generator=g) * 0.05)
+    if skip:
+      t.W_skip.copy_(torch.randn(D, D, generator=g) * 0.1)
+  tcs[i] = t
+tset = TranscoderSet(
+  tcs, feature_input_hook="ln2.hook_normalized", feature_output_hook="hook_mlp_out"
+)
+model = ReplacementModel.from_config(cfg, tset, backend="transformerlens")
+with torch.no_grad():  # random LN gains and biases too (init leaves them 1 and 0)
+  for name, p in model.named_parameters():
+    if (
+      "ln" in name and "ln2" not in name and "transcoders" not in name
+    ):  # ln2.hook_normalized is before the gain: keep ln2 the identity affine
+      p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+class Tok:
+  all_special_ids = [0]
+  bos_token_id = 0
+  pad_token_id = 0
+  eos_token_id = 0
+  vocab_size = V
+  padding_side = "right"
+
+  def decode(self, ids):
+    ids = ids if isinstance(ids, list) else [int(ids)] if np.ndim(ids) == 0 else list(ids)
+    return " ".join(f"t{int(i)}" for i in ids)
+
+
+model.tokenizer = Tok()
+tokens = torch.tensor([0, 5, 7, 3, 9, 2, 11, 4])
+import os
+
+budget = int(os.environ.get("BUDGET", "0")) or None
+graph = attribute(tokens, model, batch_size=16, max_feature_nodes=budget)
+res = prune_graph(graph, 0.8, 0.98)
+rs, cs = compute_graph_scores(graph)
+out = {
+  f"w/{k}": v.detach().cpu().numpy()
+  for k, v in model.state_dict().items()
+  if "transcoders" not in k
+}
+for i in range(L):
+  for k in ("W_enc", "b_enc", "W_dec", "b_dec") + (("W_skip",) if skip else ()):
+    out[f"tc{i}/{k}"] = getattr(tcs[i], k).detach().numpy()
+out.update(
+  tokens=tokens.numpy(),
+  adjacency=graph.adjacency_matrix.numpy(),
+  active_features=graph.active_features.numpy(),
+  selected_features=graph.selected_features.numpy(),
+  activation_values=graph.activation_values.numpy(),
+  logit_tokens=np.array([t.vocab_idx for t in graph.logit_targets])
+  if hasattr(graph, "logit_targets")
+  else graph.logit_tokens.numpy(),
+  logit_probabilities=graph.logit_probabilities.numpy(),
+  node_mask=res.node_mask.numpy(),
+  edge_mask=res.edge_mask.numpy(),
+  cumulative=res.cumulative_scores.numpy(),
+  scores=np.array([rs, cs]),
+)
+np.savez(
+  f"/tmp/ct/exchange_{layout}_{'skip' if skip else 'plain'}{'_b' if budget else ''}.npz", **out
+)
+print("ok", graph.adjacency_matrix.shape, len(graph.active_features), rs, cs)
