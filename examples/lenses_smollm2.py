@@ -85,7 +85,9 @@ def main(argv=None) -> dict:
 
   # 2. Direct logit attribution of " Paris" - " Rome".
   paris, rome = lm.tokenizer.encode(" Paris").ids[0], lm.tokenizer.encode(" Rome").ids[0]
-  dla = lens.direct_logit_attribution(model, variables, tokens, paris, minus=rome)
+  dla = jax.jit(lambda v, t: lens.direct_logit_attribution(model, v, t, paris, minus=rome))(
+    variables, tokens
+  )
   total, logit = float(dla.parts[0].sum()), float(dla.logit[0])
   assert abs(total - logit) <= 1e-3 * max(1.0, abs(logit)), (total, logit)
   order = np.argsort(-np.abs(np.asarray(dla.parts[0])))[:5]
@@ -115,7 +117,7 @@ def main(argv=None) -> dict:
   report["patchscope_diagonal"] = {
     layer: lm.decode(int(grid[i, i, 0])) for i, layer in enumerate(scoped)
   }
-  layers = sorted({0, n // 4, n // 2, 3 * n // 4})
+  layers = sorted({0, n // 4, n // 2, 3 * n // 4}) if args.every == 1 else scoped[:-1]
   gen = lens.patchscope_generate(
     model, variables, tokens, target, args.new, source_layers=layers, target_layers=layers
   )
@@ -134,9 +136,10 @@ def main(argv=None) -> dict:
   t0 = time.perf_counter()
   result = lens.train_tuned_lens(model, variables, batches, steps=args.steps)
   report["train_seconds"] = time.perf_counter() - t0
-  kl = jax.jit(lambda v, t, tl: lens.kl_to_final(model, v, t, tl))
-  tuned = np.asarray(kl(variables, held, result.lens))
-  logit = np.asarray(kl(variables, held, None))
+  both = jax.jit(
+    lambda v, t, tl: (lens.kl_to_final(model, v, t, tl), lens.kl_to_final(model, v, t, None))
+  )
+  tuned, logit = (np.asarray(a) for a in both(variables, held, result.lens))
   report["kl_tuned"], report["kl_logit"] = tuned.tolist(), logit.tolist()
   report["tuned_below_logit"] = bool(np.all(tuned[:-1] < logit[:-1]))
   plot.lens_kl({"logit lens": logit, "tuned lens": tuned}, title=args.model, path=out / "kl.png")
