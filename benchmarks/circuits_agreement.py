@@ -5,7 +5,7 @@ float64 (adjacency, active and selected features, logit targets, pruning masks, 
 
 Usage::
 
-  LAYOUT=gpt2|llama [BUDGET=50] python benchmarks/circuits_agreement.py plain|skip
+  LAYOUT=gpt2|llama [BUDGET=50] python benchmarks/circuits_agreement.py plain|skip|clt
 """
 
 import sys
@@ -80,23 +80,19 @@ def build(dtype):
       },
     }
   assert np.abs(get("b_U")).max() == 0
-  tcs = []
-  for i in range(L):
-    t = sae.Transcoder.init(jax.random.key(0), d_in=D, d_sae=64, dtype=dtype, skip=kind == "skip")
-    ch = dict(
-      W_enc=c(z[f"tc{i}/W_enc"].T),
-      b_enc=c(z[f"tc{i}/b_enc"]),
-      W_dec=c(z[f"tc{i}/W_dec"]),
-      b_dec=c(z[f"tc{i}/b_dec"]),
-    )
-    if kind == "skip":
-      ch["W_skip"] = c(z[f"tc{i}/W_skip"])
-    tcs.append(t.replace(**ch))
-  return m, {"params": p}, tcs
+  return m, {"params": p}, transcoders(dtype)
 
 
 def transcoders(dtype):
   c = lambda a: jnp.asarray(a, dtype)
+  if kind == "clt":
+    clt = sae.CrossLayerTranscoder.init(jax.random.key(0), n_layers=L, d_in=D, d_sae=64)
+    return clt.replace(
+      W_enc=c(z["clt/W_enc"].transpose(0, 2, 1)),
+      b_enc=c(z["clt/b_enc"]),
+      W_dec=tuple(c(z[f"clt/W_dec{i}"].transpose(1, 0, 2)) for i in range(L)),
+      b_dec=c(z["clt/b_dec"]),
+    )
   tcs = []
   for i in range(L):
     t = sae.Transcoder.init(jax.random.key(0), d_in=D, d_sae=64, dtype=dtype, skip=kind == "skip")

@@ -6,7 +6,7 @@ offline (the tokenizer attribute is a stand-in); writes its weights and its grap
 Run it in a separate environment (not a jaxlens requirement)::
 
   python3 -m venv /work/venv-ct && /work/venv-ct/bin/pip install torch==2.13.0 circuit-tracer==0.5.0
-  LAYOUT=gpt2|llama [BUDGET=50] /work/venv-ct/bin/python benchmarks/circuits_agreement_ct.py [skip]
+  LAYOUT=gpt2|llama [BUDGET=50] /work/venv-ct/bin/python benchmarks/circuits_agreement_ct.py [plain|skip|clt]
 """
 
 import os
@@ -20,7 +20,8 @@ from circuit_tracer.replacement_model import ReplacementModel
 from circuit_tracer.transcoder import SingleLayerTranscoder, TranscoderSet
 from circuit_tracer.graph import prune_graph, compute_graph_scores
 
-skip = len(sys.argv) > 1 and sys.argv[1] == "skip"
+kind = sys.argv[1] if len(sys.argv) > 1 else "plain"
+skip = kind == "skip"
 torch.manual_seed(0)
 L, D, V, S = 2, 32, 50, 8
 
@@ -76,6 +77,25 @@ for i in range(L):
 tset = TranscoderSet(
   tcs, feature_input_hook="ln2.hook_normalized", feature_output_hook="hook_mlp_out"
 )
+if kind == "clt":
+  from circuit_tracer.transcoder.cross_layer_transcoder import CrossLayerTranscoder
+
+  tset = CrossLayerTranscoder(
+    L,
+    64,
+    D,
+    lazy_decoder=False,
+    feature_input_hook="ln2.hook_normalized",
+    feature_output_hook="hook_mlp_out",
+    device=torch.device("cpu"),
+    dtype=torch.float32,
+  )
+  with torch.no_grad():
+    tset.W_enc.copy_(torch.randn(L, 64, D, generator=g) * 0.3)
+    tset.b_enc.copy_(torch.randn(L, 64, generator=g) * 0.1 - 0.5)
+    for i in range(L):
+      tset.W_dec[i].copy_(torch.randn(64, L - i, D, generator=g) * 0.2)
+    tset.b_dec.copy_(torch.randn(L, D, generator=g) * 0.05)
 model = ReplacementModel.from_config(cfg, tset, backend="transformerlens")
 with torch.no_grad():  # random LN gains and biases too (init leaves them 1 and 0)
   for name, p in model.named_parameters():
@@ -114,6 +134,11 @@ out = {
 for i in range(L):
   for k in ("W_enc", "b_enc", "W_dec", "b_dec") + (("W_skip",) if skip else ()):
     out[f"tc{i}/{k}"] = getattr(tcs[i], k).detach().numpy()
+if kind == "clt":
+  for k in ("W_enc", "b_enc", "b_dec"):
+    out[f"clt/{k}"] = getattr(tset, k).detach().numpy()
+  for i in range(L):
+    out[f"clt/W_dec{i}"] = tset.W_dec[i].detach().numpy()
 out.update(
   tokens=tokens.numpy(),
   adjacency=graph.adjacency_matrix.numpy(),
@@ -129,7 +154,5 @@ out.update(
   cumulative=res.cumulative_scores.numpy(),
   scores=np.array([rs, cs]),
 )
-np.savez(
-  f"/tmp/ct/exchange_{layout}_{'skip' if skip else 'plain'}{'_b' if budget else ''}.npz", **out
-)
+np.savez(f"/tmp/ct/exchange_{layout}_{kind}{'_b' if budget else ''}.npz", **out)
 print("ok", graph.adjacency_matrix.shape, len(graph.active_features), rs, cs)
