@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -41,3 +44,68 @@ def test_dla_bars_show_the_largest_parts_first():
     plot.dla_bars([1.0], ["a"], k=0)
   with pytest.raises(ShapeError):
     plot.dla_bars([1.0, 2.0], ["a"])
+
+
+def _cells(page):
+  from html.parser import HTMLParser
+
+  cells = []
+
+  class Cells(HTMLParser):
+    def handle_starttag(self, tag, attrs):
+      if tag == "td":
+        cells.append([dict(attrs), ""])
+
+    def handle_data(self, data):
+      if cells and not cells[-1][1]:
+        cells[-1][1] = data
+
+  Cells().feed(page)
+  return cells
+
+
+def test_lens_html_is_a_table_of_top_tokens(tmp_path):
+  from jaxlens import views
+
+  ids = np.asarray([[[1, 0]], [[2, 1]]])
+  probs = np.asarray([[[0.6, 0.1]], [[0.9, 0.05]]])
+  page = views.lens_html(
+    ids, probs, tmp_path / "lens.html", vocab=["a", "<b>", "cat"], col_labels=["x"]
+  )
+  assert (tmp_path / "lens.html").read_text() == page
+  cells = _cells(page)
+  assert [c[1] for c in cells] == ["'<b>'", "'cat'"]  # escaped in the page, read back
+  assert [float(c[0]["data-p"]) for c in cells] == [0.6, 0.9]
+  assert "'a' 0.100" in cells[0][0]["title"]  # the runner-up in the tooltip
+  with pytest.raises(ShapeError, match="must be \\(layers, positions"):
+    views.lens_html(ids[0, 0], probs[0, 0])
+
+
+@pytest.mark.skipif(
+  not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")),
+  reason="no Chromium on this machine",
+)
+def test_lens_html_renders_in_headless_chromium(tmp_path):
+  from jaxlens import views
+
+  browser = next(
+    shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)
+  )
+  views.lens_html(np.asarray([[3]]), np.asarray([[0.7]]), tmp_path / "l.html", vocab=str)
+  out = subprocess.run(
+    [
+      browser,
+      "--headless",
+      "--no-sandbox",
+      "--disable-gpu",
+      "--no-first-run",
+      f"--user-data-dir={tmp_path / 'profile'}",
+      "--dump-dom",
+      (tmp_path / "l.html").as_uri(),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=180,
+    check=False,
+  )
+  assert [c[1] for c in _cells(out.stdout)] == ["'3'"], out.stderr[-2000:]
