@@ -131,3 +131,28 @@ def test_pre_6_0_boolean_normalize_activations_reads_as_saelens_does(tmp_path, x
   theirs = sae_lens.SAE.load_from_disk(str(tmp_path / "d")).eval()
   assert theirs.cfg.normalize_activations == "expected_average_only_in"
   _agree(theirs, ours, x)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_transcoder_with_layer_norm_computes_what_saelens_does(skip, tmp_path, x):
+  from sae_lens import SkipTranscoder, SkipTranscoderConfig, Transcoder, TranscoderConfig
+
+  cls, cfg_cls = (SkipTranscoder, SkipTranscoderConfig) if skip else (Transcoder, TranscoderConfig)
+  ref = cls(
+    cfg_cls(
+      d_in=D_IN,
+      d_sae=D_SAE,
+      d_out=5,
+      normalize_activations="layer_norm",
+      apply_b_dec_to_input=False,
+    )
+  )
+  with torch.no_grad():
+    for i, p in enumerate(ref.parameters()):
+      p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.5)
+  ref.save_model(tmp_path / "d")
+  ours = jsae.load_saelens(tmp_path / "d")
+  assert ours.normalize_activations == "layer_norm"
+  with torch.no_grad():
+    expected = ref.eval()(torch.from_numpy(x)).numpy()
+  assert rel(ours(x), expected) <= 1e-6

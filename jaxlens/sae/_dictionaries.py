@@ -479,15 +479,9 @@ class Transcoder(SAE):
     return self._flatten_in(x).astype(self.dtype) @ self.W_skip.T
 
   def decode(self, acts, x=None):
-    out = acts.astype(self.dtype) @ self.W_dec + self.b_dec
-    if self.normalize_activations in ("constant_norm_rescale", "layer_norm"):
-      raise SAEError(
-        "a transcoder's output lives in another space: run-time normalisation is not undone",
-        code="sae_config_invalid",
-        field="normalize_activations",
-        fix="normalize_activations='none'",
-      )
-    return out
+    # A transcoder's output lives in another space: as SAELens's, it does not undo the
+    # input's run-time normalisation (decode(encode(norm(x)))).
+    return acts.astype(self.dtype) @ self.W_dec + self.b_dec
 
   def __call__(self, x):
     out = self.decode(self.encode(x))
