@@ -204,3 +204,18 @@ def test_agrees_with_the_tuned_lens_package(tmp_path):
   assert json.loads((tmp_path / "jl" / "config.json").read_text())["unembed_hash"] == (
     unembed.unembedding_hash()
   )
+
+
+def test_data_parallel_over_a_mesh_trains_the_same_lens(llama):
+  """Each batch split over a 2-device mesh's data axis: the same lens as on one device."""
+  from jax.sharding import Mesh
+
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 devices (tests/conftest.py gives the CPU 8)")
+  model, variables = llama
+  mesh = Mesh(np.asarray(jax.devices()[:2]), ("data",))
+  one = lens.train_tuned_lens(model, variables, _batches(3, 3), steps=3)
+  two = lens.train_tuned_lens(model, variables, _batches(3, 3), steps=3, mesh=mesh)
+  np.testing.assert_allclose(two.lens.weight, one.lens.weight, rtol=1e-9, atol=1e-12)
+  np.testing.assert_allclose(two.kl, one.kl, rtol=1e-9)
+  assert float(jnp.abs(one.lens.weight).max()) > 0
