@@ -1,11 +1,11 @@
 """Agreement with circuit-tracer 0.5.0, the jaxlens side (run after circuits_agreement_ct.py,
 which writes /tmp/ct/exchange_<layout>_<kind>[_b].npz from its own environment): the same weights
-in the zoo's GPT-2 or Llama, the same transcoders, the same graph, compared in float32 and
+in the zoo's GPT-2, Llama or Gemma (with Gemma 2's options), the same transcoders, the same graph, compared in float32 and
 float64 (adjacency, active and selected features, logit targets, pruning masks, scores).
 
 Usage::
 
-  LAYOUT=gpt2|llama [BUDGET=50] python benchmarks/circuits_agreement.py plain|skip|clt
+  LAYOUT=gpt2|llama|gemma2 [BUDGET=50] python benchmarks/circuits_agreement.py plain|skip|clt
 """
 
 import sys
@@ -38,6 +38,8 @@ L, D, V = 2, 32, 50
 def build(dtype):
   if layout == "llama":
     return build_llama(dtype)
+  if layout == "gemma2":
+    return build_gemma2(dtype)
   m = GPT2(
     GPT2Config(
       vocab_size=V,
@@ -143,6 +145,62 @@ def build_llama(dtype):
       "attn": attn,
       "ln_1": {"weight": c(g("ln1.w"))},
       "ln_2": {"weight": c(g("ln2.w"))},
+      "mlp": {
+        "gate_proj": {"kernel": c(w[pre + "W_gate"])},
+        "up_proj": {"kernel": c(w[pre + "W_in"])},
+        "down_proj": {"kernel": c(w[pre + "W_out"])},
+      },
+    }
+  return m, {"params": p}, transcoders(dtype)
+
+
+def build_gemma2(dtype):
+  from jaxlens.models import Gemma3, Gemma3Config
+
+  m = Gemma3(
+    Gemma3Config(
+      vocab_size=V,
+      d_model=D,
+      n_layers=L,
+      n_heads=4,
+      n_kv_heads=4,
+      head_dim=8,
+      d_mlp=64,
+      query_pre_attn_scalar=64.0,
+      sliding_window=None,
+      rope_base=10000.0,
+      rope_local_base=10000.0,
+      qk_norm=False,
+      attn_softcap=50.0,
+      final_softcap=30.0,
+      tie_embeddings=False,
+      max_len=16,
+      dtype=dtype,
+    )
+  )
+  c = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+  one = lambda a: c(np.asarray(a, np.float64) - 1.0)  # noqa: E731  (Gemma's norm is 1 + weight)
+  # TransformerLens's Gemma folds sqrt(d_model) into W_E when it loads; built from a config it
+  # has none, while the zoo scales its embedding by sqrt(d_model).
+  p = {
+    "embed": {"embedding": c(np.asarray(get("embed.W_E"), np.float64) / np.sqrt(D))},
+    "ln_final": {"weight": one(get("ln_final.w"))},
+    "lm_head": {"kernel": c(get("W_U"))},
+  }
+  for i in range(L):
+    b = f"blocks.{i}."
+    g = lambda s, b=b: get(b + s)  # noqa: E731
+    attn = {}
+    for n, x in (("q_proj", "Q"), ("k_proj", "K"), ("v_proj", "V")):
+      attn[n] = {"kernel": c(g(f"attn.W_{x}").transpose(1, 0, 2).reshape(D, -1))}
+    attn["o_proj"] = {"kernel": c(g("attn.W_O").reshape(-1, D))}
+    pre = [k for k in w if k.startswith(b) and k.endswith("W_in")][0][: -len("W_in")]
+    p[f"blocks_{i}"] = {
+      "attn": attn,
+      "ln_1": {"weight": one(g("ln1.w"))},
+      "ln_1_post": {"weight": one(g("ln1_post.w"))},
+      "ln_2": {"weight": one(g("ln2.w"))},
+      "ln_2_post": {"weight": one(g("ln2_post.w"))},
       "mlp": {
         "gate_proj": {"kernel": c(w[pre + "W_gate"])},
         "up_proj": {"kernel": c(w[pre + "W_in"])},

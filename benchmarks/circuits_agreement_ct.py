@@ -1,12 +1,12 @@
-"""Agreement with circuit-tracer 0.5.0, the circuit-tracer side: a random GPT-2- or
-Llama-layout TransformerLens model with random per-layer transcoders (with or without skip),
+"""Agreement with circuit-tracer 0.5.0, the circuit-tracer side: a random GPT-2-,
+Llama- or Gemma-2-layout TransformerLens model with random per-layer transcoders (with or without skip),
 offline (the tokenizer attribute is a stand-in); writes its weights and its graph to
 /tmp/ct/exchange_<layout>_<kind>[_b].npz for benchmarks/circuits_agreement.py.
 
 Run it in a separate environment (not a jaxlens requirement)::
 
   python3 -m venv /work/venv-ct && /work/venv-ct/bin/pip install torch==2.13.0 circuit-tracer==0.5.0
-  LAYOUT=gpt2|llama [BUDGET=50] /work/venv-ct/bin/python benchmarks/circuits_agreement_ct.py [plain|skip|clt]
+  LAYOUT=gpt2|llama|gemma2 [BUDGET=50] /work/venv-ct/bin/python benchmarks/circuits_agreement_ct.py [plain|skip|clt]
 """
 
 import os
@@ -40,6 +40,29 @@ if layout == "gpt2":
     dtype=torch.float32,
     device="cpu",
     positional_embedding_type="standard",
+  )
+elif layout == "gemma2":  # RMSNorm before and after, soft-caps, GeGLU, attention scale 1/8
+  cfg = HookedTransformerConfig(
+    n_layers=L,
+    d_model=D,
+    n_ctx=16,
+    d_head=8,
+    n_heads=4,
+    d_mlp=64,
+    d_vocab=V,
+    act_fn="gelu_pytorch_tanh",
+    normalization_type="RMS",
+    dtype=torch.float32,
+    device="cpu",
+    positional_embedding_type="rotary",
+    rotary_dim=8,
+    gated_mlp=True,
+    final_rms=True,
+    use_normalization_before_and_after=True,
+    attn_scores_soft_cap=50.0,
+    output_logits_soft_cap=30.0,
+    attn_scale=8.0,
+    eps=1e-6,
   )
 else:  # Llama: RMSNorm, rotary (rotate-half), SwiGLU
   cfg = HookedTransformerConfig(
