@@ -498,3 +498,52 @@ def test_neuronpedia_json_has_the_viewers_fields(gpt2, tmp_path):
   feature = next(n for n in out["nodes"] if n["feature_type"] == "cross layer transcoder")
   layer, feat, pos = (int(x) for x in feature["node_id"].split("_"))
   assert feature["feature"] == feat + 100 * layer and feature["ctx_idx"] == pos
+
+
+def test_circuit_tracer_transcoder_files_are_read(tmp_path):
+  """Files in circuit-tracer's layout (its to_safetensors: W_enc as (features, d_model), a CLT
+  as W_enc_{i} / W_dec_{i} files) read back as jaxlens dictionaries computing the same."""
+  from safetensors.numpy import save_file
+
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(4, D)))
+  w = {k: rng.normal(size=s) for k, s in [("W_enc", (8, D)), ("W_dec", (8, D)), ("W_skip", (D, D))]}
+  w |= {"b_enc": rng.normal(size=8), "b_dec": rng.normal(size=D)}
+  w["activation_function.threshold"] = np.abs(rng.normal(size=8))
+  save_file(w, str(tmp_path / "t.safetensors"))
+  t = circuits.load_circuit_tracer(tmp_path / "t.safetensors")
+  pre = np.asarray(x) @ w["W_enc"].T + w["b_enc"]
+  acts = pre * (pre > w["activation_function.threshold"])
+  np.testing.assert_allclose(np.asarray(t.encode(x)), acts, atol=1e-12)
+  want = acts @ w["W_dec"] + w["b_dec"] + np.asarray(x) @ w["W_skip"].T
+  np.testing.assert_allclose(np.asarray(t(x)), want, atol=1e-12)
+  n = 3
+  for i in range(n):
+    enc = {f"W_enc_{i}": rng.normal(size=(8, D)), f"b_enc_{i}": rng.normal(size=8)}
+    save_file(enc | {f"b_dec_{i}": rng.normal(size=D)}, str(tmp_path / f"W_enc_{i}.safetensors"))
+    save_file(
+      {f"W_dec_{i}": rng.normal(size=(8, n - i, D))}, str(tmp_path / f"W_dec_{i}.safetensors")
+    )
+  clt = circuits.load_circuit_tracer(tmp_path)
+  assert isinstance(clt, sae.CrossLayerTranscoder) and clt.n_layers == n
+  w_dec1 = np.asarray(clt.W_dec[1])  # (n - 1, features, d)
+  from safetensors.numpy import load_file
+
+  np.testing.assert_array_equal(
+    w_dec1[1], load_file(str(tmp_path / "W_dec_1.safetensors"))["W_dec_1"][:, 1]
+  )
+
+  def refused(match, where):
+    with pytest.raises(circuits.CircuitError, match=match):
+      circuits.load_circuit_tracer(where)
+
+  save_file({"W_enc": w["W_enc"]}, str(tmp_path / "part.safetensors"))
+  refused("no tensor 'W_dec'", tmp_path / "part.safetensors")
+  save_file(w | {"activation_function.threshold": -np.ones(8)}, str(tmp_path / "neg.safetensors"))
+  refused("negative JumpReLU thresholds", tmp_path / "neg.safetensors")
+  refused("no transcoder file", tmp_path / "none.safetensors")
+  (tmp_path / "bad.safetensors").write_bytes(b"\x08\x00")
+  refused("not a readable safetensors", tmp_path / "bad.safetensors")
+  refused(
+    "holds no W_enc_0", tmp_path / "empty_dir" if (tmp_path / "empty_dir").mkdir() is None else None
+  )

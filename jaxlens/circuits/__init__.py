@@ -7,7 +7,8 @@
   replacement model (norm scales, attention patterns and MLP outputs frozen on the prompt).
 * :func:`prune`, :func:`graph_scores`: circuit-tracer's pruning by node and edge influence and
   its replacement and completeness scores.
-* :func:`save_graph` / :func:`load_graph` (safetensors + JSON), :func:`to_neuronpedia_json`.
+* :func:`save_graph` / :func:`load_graph` (safetensors + JSON), :func:`to_neuronpedia_json`;
+  :func:`load_circuit_tracer` reads circuit-tracer's transcoder files.
 
 See docs/circuits.md.
 """
@@ -19,6 +20,7 @@ from jaxlens.circuits._attribute import attribute as attribute
 from jaxlens.circuits._attribute import local_replacement as local_replacement
 from jaxlens.circuits._attribute import replacement as replacement
 from jaxlens.circuits._errors import CircuitError as CircuitError
+from jaxlens.circuits._files import load_circuit_tracer as load_circuit_tracer
 from jaxlens.circuits._files import load_graph as load_graph
 from jaxlens.circuits._files import save_graph as save_graph
 from jaxlens.circuits._files import to_neuronpedia_json as to_neuronpedia_json
@@ -42,6 +44,7 @@ __all__ = [
   "find_threshold",
   "frozen_forward",
   "graph_scores",
+  "load_circuit_tracer",
   "load_graph",
   "local_replacement",
   "prune",

@@ -18,7 +18,7 @@ from jaxlens.circuits._attribute import Graph
 from jaxlens.circuits._errors import CircuitError
 from jaxlens.circuits._prune import prune
 
-__all__ = ["load_graph", "save_graph", "to_neuronpedia_json"]
+__all__ = ["load_circuit_tracer", "load_graph", "save_graph", "to_neuronpedia_json"]
 
 FORMAT = "jaxlens.circuits.graph"
 VERSION = 1
@@ -286,3 +286,138 @@ def to_neuronpedia_json(
         fix="a writable path",
       ) from error
   return out
+
+
+def _tensors(path):
+  from safetensors.numpy import load_file
+
+  try:
+    return load_file(str(path))
+  except FileNotFoundError as error:
+    raise CircuitError(
+      f"no transcoder file at {path}",
+      code="circuit_file_missing",
+      received=str(path),
+      fix="the .safetensors file (or CLT directory) circuit-tracer's to_safetensors wrote",
+    ) from error
+  except Exception as error:  # safetensors raises its own SafetensorError
+    raise CircuitError(
+      f"{path} is not a readable safetensors file ({error})",
+      code="circuit_file_corrupt",
+      received=str(path),
+      fix="the file circuit-tracer's to_safetensors wrote, intact",
+    ) from error
+
+
+def _need(tensors, key, path):
+  if key not in tensors:
+    raise CircuitError(
+      f"{path} has no tensor {key!r} (it holds {sorted(tensors)})",
+      code="circuit_file_corrupt",
+      received=str(path),
+      fix="a transcoder file in circuit-tracer's layout",
+    )
+  return tensors[key]
+
+
+def _shape_error(path, what, got, expected):
+  return CircuitError(
+    f"{path}: {what} has shape {tuple(got)}, expected {tuple(expected)}",
+    code="circuit_file_corrupt",
+    received=str(tuple(got)),
+    expected=str(tuple(expected)),
+    fix="a transcoder file in circuit-tracer's layout",
+  )
+
+
+def _check_threshold(threshold, path):
+  # circuit-tracer's JumpReLU is x * (x > t); jaxlens's relu(x) * (x > t): equal for t >= 0.
+  if threshold is not None and np.any(np.asarray(threshold, np.float64) < 0):
+    raise CircuitError(
+      f"{path} has negative JumpReLU thresholds, which jaxlens's JumpReLU (relu(x) * (x > t)) "
+      "does not reproduce",
+      code="circuit_file_corrupt",
+      received=float(np.min(threshold)),
+      fix="thresholds >= 0 (as trained JumpReLU transcoders have)",
+    )
+
+
+def load_circuit_tracer(path, dtype=None):
+  """Reads circuit-tracer's transcoder files: a per-layer transcoder's ``.safetensors`` file
+  (``W_enc`` ``(d_transcoder, d_model)``, ``W_dec``, ``b_enc``, ``b_dec``, optional ``W_skip``
+  and ``activation_function.threshold``), a list of them (one per layer), or a cross-layer
+  transcoder's directory (``W_enc_{i}.safetensors`` with ``W_enc_{i}``, ``b_enc_{i}``,
+  ``b_dec_{i}``, optional ``threshold_{i}``, and ``W_dec_{i}.safetensors`` with ``W_dec_{i}``
+  ``(d_transcoder, n_layers - i, d_model)``).
+
+  Returns:
+    A :class:`jaxlens.sae.Transcoder` (ReLU, or JumpReLU with a threshold), a list of them,
+    or a :class:`jaxlens.sae.CrossLayerTranscoder`.
+
+  Raises:
+    CircuitError: ``circuit_file_missing``, ``circuit_file_corrupt`` (unreadable, a tensor
+      missing or of the wrong shape).
+  """
+  import jax.numpy as jnp
+
+  from jaxlens.sae import CrossLayerTranscoder, Transcoder
+
+  def cast(a):
+    return jnp.asarray(a if dtype is None else np.asarray(a).astype(dtype))
+
+  if isinstance(path, (list, tuple)):
+    return [load_circuit_tracer(p, dtype) for p in path]
+  path = pathlib.Path(path)
+  if path.is_dir():
+    n = 0
+    while (path / f"W_enc_{n}.safetensors").is_file():
+      n += 1
+    if n == 0:
+      raise CircuitError(
+        f"{path} holds no W_enc_0.safetensors",
+        code="circuit_file_missing",
+        received=str(path),
+        fix="the directory circuit-tracer's CrossLayerTranscoder.to_safetensors wrote",
+      )
+    enc, b_enc, b_dec, thr, dec = [], [], [], [], []
+    for i in range(n):
+      t = _tensors(path / f"W_enc_{i}.safetensors")
+      enc.append(_need(t, f"W_enc_{i}", path).T)
+      b_enc.append(_need(t, f"b_enc_{i}", path))
+      b_dec.append(_need(t, f"b_dec_{i}", path))
+      if f"threshold_{i}" in t:
+        _check_threshold(t[f"threshold_{i}"], path)
+        thr.append(t[f"threshold_{i}"])
+      w = _need(_tensors(path / f"W_dec_{i}.safetensors"), f"W_dec_{i}", path)
+      expected = (enc[0].shape[1], n - i, enc[0].shape[0])
+      if w.shape != expected:
+        raise _shape_error(path, f"W_dec_{i}", w.shape, expected)
+      dec.append(np.transpose(w, (1, 0, 2)))
+    for i, e in enumerate(enc):
+      if e.shape != enc[0].shape:
+        raise _shape_error(path, f"W_enc_{i}", e.T.shape, enc[0].T.shape)
+    return CrossLayerTranscoder(
+      W_enc=cast(np.stack(enc)),
+      b_enc=cast(np.stack(b_enc)),
+      W_dec=tuple(cast(w) for w in dec),
+      b_dec=cast(np.stack(b_dec)),
+      threshold=cast(np.stack(thr)) if len(thr) == n else None,
+      activation="jumprelu" if len(thr) == n else "relu",
+    )
+  t = _tensors(path)
+  w_enc = _need(t, "W_enc", path)
+  d_tc, d_model = w_enc.shape
+  w_dec = _need(t, "W_dec", path)
+  if w_dec.shape[0] != d_tc:
+    raise _shape_error(path, "W_dec", w_dec.shape, (d_tc, w_dec.shape[-1]))
+  threshold = t.get("activation_function.threshold")
+  _check_threshold(threshold, path)
+  return Transcoder(
+    W_enc=cast(w_enc.T),
+    b_enc=cast(_need(t, "b_enc", path)),
+    W_dec=cast(w_dec),
+    b_dec=cast(_need(t, "b_dec", path)),
+    threshold=None if threshold is None else cast(np.reshape(threshold, (d_tc,))),
+    W_skip=None if t.get("W_skip") is None else cast(t["W_skip"]),
+    activation="relu" if threshold is None else "jumprelu",
+  )
