@@ -12,11 +12,13 @@ import pathlib
 import shutil
 import tempfile
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxlens.circuits._attribute import Graph
 from jaxlens.circuits._errors import CircuitError
 from jaxlens.circuits._prune import prune
+from jaxlens.sae import CrossLayerTranscoder, Transcoder
 
 __all__ = ["load_circuit_tracer", "load_graph", "save_graph", "to_neuronpedia_json"]
 
@@ -358,9 +360,6 @@ def load_circuit_tracer(path, dtype=None):
     CircuitError: ``circuit_file_missing``, ``circuit_file_corrupt`` (unreadable, a tensor
       missing or of the wrong shape).
   """
-  import jax.numpy as jnp
-
-  from jaxlens.sae import CrossLayerTranscoder, Transcoder
 
   def cast(a):
     return jnp.asarray(a if dtype is None else np.asarray(a).astype(dtype))
