@@ -212,3 +212,41 @@ def test_training_refusals():
   tcfg = st.TrainConfig(d_sae=8, architecture="relu", transcoder=True)
   with pytest.raises(sae.SAEError, match=r"\[sae_batch_invalid\]"):
     st.train([np.zeros((4, 3), np.float32)], tcfg, steps=1)
+
+
+def test_topk_sparse_gradients_equal_the_dense_formula():
+  """The TopK loss's custom VJPs (k active rows and columns only) against plain autodiff of
+  the dense formula, with dead features (AuxK) and the rescaling, at d_sae / k > 128 (the
+  scatter-add branch; test_sae_saelens's one-step parity covers the one-hot product)."""
+  d_in, rows, d_sae, k = 6, 5, 520, 2
+  cfg = st.TrainConfig(d_sae=d_sae, architecture="topk", k=k, rescale_acts_by_decoder_norm=True)
+  keys = jax.random.split(jax.random.key(0), 4)
+  d = sae.SAE.init(keys[0], d_in, d_sae, activation="topk", k=k, dtype=jnp.float64)
+  d = d.replace(
+    b_enc=jax.random.normal(keys[1], (d_sae,), jnp.float64) * 0.1,
+    b_dec=jax.random.normal(keys[2], (d_in,), jnp.float64) * 0.1,
+  )
+  x = jax.random.normal(keys[3], (rows, d_in), jnp.float64)
+  dead = jnp.arange(d_sae) % 3 == 0
+
+  def dense(d):
+    norm = jnp.linalg.norm(d.W_dec, axis=-1)
+    pre = ((x - d.b_dec) @ d.W_enc + d.b_enc) * norm
+    values, index = jax.lax.top_k(pre, k)
+    acts = jnp.put_along_axis(jnp.zeros_like(pre), index, jax.nn.relu(values), -1, inplace=False)
+    out = (acts / norm) @ d.W_dec + d.b_dec
+    mse = jnp.mean(jnp.sum((out - x) ** 2, -1))
+    top, index = jax.lax.top_k(jnp.where(dead, pre, -jnp.inf), d_in // 2)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    aux_acts = jnp.put_along_axis(jnp.zeros_like(pre), index, top, -1, inplace=False)
+    recons = (aux_acts / norm) @ d.W_dec
+    aux = jnp.mean(jnp.sum((recons - jax.lax.stop_gradient(x - out)) ** 2, -1))
+    return mse + jnp.minimum(dead.sum() / (d_in // 2), 1.0) * aux
+
+  ours = jax.jit(jax.value_and_grad(lambda d: st.loss_terms(d, cfg, x, dead=dead)[0]))(d)
+  ref = jax.jit(jax.value_and_grad(dense))(d)
+  np.testing.assert_allclose(ours[0], ref[0], rtol=1e-12)
+  for name in ("W_enc", "b_enc", "W_dec", "b_dec"):
+    a, b = getattr(ours[1], name), getattr(ref[1], name)
+    assert float(jnp.abs(b).max()) > 0
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12, err_msg=name)
