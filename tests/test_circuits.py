@@ -296,6 +296,13 @@ def test_zero_bos_and_user_directions(gpt2):
   direction = (w_u[top] - w_u.mean(0))[None] * 2.0
   g = circuits.attribute(model, variables, TOKENS, tcs, directions=direction, local=lr)
   assert g.n_logits == 1 and g.logit_tokens[0] == -1 and g.logit_probabilities[0] == 1.0
+  # token targets: the same rows as the salient logits, weighted by their probabilities
+  picked = graph.logit_tokens[::-1]
+  gt = circuits.attribute(model, variables, TOKENS, tcs, target_tokens=picked, local=lr)
+  np.testing.assert_array_equal(gt.logit_tokens, picked)
+  np.testing.assert_allclose(gt.logit_probabilities, graph.logit_probabilities[::-1], rtol=1e-12)
+  k = graph.n_logits
+  np.testing.assert_allclose(gt.adjacency[-k:], graph.adjacency[-k:][::-1], atol=1e-12)
   base = g.adjacency.shape[0] - 1
   np.testing.assert_allclose(
     g.adjacency[-1, :base], 2.0 * graph.adjacency[-graph.n_logits, :base], atol=1e-12
@@ -435,6 +442,8 @@ def test_bad_input_is_refused_with_a_typed_error(gpt2):
   refused("circuit_transcoder_mismatch", "linear in its input", transcoders=topk)
   refused("invalid_argument", "sequence of jaxlens.sae.Transcoder", transcoders=[1, 2])
   refused("invalid_argument", "directions must be", directions=jnp.ones((D,)))
+  refused("index_out_of_range", "target token 31 is outside", target_tokens=[2, VOCAB])
+  refused("invalid_argument", "non-empty 1-D", target_tokens=[])
   clt = sae.CrossLayerTranscoder.init(jax.random.key(0), n_layers=3, d_in=D, d_sae=4)
   refused("circuit_transcoder_mismatch", "3 layers, the model 2", transcoders=clt)
   with pytest.raises(circuits.CircuitError, match="fraction in"):

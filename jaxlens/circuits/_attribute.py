@@ -220,6 +220,17 @@ class Graph:
     return w
 
 
+def _token_targets(logits, unembed, ids):
+  """circuit-tracer's targets from token ids: their probabilities and demeaned rows."""
+
+  @jax.jit
+  def rows(logits, ids):
+    return jax.nn.softmax(logits)[ids], unembed(ids) - unembed(None)
+
+  p, vecs = rows(logits, jnp.asarray(ids))
+  return np.asarray(ids), np.asarray(p), np.asarray(vecs)
+
+
 def _salient_logits(logits, unembed, max_n_logits: int, desired_logit_prob: float):
   """circuit-tracer's ``compute_salient_logits``: the fewest top tokens whose probability
   reaches ``desired_logit_prob`` (at most ``max_n_logits``), their probabilities and their
@@ -364,6 +375,7 @@ def attribute(
   max_n_logits: int = 10,
   desired_logit_prob: float = 0.95,
   directions=None,
+  target_tokens=None,
   max_feature_nodes: int | None = None,
   batch_size: int = 64,
   zero_bos: bool = False,
@@ -390,6 +402,8 @@ def attribute(
       their probability reaches ``desired_logit_prob``, at most ``max_n_logits``.
     directions: instead, ``(k, d_model)`` directions read at the final norm's output (last
       position), each weighted ``1 / k``.
+    target_tokens: instead, these token ids (circuit-tracer's tensor of indices): their
+      demeaned unembedding rows, weighted by their probabilities.
     max_feature_nodes: a budget of feature nodes, chosen greedily by partial influence on the
       logits as circuit-tracer does (``None``: every active feature, exact).
     batch_size: rows per VJP batch.
@@ -423,6 +437,32 @@ def attribute(
       received=str(np.shape(directions)),
       fix="directions=jnp.stack([direction_1, direction_2])",
     )
+  if target_tokens is not None:
+    ids = np.asarray(target_tokens)
+    vocab = model.config.vocab_size
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+      raise CircuitError(
+        f"target_tokens must be a non-empty 1-D array of int token ids, got {ids.dtype} "
+        f"of shape {ids.shape}",
+        code="invalid_argument",
+        received=str(ids.shape),
+        fix="target_tokens=[id_1, id_2]",
+      )
+    if ((ids < 0) | (ids >= vocab)).any():
+      bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+      raise CircuitError(
+        f"target token {bad} is outside the vocabulary [0, {vocab})",
+        code="index_out_of_range",
+        expected=f"[0, {vocab})",
+        received=bad,
+        fix="token ids of the model's tokenizer",
+      )
+    if directions is not None:
+      raise CircuitError(
+        "give directions or target_tokens, not both",
+        code="invalid_argument",
+        fix="one kind of target per graph",
+      )
   if local is None:
     local = local_replacement(model, variables, toks, rep, zero_bos=zero_bos)
   lr = local
@@ -434,8 +474,11 @@ def attribute(
   n_active = len(active)
 
   # Targets: logits.
-  if directions is None:
-    unembed, vocab = _unembedding(model, variables)
+  if target_tokens is not None:
+    unembed, _ = _unembedding(model, variables)
+    logit_idx, logit_p, logit_vecs = _token_targets(rec.logits[0, -1], unembed, target_tokens)
+  elif directions is None:
+    unembed, _ = _unembedding(model, variables)
     logit_idx, logit_p, logit_vecs = _salient_logits(
       rec.logits[0, -1], unembed, max_n_logits, desired_logit_prob
     )
