@@ -424,6 +424,12 @@ def render(
   speed = render_saved()
   if speed:
     lines += ["", speed.rstrip("\n")]
+  # The billion-parameter section (benchmarks/bench_big.py, run on its own), kept as it is.
+  from benchmarks.bench_big import kept_section
+
+  big = kept_section(DEFAULT_DOC)
+  if big:
+    lines += ["", big]
   lines += ["", "## Method", ""] + _METHOD
   return "\n".join(lines) + "\n"
 
