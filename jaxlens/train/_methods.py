@@ -84,6 +84,34 @@ def _linear(key, d, k, dtype):
   return w, b
 
 
+def _positive_rank(method, rank):
+  """``rank`` a positive int, or ``invalid_argument`` naming the method."""
+  if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+    raise InvalidArgumentError(
+      f"{method}: rank must be a positive int, got {rank!r}",
+      code="invalid_argument",
+      fix=f"{method}(rank=4)",
+    )
+
+
+def _in_range(method, name, value, low, high, low_open=True):
+  """``value`` a finite number in ``(low, high]`` (``[low, high]`` when not ``low_open``)."""
+  ok = (
+    not isinstance(value, bool)
+    and isinstance(value, (int, float, np.integer, np.floating))
+    and np.isfinite(value)
+    and (value > low if low_open else value >= low)
+    and (high is None or value <= high)
+  )
+  if not ok:
+    span = f"({low}, {high}]" if high is not None else f"> {low}"
+    raise InvalidArgumentError(
+      f"{method}: {name}={value!r} must be a finite number {span}",
+      code="invalid_argument",
+      fix=f"{method}({name}=...) within {span}",
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class DAS:
   """Distributed alignment search with a full learned rotation (:func:`jaxlens.das`).
@@ -125,6 +153,13 @@ class BoundlessDAS:
   boundary: float = 0.5
   needs_source = True
 
+  def __post_init__(self):
+    # A temperature <= 0 turns the boundary mask's sigmoid into NaN gradients; a boundary
+    # outside (0, 1] is clipped to a constant mask that never trains.
+    _in_range("BoundlessDAS", "temperature_start", self.temperature_start, 0.0, None)
+    _in_range("BoundlessDAS", "temperature_end", self.temperature_end, 0.0, None)
+    _in_range("BoundlessDAS", "boundary", self.boundary, 0.0, 1.0)
+
   def init(self, key, d: int, dtype=jnp.float32) -> dict:
     """``{"rotation": init_rotation(key, d), "boundary": [self.boundary]}``."""
     return {
@@ -155,6 +190,9 @@ class LowRankDAS:
   rank: int
   needs_source = True
 
+  def __post_init__(self):
+    _positive_rank("LowRankDAS", self.rank)
+
   def init(self, key, d: int, dtype=jnp.float32) -> dict:
     """``{"rotation": init_rotation(key, d, rank)}``."""
     return {"rotation": init_rotation(key, d, self.rank, dtype)}
@@ -170,6 +208,9 @@ class LoReFT:
 
   rank: int
   needs_source = False
+
+  def __post_init__(self):
+    _positive_rank("LoReFT", self.rank)
 
   def init(self, key, d: int, dtype=jnp.float32) -> dict:
     """The rotation as in pyreft (orthogonal init) and ``W, b`` as torch's ``nn.Linear(d, rank)``."""
@@ -189,6 +230,9 @@ class DiReFT:
 
   rank: int
   needs_source = False
+
+  def __post_init__(self):
+    _positive_rank("DiReFT", self.rank)
 
   def init(self, key, d: int, dtype=jnp.float32) -> dict:
     """``W1, b`` as torch's ``nn.Linear(d, rank)``; ``W2`` starts with orthonormal rows."""
