@@ -356,14 +356,18 @@ def equality():
 
 
 def test_das_finds_the_causal_variable_of_hierarchical_equality(equality):
-  """DAS finds V1 = (a == b) in 2 of the first hidden layer's 32 coordinates (IIA >= 0.95; 1
-  coordinate is not enough) and stays at chance at the logits, where V1 is not separable."""
+  """DAS finds V1 = (a == b) in 2 of the first hidden layer's 32 coordinates (IIA >= 0.9; 1
+  coordinate is not enough) and stays at chance at the logits, where V1 is not separable.
+
+  The 2-coordinate IIA after 200 steps depends on the CPU's floating-point code paths: 0.95+
+  where this test was written, 0.925 on another machine (0.944 after 400 steps), with 1
+  coordinate at 0.72 on both, so the bound is 0.9 with a margin of 0.15 over one coordinate."""
   task, model, variables, batches, test = equality
   with _optimised():
     one = task.das(model, variables, task.RIGHT, 1, batches, test, steps=200)
     two = task.das(model, variables, task.RIGHT, 2, batches, test, steps=200)
     wrong = task.das(model, variables, task.WRONG, 1, batches, test, steps=60)
-  assert two >= 0.95 and one <= 0.85, (one, two)
+  assert two >= 0.9 and one <= 0.85 and two - one >= 0.15, (one, two)
   assert abs(wrong - 0.5) <= 0.06, wrong
 
 
