@@ -20,7 +20,16 @@ import numpy as np
 from jaxlens.core import InvalidArgumentError
 from jaxlens.models.rope import KINDS, Rope
 
-__all__ = ["HFConfig", "LoadError", "activation_field", "rope_from_hf", "t", "ident"]
+__all__ = [
+  "HFConfig",
+  "LoadError",
+  "activation_field",
+  "ident",
+  "layer_norm",
+  "linear",
+  "rope_from_hf",
+  "t",
+]
 
 
 class LoadError(InvalidArgumentError):
@@ -269,6 +278,19 @@ def rope_from_hf(
       long_factor=tuple(float(f) for f in need("long_factor")),
     )
   return float(base), Rope(**fields)
+
+
+def linear(path: tuple[str, ...], name: str, bias: bool = True):
+  """The weight map of a torch ``Linear`` called ``name`` as the flax ``Dense`` at ``path``."""
+  yield (*path, "kernel"), name + ".weight", t
+  if bias:
+    yield (*path, "bias"), name + ".bias", ident
+
+
+def layer_norm(path: tuple[str, ...], name: str):
+  """The weight map of a torch ``LayerNorm`` called ``name`` as the flax one at ``path``."""
+  yield (*path, "scale"), name + ".weight", ident
+  yield (*path, "bias"), name + ".bias", ident
 
 
 def t(w):

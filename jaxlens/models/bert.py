@@ -223,14 +223,7 @@ def from_hf(config: _hf.HFConfig, dtype) -> BertConfig:
 def hf_weights(cfg: BertConfig, pooler: bool = True):
   """``(param path, tensor name, transform)`` for each parameter in a Hugging Face checkpoint
   (a checkpoint without a pooler loads with a zero one)."""
-
-  def linear(path, hf):
-    yield (*path, "kernel"), hf + ".weight", _hf.t
-    yield (*path, "bias"), hf + ".bias", _hf.ident
-
-  def norm(path, hf):
-    yield (*path, "scale"), hf + ".weight", _hf.ident
-    yield (*path, "bias"), hf + ".bias", _hf.ident
+  linear, norm = _hf.linear, _hf.layer_norm
 
   e = "bert.embeddings."
   yield ("embed", "embedding"), e + "word_embeddings.weight", _hf.ident

@@ -197,14 +197,14 @@ def from_hf(config: _hf.HFConfig, dtype) -> GPT2Config:
   # Upcasting the scores to float32 changes nothing in a float32 or float64 model, and the
   # zoo's softmax already runs in at least float32.
   config.seen("reorder_and_upcast_attn", "n_ctx")
-  for key in (
+  # The sequence-classification head's fields, not the language model's.
+  config.seen(
     "summary_type",
     "summary_use_proj",
     "summary_activation",
     "summary_proj_to_labels",
     "summary_first_dropout",
-  ):
-    config.seen(key)  # the sequence-classification head's, not the language model's
+  )
   return GPT2Config(
     vocab_size=config["vocab_size"],
     d_model=config["n_embd"],

@@ -253,17 +253,7 @@ def _qkv(k, heads):
 
 def hf_weights(cfg: GPTNeoXConfig):
   """``(param path, tensor name, transform)`` for each parameter in a Hugging Face checkpoint."""
-  t, ident = _hf.t, _hf.ident
-
-  def linear(path, hf, bias=True):
-    yield (*path, "kernel"), hf + ".weight", t
-    if bias:
-      yield (*path, "bias"), hf + ".bias", ident
-
-  def norm(path, hf):
-    yield (*path, "scale"), hf + ".weight", ident
-    yield (*path, "bias"), hf + ".bias", ident
-
+  t, ident, linear, norm = _hf.t, _hf.ident, _hf.linear, _hf.layer_norm
   yield ("embed", "embedding"), "gpt_neox.embed_in.weight", ident
   for i in range(cfg.n_layers):
     b, h = f"blocks_{i}", f"gpt_neox.layers.{i}."

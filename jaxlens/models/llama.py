@@ -312,11 +312,11 @@ def _dense_from_hf(config: _hf.HFConfig, dtype, **options) -> LlamaConfig:
       window, layer_types = config.get("sliding_window"), _layer_types(config)
       if all(t == "full_attention" for t in layer_types):
         window, layer_types = None, None
-  elif config.config.get("layer_types"):
-    _layer_types(config)  # read, and all full attention below
   if layer_types is None and config.config.get("layer_types"):
     if any(t != "full_attention" for t in _layer_types(config)):
-      raise config.refuse("layer_types", "names layer types this family does not run", "")
+      raise config.refuse(
+        "layer_types", "names layer types this family does not run", "full_attention only"
+      )
   bias = bool(config.get("attention_bias", False))
   base, scaling = _hf.rope_from_hf(config)
   fields = dict(
