@@ -4,7 +4,10 @@
   :class:`Transcoder` (optional skip connection), :class:`CrossLayerTranscoder`;
   ``encode``, ``decode`` and ``__call__`` are pure functions.
 * Files: :func:`load_saelens` / :func:`save_saelens` (SAELens's directory format, both
-  ways), :func:`load_gemma_scope` (``params.npz`` / safetensors).
+  ways), :func:`load_gemma_scope` (Gemma Scope and Gemma Scope 2), :func:`load_sparsify` /
+  :func:`save_sparsify` (EleutherAI sparsify), :func:`load_dictionary_learning`,
+  :func:`load_llama_scope`, :func:`load_hook_z` (connor-rob's attention SAEs),
+  :func:`load_circuit_tracer` (as :mod:`jaxlens.circuits` reads them); :func:`zoo_site`.
 * :func:`splice` puts a dictionary at a site of a model (a cross-layer transcoder at every
   layer's MLP, sites ``<mlp>/clt/acts``); its features become the sites
   ``<site>/sae/acts`` (and ``.../recon``, ``.../error``).
@@ -21,6 +24,13 @@ from jaxlens.sae._dictionaries import Transcoder as Transcoder
 from jaxlens.sae._files import load_gemma_scope as load_gemma_scope
 from jaxlens.sae._files import load_saelens as load_saelens
 from jaxlens.sae._files import save_saelens as save_saelens
+from jaxlens.sae._formats import load_circuit_tracer as load_circuit_tracer
+from jaxlens.sae._formats import load_dictionary_learning as load_dictionary_learning
+from jaxlens.sae._formats import load_hook_z as load_hook_z
+from jaxlens.sae._formats import load_llama_scope as load_llama_scope
+from jaxlens.sae._formats import load_sparsify as load_sparsify
+from jaxlens.sae._formats import save_sparsify as save_sparsify
+from jaxlens.sae._formats import zoo_site as zoo_site
 
 __all__ = [
   "ACTIVATIONS",
@@ -28,9 +38,16 @@ __all__ = [
   "CrossLayerTranscoder",
   "SAEError",
   "Transcoder",
+  "load_circuit_tracer",
+  "load_dictionary_learning",
   "load_gemma_scope",
+  "load_hook_z",
+  "load_llama_scope",
   "load_saelens",
+  "load_sparsify",
   "save_saelens",
+  "save_sparsify",
+  "zoo_site",
 ]
 from jaxlens.sae._splice import splice as splice  # noqa: E402
 

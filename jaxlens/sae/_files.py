@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import zipfile
 import zlib
@@ -392,7 +393,8 @@ def save_saelens(sae, path) -> Path:
 
 
 def load_gemma_scope(path, *, dtype=jnp.float32, apply_b_dec_to_input: bool = False):
-  """Reads a Gemma Scope dictionary: ``params.npz`` or a ``.safetensors`` file.
+  """Reads a Gemma Scope or Gemma Scope 2 dictionary: ``params.npz`` or a ``.safetensors``
+  file (``params.safetensors``), or the directory holding it.
 
   Tensors ``W_enc (d_in, d_sae)``, ``W_dec (d_sae, d_out)``, ``b_enc``, ``b_dec`` and
   ``threshold`` (any case: ``w_enc`` in the later releases); with ``threshold`` the
@@ -400,9 +402,22 @@ def load_gemma_scope(path, *, dtype=jnp.float32, apply_b_dec_to_input: bool = Fa
   ``(d_out, d_in)``) makes a :class:`Transcoder`. Gemma Scope encodes ``x`` itself, not
   ``x - b_dec`` (``apply_b_dec_to_input=False``, as SAELens's loader sets).
 
+  Gemma Scope 2 (Gemma 3; SAELens's ``gemma_3_sae_huggingface_loader``): the folder
+  ``{resid_post,attn_out,mlp_out,transcoder...}/layer_{L}_...`` holds ``params.safetensors``
+  and, in most releases, a ``config.json`` whose ``"architecture"`` must be ``"jump_relu"``;
+  an affine transcoder's ``affine_skip_connection (d_in, d_out)`` is its ``W_skip``
+  transposed. The folder names the site: ``metadata["hook_name"]`` is SAELens's hook and
+  ``metadata["site"]`` the zoo's (``blocks_{L}/resid_post``, ``attn/z``, ``mlp_out``; a
+  transcoder reads ``blocks_{L}/ln_2``, the MLP's input, and writes ``metadata["site_out"]``
+  ``blocks_{L}/mlp_out``). An ``attn_out`` SAE reads the output projection's input, the
+  heads' values concatenated: it is given ``reshape_activations="hook_z"``, so it reads
+  ``blocks_{L}/attn/z`` ``(..., heads, head_dim)`` as well as the flat values.
+
   Raises:
     SAEError: ``sae_file_missing``, ``sae_weights_invalid`` (a missing or misshapen
-      tensor, named in ``fields["field"]``).
+      tensor, named in ``fields["field"]``; a cross-layer transcoder's 3-D ``w_dec``),
+      ``sae_architecture_unsupported`` (a ``config.json`` architecture other than
+      ``jump_relu``).
   """
   path = Path(path)
   if path.is_dir():
@@ -445,9 +460,12 @@ def load_gemma_scope(path, *, dtype=jnp.float32, apply_b_dec_to_input: bool = Fa
       ) from error
   else:
     raw = _read_tensors(path)
+  config = _gemma_scope_2_config(path)
   tensors = {}
   for key, value in raw.items():
     canonical = {"w_enc": "W_enc", "w_dec": "W_dec", "w_skip": "W_skip"}.get(key.lower(), key)
+    if key == "affine_skip_connection":  # Gemma Scope 2 stores it (d_in, d_out)
+      canonical, value = "W_skip", value.T
     tensors[canonical] = value
   for name in ("W_enc", "W_dec", "b_enc", "b_dec"):
     if name not in tensors:
@@ -464,6 +482,14 @@ def load_gemma_scope(path, *, dtype=jnp.float32, apply_b_dec_to_input: bool = Fa
       field="W_enc",
       fix="a Gemma Scope params file",
     )
+  if tensors["W_dec"].ndim != 2:
+    raise SAEError(
+      f"{path}: W_dec has shape {tuple(tensors['W_dec'].shape)}, expected (d_sae, d_out): "
+      "a cross-layer transcoder's layer, which writes to several layers",
+      code="sae_weights_invalid",
+      field="W_dec",
+      fix="a per-layer SAE or transcoder file (jaxlens.sae.CrossLayerTranscoder holds a CLT)",
+    )
   for name in ("W_enc", "W_dec", "b_enc", "b_dec", "threshold"):
     if name in tensors:
       _require_finite(path, name, tensors[name])
@@ -472,9 +498,56 @@ def load_gemma_scope(path, *, dtype=jnp.float32, apply_b_dec_to_input: bool = Fa
   if jump:
     arrays["threshold"] = tensors["threshold"].astype(dtype)
   transcoder = "W_skip" in tensors or arrays["W_dec"].shape[-1] != arrays["W_enc"].shape[0]
-  config = {"activation": "jumprelu" if jump else "relu"}
+  config = {"activation": "jumprelu" if jump else "relu", **config}
   if transcoder:
+    config.pop("reshape_activations", None)
     if "W_skip" in tensors:
       arrays["W_skip"] = tensors["W_skip"].astype(dtype)
     return Transcoder(**arrays, **config)
   return SAE(**arrays, apply_b_dec_to_input=apply_b_dec_to_input, **config)
+
+
+def _gemma_scope_2_config(path: Path) -> dict:
+  """The site and checks of a Gemma Scope 2 folder (SAELens's ``get_gemma_3_config_from_hf``):
+  ``{kind}/layer_{L}_...`` and its optional ``config.json``."""
+  folder = f"{path.parent.parent.name}/{path.parent.name}"
+  cfg_file = path.parent / "config.json"
+  if cfg_file.is_file():
+    try:
+      raw = json_loads(cfg_file.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+      raise SAEError(
+        f"{cfg_file} is not JSON: {error}",
+        code="sae_config_invalid",
+        field="config.json",
+        fix="the config.json Gemma Scope 2 released",
+      ) from error
+    if not isinstance(raw, dict) or raw.get("architecture") != "jump_relu":
+      found = raw.get("architecture") if isinstance(raw, dict) else raw
+      raise SAEError(
+        f"{cfg_file}: architecture {found!r} is not a Gemma Scope 2 JumpReLU dictionary",
+        code="sae_architecture_unsupported",
+        field="architecture",
+        fix='a Gemma Scope 2 folder whose config.json has "architecture": "jump_relu"',
+      )
+  layer = re.search(r"layer_(\d+)", folder)
+  if layer is None:
+    return {}
+  i = layer.group(1)
+  hooks = (
+    ("transcoder", f"blocks.{i}.hook_mlp_in", f"blocks_{i}/ln_2"),
+    ("clt", f"blocks.{i}.hook_mlp_in", f"blocks_{i}/ln_2"),
+    ("resid_post", f"blocks.{i}.hook_resid_post", f"blocks_{i}/resid_post"),
+    ("attn_out", f"blocks.{i}.attn.hook_z", f"blocks_{i}/attn/z"),
+    ("mlp_out", f"blocks.{i}.hook_mlp_out", f"blocks_{i}/mlp_out"),
+  )
+  for kind, hook, site in hooks:
+    if kind in folder:
+      meta = {"format": "gemma_scope_2", "hook_name": hook, "site": site}
+      if kind in ("transcoder", "clt"):
+        meta.update(hook_name_out=f"blocks.{i}.hook_mlp_out", site_out=f"blocks_{i}/mlp_out")
+      config = {"metadata_json": json.dumps(meta, sort_keys=True)}
+      if kind == "attn_out":
+        config["reshape_activations"] = "hook_z"
+      return config
+  return {}
