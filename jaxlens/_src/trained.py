@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlens._src.edit import Edit, _sg, donor_value, fail_shape, register, source_values
 from jaxlens._src.errors import InvalidArgumentError
@@ -199,6 +200,26 @@ def _boundless(x, p, s, ctx):
   return (((1.0 - mask) * rb + mask * rs) @ r.T).astype(x.dtype)
 
 
+def _check_temperature(temperature, verb):
+  """A concrete temperature must be a finite number > 0 (at 0 the mask's sigmoid is NaN, and
+  a negative one inverts the mask); a traced one (a schedule's) is the caller's to keep > 0."""
+  if isinstance(temperature, jax.core.Tracer):
+    return
+  try:
+    t = np.asarray(temperature, dtype=float)
+  except (TypeError, ValueError):
+    t = None
+  if t is None or t.size != 1 or not np.isfinite(t).all() or not (t > 0).all():
+    raise InvalidArgumentError(
+      f"{verb}: temperature must be a finite number > 0, got {temperature!r}",
+      code="invalid_argument",
+      verb=verb,
+      expected="temperature > 0",
+      received=repr(temperature),
+      fix=f"jl.{verb}(params, source, temperature=0.1)",
+    )
+
+
 @api_boundary
 def boundless_das(params, source, temperature) -> Edit:
   """Boundless DAS: interchange the rotated coordinates under a learned soft boundary.
@@ -214,6 +235,7 @@ def boundless_das(params, source, temperature) -> Edit:
     source: a donor Trace of the source run, or an array of the site's shape.
     temperature: the boundary's temperature (a scalar).
   """
+  _check_temperature(temperature, "boundless_das")
   return Edit(
     "boundless_das",
     {"params": params, "source": source, "temperature": temperature},

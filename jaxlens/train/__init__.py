@@ -31,13 +31,29 @@ from jaxlens.train._methods import LoReFT as LoReFT
 from jaxlens.train._methods import LowRankDAS as LowRankDAS
 from jaxlens.train._methods import frozen_leaves as frozen_leaves
 from jaxlens.train._methods import init_rotation as init_rotation
+from jaxlens.train._edits import subspace_mask as subspace_mask
+from jaxlens.train._variants import ConsReFT as ConsReFT
+from jaxlens.train._variants import LoBiReFT as LoBiReFT
+from jaxlens.train._variants import NoReFT as NoReFT
+from jaxlens.train._variants import PCAInterchange as PCAInterchange
+from jaxlens.train._variants import SAEInterchange as SAEInterchange
+from jaxlens.train._variants import SigmoidMask as SigmoidMask
+from jaxlens.train._variants import SigmoidMaskDAS as SigmoidMaskDAS
+from jaxlens.train._variants import pca_basis as pca_basis
 
 __all__ = [
   "DAS",
   "BoundlessDAS",
+  "ConsReFT",
   "DiReFT",
+  "LoBiReFT",
   "LoReFT",
   "LowRankDAS",
+  "NoReFT",
+  "PCAInterchange",
+  "SAEInterchange",
+  "SigmoidMask",
+  "SigmoidMaskDAS",
   "TrainResult",
   "answer_batch",
   "frozen_leaves",
@@ -45,6 +61,8 @@ __all__ = [
   "init_rotation",
   "intervened_output",
   "last_position",
+  "pca_basis",
+  "subspace_mask",
   "train_iit",
   "train_reft",
 ]

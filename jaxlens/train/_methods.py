@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxlens import intervention as trained
 from jaxlens.core import InvalidArgumentError
+from jaxlens.train import _edits
 
 
 def init_rotation(key, d: int, k: int | None = None, dtype=jnp.float32) -> dict:
@@ -116,6 +117,10 @@ def _in_range(method, name, value, low, high, low_open=True):
 class DAS:
   """Distributed alignment search with a full learned rotation (:func:`jaxlens.das`).
 
+  With ``subspaces`` (a ``(batch, d)`` 0/1 mask from :func:`subspace_mask`, which also reads
+  pyvene's subspace partitions: several variables in one rotation), each example
+  interchanges its own rotated coordinates instead of the first ``dim``.
+
   Attributes:
     dim: the number of rotated coordinates interchanged with the source.
   """
@@ -127,8 +132,10 @@ class DAS:
     """``{"rotation": init_rotation(key, d)}``."""
     return {"rotation": init_rotation(key, d, None, dtype)}
 
-  def edit(self, params, source, temperature=None):
+  def edit(self, params, source, temperature=None, subspaces=None):
     del temperature
+    if subspaces is not None:
+      return _edits.rotated_interchange(params["rotation"], source, subspaces)
     return trained.das(params, source, dim=self.dim)
 
 
@@ -174,7 +181,7 @@ class BoundlessDAS:
 
   def edit(self, params, source, temperature=None):
     t = self.temperature_end if temperature is None else temperature
-    return trained.boundless_das(params, source, t)
+    return trained.boundless_das(params, source, t)  # (refuses a concrete t <= 0)
 
   @staticmethod
   def size(params) -> float:
@@ -197,8 +204,11 @@ class LowRankDAS:
     """``{"rotation": init_rotation(key, d, rank)}``."""
     return {"rotation": init_rotation(key, d, self.rank, dtype)}
 
-  def edit(self, params, source, temperature=None):
+  def edit(self, params, source, temperature=None, subspaces=None):
+    """The edit; with ``subspaces`` (a ``(batch, rank)`` mask), per-example columns."""
     del temperature
+    if subspaces is not None:
+      return _edits.rotated_interchange(params["rotation"], source, subspaces)
     return trained.low_rank_das(params, source)
 
 
@@ -226,25 +236,46 @@ class LoReFT:
 
 @dataclasses.dataclass(frozen=True)
 class DiReFT:
-  """DiReFT (:func:`jaxlens.direft`): ``h + W2ᵀ(W1 h + b)``, no orthogonality."""
+  """DiReFT (:func:`jaxlens.direft`): ``h + W2ᵀ(W1 h + b)``, no orthogonality.
+
+  With ``orthogonal=True``, pyreft's ``DireftIntervention``: ``h + (W1 h + b) Rᵀ`` with
+  ``R`` a learned ``(d, rank)`` matrix of orthonormal columns (``params["rotation"]``,
+  parametrised as LoReFT's) in place of ``W2``.
+
+  Attributes:
+    rank: the subspace's dimension.
+    orthogonal: keep the write-back projection orthonormal (pyreft) or free (the paper).
+  """
 
   rank: int
+  orthogonal: bool = False
   needs_source = False
 
   def __post_init__(self):
     _positive_rank("DiReFT", self.rank)
+    if not isinstance(self.orthogonal, bool):
+      raise InvalidArgumentError(
+        f"DiReFT: orthogonal must be a bool, got {self.orthogonal!r}",
+        code="invalid_argument",
+        fix="DiReFT(rank=4, orthogonal=True)",
+      )
 
   def init(self, key, d: int, dtype=jnp.float32) -> dict:
-    """``W1, b`` as torch's ``nn.Linear(d, rank)``; ``W2`` starts with orthonormal rows."""
+    """``W1, b`` as torch's ``nn.Linear(d, rank)``; ``W2`` (or the rotation) starts with
+    orthonormal rows (columns)."""
     dtype = _float_dtype(dtype)
     k1, k2 = jax.random.split(key)
     w1, b = _linear(k2, d, self.rank, dtype)
+    if self.orthogonal:
+      return {"rotation": init_rotation(k1, d, self.rank, dtype), "W1": w1, "b": b}
     wide = jnp.float64 if dtype == jnp.float64 else jnp.float32  # (LAPACK: no bfloat16 QR)
     w2 = jax.nn.initializers.orthogonal()(k1, (d, self.rank), wide).T.astype(dtype)
     return {"W1": w1, "b": b, "W2": w2}
 
   def edit(self, params, source=None, temperature=None):
     del source, temperature
+    if self.orthogonal:
+      return _edits.direft_orthogonal(params)
     return trained.direft(params)
 
 
