@@ -450,3 +450,30 @@ def test_dtype_argument(tmp_path):
   assert jsae.load_sparsify(tmp_path / "s").dtype == jnp.float32
   assert jsae.load_sparsify(tmp_path / "s", dtype="bfloat16").dtype == jnp.bfloat16
   assert jsae.load_sparsify(tmp_path / "s", dtype=jnp.float64).dtype == jnp.float64
+
+
+@needs_torch
+def test_a_hook_z_sae_spliced_at_the_zoo_site(tmp_path):
+  import jax
+
+  from jaxlens import module, trace
+  from jaxlens.models import GPT2, GPT2Config
+
+  model = GPT2(GPT2Config(vocab_size=11, d_model=8, n_layers=1, n_heads=2, max_len=6))
+  tokens = jnp.asarray([[1, 2, 3, 4, 5]])
+  variables = jax.jit(model.init)(jax.random.key(0), tokens)
+  w = {"W_enc": rand(8, F), "b_enc": rand(F, scale=0.1), "W_dec": rand(F, 8), "b_dec": rand(8)}
+  save_pt(w, tmp_path / "L0_z.pt")
+  cfg = {"act_size": 8, "dict_size": F, "act_name": "blocks.0.attn.hook_z"}
+  (tmp_path / "L0_z_cfg.json").write_text(json.dumps(cfg))
+  d = jsae.load_hook_z(tmp_path / "L0_z.pt")
+  site = d.metadata["site"]
+  spliced = jsae.splice(model, site, d)
+  run = jax.jit(lambda v, x: trace(spliced, v, x, save=module(f"{site}*"), keep_inputs=False))
+  t = run(variables, tokens)
+  z = np.asarray(t[site].out)
+  assert z.shape == (1, 5, 2, 4)  # (batch, seq, heads, head_dim): the heads flattened to d_in 8
+  close(t[f"{site}/sae/acts"].out, d.encode(z), 1e-5)
+  close(t[f"{site}/sae/recon"].out, d(z), 1e-5)
+  assert np.asarray(t[f"{site}/sae/acts"].out).any()
+  close(t.output, jax.jit(model.apply)(variables, tokens), 1e-5)  # recon + error is z

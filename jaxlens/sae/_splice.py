@@ -172,6 +172,13 @@ class _Run:
         raise unmatched_error(entry.selector, self.seen, "sae.splice")
 
 
+def _width(d, a) -> int:
+  """The width ``d`` reads of ``a``: a hook_z dictionary flattens ``(..., heads, head_dim)``."""
+  if d.reshape_activations == "hook_z" and a.ndim >= 2 and a.shape[-1] != d.d_in:
+    return a.shape[-2] * a.shape[-1]
+  return a.shape[-1]
+
+
 def _apply(entry: _Entry, name, label: str, y, x):
   """The site's new value; ``name(suffix, value)`` passes a value through its site."""
   d = entry.dictionary
@@ -192,7 +199,7 @@ def _apply(entry: _Entry, name, label: str, y, x):
       fix="reads= the site holding the transcoder's input",
     )
   width = d.d_out if transcoder else d.d_in
-  if y.shape[-1] != width or source.shape[-1] != d.d_in:
+  if _width(d, y) != width or _width(d, source) != d.d_in:
     raise SAEError(
       f"splice at {label!r}: the site's last axis is {y.shape[-1]} (input {source.shape[-1]}), "
       f"but the dictionary reads {d.d_in} and writes {width}",
