@@ -1,4 +1,6 @@
-"""torch's ``torch.save`` zip format for a flat dict of arrays, read and written without torch.
+"""torch's ``torch.save`` zip format, read and written without torch: a flat dict of arrays
+(tuned-lens's ``params.pt``) or a nested structure of dicts, lists, numbers, strings and arrays
+(a Jacobian lens artifact).
 
 A ``.pt`` file is a zip holding ``<name>/data.pkl`` (a pickle whose tensors are calls of
 ``torch._utils._rebuild_tensor_v2`` on storages named by persistent ids) and one raw
@@ -18,11 +20,12 @@ import types
 import zipfile
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jaxlens.lens._readout import LensError
 
-__all__ = ["read_state_dict", "write_state_dict"]
+__all__ = ["read_object", "read_state_dict", "write_object", "write_state_dict"]
 
 _STORAGES = {
   "FloatStorage": np.float32,
@@ -88,12 +91,17 @@ class _Reader(pickle.Unpickler):
     return flat
 
 
-def read_state_dict(path) -> dict[str, np.ndarray]:
-  """The ``{name: array}`` dict saved in the torch file ``path``.
+def read_object(path, *, what: str = "a tuned lens's params.pt") -> object:
+  """The object saved in the torch file ``path``: dicts, lists, numbers and strings as
+  themselves, tensors as numpy arrays.
+
+  Args:
+    path: the file.
+    what: what the file should be, for the errors' ``fix``.
 
   Raises:
-    LensError: ``lens_file_missing``; ``lens_file_corrupt`` for a truncated or edited file,
-      or one holding anything but a dict of tensors.
+    LensError: ``lens_file_missing``; ``lens_file_corrupt`` for a truncated or edited file or
+      one that needs any global but a tensor rebuild.
   """
   path = Path(path)
   if not path.is_file():
@@ -101,7 +109,7 @@ def read_state_dict(path) -> dict[str, np.ndarray]:
       f"no file at {path}",
       code="lens_file_missing",
       path=str(path),
-      fix="the directory holding a tuned lens's params.pt and config.json",
+      fix=f"the path of {what}",
     )
   try:
     with zipfile.ZipFile(path) as archive:
@@ -109,11 +117,28 @@ def read_state_dict(path) -> dict[str, np.ndarray]:
       if len(names) != 1:
         raise _corrupt(path, "no data.pkl record")
       prefix = names[0][: -len("data.pkl")]
-      obj = _Reader(io.BytesIO(archive.read(names[0])), archive, prefix).load()
+      return _Reader(io.BytesIO(archive.read(names[0])), archive, prefix).load()
   except LensError:
     raise
   except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, KeyError, ValueError) as e:
     raise _corrupt(path, str(e) or type(e).__name__) from e
+
+
+def read_state_dict(path) -> dict[str, np.ndarray]:
+  """The ``{name: array}`` dict saved in the torch file ``path``.
+
+  Raises:
+    LensError: ``lens_file_missing``; ``lens_file_corrupt`` for a truncated or edited file,
+      or one holding anything but a dict of tensors.
+  """
+  if not Path(path).is_file():
+    raise LensError(
+      f"no file at {path}",
+      code="lens_file_missing",
+      path=str(path),
+      fix="the directory holding a tuned lens's params.pt and config.json",
+    )
+  obj = read_object(path)
   if not isinstance(obj, dict) or not all(
     isinstance(k, str) and isinstance(v, np.ndarray) for k, v in obj.items()
   ):
@@ -169,19 +194,35 @@ class _Writer(pickle._Pickler):  # the Python pickler, whose save_global can be 
 _Writer.dispatch = {**pickle._Pickler.dispatch, types.FunctionType: _Writer.save_global}
 
 
-def write_state_dict(path, arrays: dict[str, np.ndarray]) -> None:
-  """Writes ``arrays`` as a torch file at ``path`` (readable by ``torch.load``), atomically:
-  to a temporary file in the same directory, then renamed over ``path``."""
-  path = Path(path)
-  state = collections.OrderedDict()
-  blobs = []
-  for i, (name, value) in enumerate(arrays.items()):
-    a = np.ascontiguousarray(np.asarray(value))
+def _tensors(obj, blobs: list):
+  """``obj`` with each array replaced by a pickled tensor; their bytes appended to ``blobs``."""
+  if isinstance(obj, np.generic):
+    return obj.item()
+  if isinstance(obj, (np.ndarray, jax.Array)):
+    a = np.ascontiguousarray(np.asarray(obj))
     if a.dtype not in _NAMES:
       a = a.astype(np.float32)
     a = a.astype(a.dtype.newbyteorder("<"), copy=False)
-    state[name] = _Tensor(a, str(i))
-    blobs.append((str(i), a.tobytes()))
+    key = str(len(blobs))
+    blobs.append((key, a.tobytes()))
+    return _Tensor(a, key)
+  if isinstance(obj, collections.OrderedDict):
+    return collections.OrderedDict((k, _tensors(v, blobs)) for k, v in obj.items())
+  if isinstance(obj, dict):
+    return {k: _tensors(v, blobs) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return type(obj)(_tensors(v, blobs) for v in obj)
+  return obj
+
+
+def write_object(path, obj) -> None:
+  """Writes ``obj`` (dicts, lists, tuples, numbers, strings, None and arrays; arrays in a
+  torch dtype or written as float32) as a torch file at ``path`` that
+  ``torch.load(weights_only=True)`` reads, atomically: to a temporary file in the same
+  directory, then renamed over ``path``."""
+  path = Path(path)
+  blobs: list = []
+  state = _tensors(obj, blobs)
   buf = io.BytesIO()
   _Writer(buf, protocol=2).dump(state)
   archive = path.stem or "archive"
@@ -197,3 +238,9 @@ def write_state_dict(path, arrays: dict[str, np.ndarray]) -> None:
   except BaseException:
     Path(tmp).unlink(missing_ok=True)
     raise
+
+
+def write_state_dict(path, arrays: dict[str, np.ndarray]) -> None:
+  """Writes ``arrays`` as a torch file at ``path`` (readable by ``torch.load``), atomically:
+  to a temporary file in the same directory, then renamed over ``path``."""
+  write_object(path, collections.OrderedDict((k, np.asarray(v)) for k, v in arrays.items()))
