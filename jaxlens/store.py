@@ -22,6 +22,10 @@ Guarantees:
 * **Resumable.** ``collect`` on an existing store checks that its sites, shapes
   and dtypes are the same, skips the batches already on disk (the iterator must
   yield the same batches in the same order) and appends the rest.
+* **One writer.** A collection holds an ``flock`` on ``.jaxlens-lock`` in the
+  store while it writes; a second one (another process or thread) is refused
+  with ``store_locked`` instead of deleting the first's partial shards. The
+  lock dies with its process: a killed collection is resumed by the next call.
 * **Bounded memory.** A background thread writes the shards; at most
   ``max_pending`` batches of site values wait for it, so host memory holds about
   ``max_pending + 1`` batches of activations however long the dataset.
@@ -75,6 +79,7 @@ __all__ = ["ActivationStore", "StoreError", "collect", "open"]
 
 _META = "store.json"
 _DONE = "COMPLETE"
+_LOCK = ".jaxlens-lock"
 _CRC = "jaxlens_crc32"
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _VERSION = 1
@@ -85,8 +90,8 @@ class StoreError(JaxlensError, OSError):
 
   Attributes:
     fields: ``{"code": ..., "path": ..., "fix": ...}``; codes: ``store_path_invalid``,
-      ``store_not_empty``, ``store_mismatch``, ``disk_full``, ``store_missing``,
-      ``store_corrupt``, ``unknown_site``, ``store_not_local``.
+      ``store_not_empty``, ``store_mismatch``, ``store_locked``, ``disk_full``,
+      ``store_missing``, ``store_corrupt``, ``unknown_site``, ``store_not_local``.
   """
 
 
@@ -112,8 +117,9 @@ def _disk_full(path, error=None) -> StoreError:
   )
 
 
-def _prepare(root: Path, meta: dict, overwrite: bool) -> set[int]:
-  """Creates or checks the store directory; returns the indices of the batches already there."""
+def _prepare(root: Path, meta: dict, overwrite: bool):
+  """Creates or checks the store directory and locks it; returns the indices of the batches
+  already there and the lock (an open file: closing it releases the lock)."""
   if root.exists() and not root.is_dir():
     raise StoreError(
       f"{root} is a file, not a store directory",
@@ -121,8 +127,6 @@ def _prepare(root: Path, meta: dict, overwrite: bool) -> set[int]:
       path=str(root),
       fix="collect(..., path=<a new or existing directory>)",
     )
-  if overwrite and (root / _META).exists():
-    shutil.rmtree(root)
   try:
     root.mkdir(parents=True, exist_ok=True)
   except OSError as error:
@@ -141,17 +145,70 @@ def _prepare(root: Path, meta: dict, overwrite: bool) -> set[int]:
       path=str(root),
       fix="a path in a writable directory",
     )
+  if not (root / _META).exists() and any(
+    p.name not in (_META + ".tmp", _LOCK) for p in root.iterdir()
+  ):
+    raise _not_a_store(root)  # (refused before a lock file is left in it)
+  lock = _lock(root)
+  try:
+    return _prepare_locked(root, meta, overwrite), lock
+  except BaseException:
+    lock.close()
+    raise
+
+
+def _not_a_store(root: Path) -> StoreError:
+  return StoreError(
+    f"{root} is a non-empty directory that is not an activation store",
+    code="store_not_empty",
+    path=str(root),
+    fix="an empty or new directory, or collect(..., overwrite=True) on a store",
+  )
+
+
+def _lock(root: Path):
+  """An ``flock`` on the store's lock file, held while one collection writes into it: a
+  second collection (another process or thread) would delete the first's partial shards
+  and interleave its batches."""
+  import fcntl
+
+  try:
+    handle = (root / _LOCK).open("a+")
+  except OSError as error:
+    if error.errno in _FULL:
+      raise _disk_full(root, error) from error
+    raise StoreError(
+      f"cannot create the lock file of the store directory {root}: {error}",
+      code="store_path_invalid",
+      path=str(root),
+      fix="a path in a writable directory",
+    ) from error
+  try:
+    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as error:
+    handle.close()
+    if error.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+      raise
+    raise StoreError(
+      f"another collection (process or thread) is writing into the store {root}",
+      code="store_locked",
+      path=str(root),
+      fix="wait for it to finish (then collect() again returns the store), or another path",
+    ) from None
+  return handle
+
+
+def _prepare_locked(root: Path, meta: dict, overwrite: bool) -> set[int]:
+  if overwrite and (root / _META).exists():
+    for entry in root.iterdir():
+      if entry.name != _LOCK:
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
   if not (root / _META).exists():
     # A process killed while creating the store leaves only its store.json.tmp: empty.
-    if all(p.name == _META + ".tmp" for p in root.iterdir()):
+    if all(p.name in (_META + ".tmp", _LOCK) for p in root.iterdir()):
       (root / (_META + ".tmp")).unlink(missing_ok=True)
-    if any(root.iterdir()):
-      raise StoreError(
-        f"{root} is a non-empty directory that is not an activation store",
-        code="store_not_empty",
-        path=str(root),
-        fix="an empty or new directory, or collect(..., overwrite=True) on a store",
-      )
+    if any(p.name != _LOCK for p in root.iterdir()):
+      raise _not_a_store(root)
     _write_json(root / _META, meta)
     return set()
   old = _read_meta(root)
@@ -402,7 +459,7 @@ def collect(
 
   Raises:
     StoreError: ``store_path_invalid``, ``store_not_empty``, ``store_mismatch``,
-      ``disk_full``.
+      ``store_locked`` (another collection is writing into ``path``), ``disk_full``.
   """
   root = Path(path)
   selectors = _selectors(sites)
@@ -428,67 +485,69 @@ def collect(
     "version": _VERSION,
     "sites": {k: {"shape": list(s.shape[1:]), "dtype": str(s.dtype)} for k, s in shapes.items()},
   }
-  present = _prepare(root, meta, overwrite)
-  total = _complete_count(root)
-  if total is not None:
-    if present == set(range(total)):
-      return ActivationStore(root)
-    (root / _DONE).unlink()  # a shard missing or damaged, or a wrong count: collect again
-  done = len(present)
-  row_bytes = sum(
-    int(np.prod(s.shape[1:], dtype=np.int64)) * np.dtype(s.dtype).itemsize for s in shapes.values()
-  )
-  batch_bytes = row_bytes * int(next(iter(shapes.values())).shape[0])
-  if num_batches is not None:
-    need = batch_bytes * max(0, num_batches - done)
-    free = shutil.disk_usage(root).free
-    if need > free:
-      raise _disk_full(
-        root, f"the {num_batches - done} batches left need about {need} bytes and {free} are free"
-      )
+  present, lock = _prepare(root, meta, overwrite)
+  with lock:  # held until the store is complete or the collection fails
+    total = _complete_count(root)
+    if total is not None:
+      if present == set(range(total)):
+        return ActivationStore(root)
+      (root / _DONE).unlink()  # a shard missing or damaged, or a wrong count: collect again
+    done = len(present)
+    row_bytes = sum(
+      int(np.prod(s.shape[1:], dtype=np.int64)) * np.dtype(s.dtype).itemsize
+      for s in shapes.values()
+    )
+    batch_bytes = row_bytes * int(next(iter(shapes.values())).shape[0])
+    if num_batches is not None:
+      need = batch_bytes * max(0, num_batches - done)
+      free = shutil.disk_usage(root).free
+      if need > free:
+        raise _disk_full(
+          root, f"the {num_batches - done} batches left need about {need} bytes and {free} are free"
+        )
 
-  from tqdm import tqdm
+    from tqdm import tqdm
 
-  bar = tqdm(
-    total=num_batches,
-    initial=done,
-    desc=f"collecting {root.name}",
-    unit="batch",
-    disable=not progress,
-    dynamic_ncols=True,
-    mininterval=0.5,
-  )
-  written = {"bytes": 0}
+    bar = tqdm(
+      total=num_batches,
+      initial=done,
+      desc=f"collecting {root.name}",
+      unit="batch",
+      disable=not progress,
+      dynamic_ncols=True,
+      mininterval=0.5,
+    )
+    written = {"bytes": 0}
 
-  def on_written(arrays):
-    written["bytes"] += sum(a.nbytes for a in arrays.values())
-    bar.update(1)
-    bar.set_postfix(MB=f"{written['bytes'] / 2**20:.0f}", refresh=False)
+    def on_written(arrays):
+      written["bytes"] += sum(a.nbytes for a in arrays.values())
+      bar.update(1)
+      bar.set_postfix(MB=f"{written['bytes'] / 2**20:.0f}", refresh=False)
 
-  writer = _Writer(root, max_pending, on_written)
-  writer.start()
-  index = 0
-  try:
-    for batch in _chain(first, iterator):
-      if index not in present:
-        values = run(variables, *as_args(batch))
-        _check_local(values, root)
-        writer.put((index, values))
-      index += 1
-  finally:
-    writer.queue.put(None)
-    writer.join()
-    bar.close()
-  if writer.error is not None:
-    raise writer.error
-  try:
-    (root / _DONE).write_text(f"{index}\n")
-  except OSError as error:
-    (root / _DONE).unlink(missing_ok=True)  # (a half-written marker would still say complete)
-    if error.errno in _FULL:
-      raise _disk_full(root, error) from error
-    raise
-  return ActivationStore(root)
+    writer = _Writer(root, max_pending, on_written)
+    writer.start()
+    index = 0
+    try:
+      for batch in _chain(first, iterator):
+        if index not in present:
+          values = run(variables, *as_args(batch))
+          _check_local(values, root)
+          writer.put((index, values))
+        index += 1
+    finally:
+      writer.queue.put(None)
+      writer.join()
+      bar.close()
+    if writer.error is not None:
+      raise writer.error
+    try:
+      (root / _DONE).write_text(f"{index}\n")
+    except OSError as error:
+      (root / _DONE).unlink(missing_ok=True)  # (a half-written marker would still say complete)
+      if error.errno in _FULL:
+        raise _disk_full(root, error) from error
+      raise
+    return ActivationStore(root)
 
 
 def _chain(first, rest):

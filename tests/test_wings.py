@@ -199,6 +199,9 @@ def test_train_iit_refuses_bad_arguments(mlp, kw, match):
     ({"seed": 2**64}, "invalid_seed", r"seed must be an int in \[0, 2\*\*32\)"),
     ({"pairs": []}, "invalid_argument", "non-empty sequence"),
     ({"pairs": [([1, 2], [])]}, "invalid_argument", r"pairs\[0\] is not a"),
+    ({"pairs": [([1, np.nan], [2])]}, "invalid_argument", r"pairs\[0\] holds a token id"),
+    ({"pairs": [([1, 2], [2**40])]}, "invalid_argument", r"pairs\[0\] holds a token id"),
+    ({"pairs": [([1, -1], [2])]}, "invalid_argument", r"pairs\[0\] holds a token id"),
     ({"steps": 1, "log_every": 1}, None, "unexpected keyword"),
   ],
 )
@@ -240,6 +243,78 @@ def test_sae_training_stops_on_a_non_finite_batch_or_step_naming_it(tmp_path, va
   assert info.value.fields["batch"] == 3 and info.value.fields["step"] == 4
   with Checkpoints(tmp_path / "ck", 1) as c:  # no checkpoint holds the bad step
     assert c.latest_step() == 3
+
+
+def test_nonfinite_skip_drops_the_bad_batch_as_if_it_were_not_there_and_counts_it(mlp, tmp_path):
+  """``nonfinite="skip"``: the bad step changes nothing, so the result is the one a run
+  without that batch gives, bit for bit; the step is listed, and a resumed (here: finished)
+  run keeps the list."""
+  good = _batches(4)
+  bad = _batches(4, nan_at=2)
+  kw = dict(checkpoint=tmp_path / "iit", checkpoint_every=1, nonfinite="skip")
+  skipped = _iit(mlp, bad, steps=4, **kw)
+  without = _iit(mlp, [good[0], good[1], good[3]], steps=3)
+  for a, b in zip(jax.tree.leaves(skipped.params), jax.tree.leaves(without.params), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert skipped.skipped == [{"batch": 2, "step": 2, "code": "batch_not_finite"}]
+  assert skipped.step == 4 and skipped.losses == without.losses
+  assert _iit(mlp, bad, steps=4, **kw).skipped == skipped.skipped  # from the checkpoint
+
+  cfg = st.TrainConfig(d_sae=8, architecture="relu", l1_coefficient=0.1, grad_clip=None)
+  kw = dict(progress=False, log_every=2, checkpoint_dir=tmp_path / "sae", checkpoint_every=1)
+  dropped = st.train(_rows(6, bad=3), cfg, steps=6, nonfinite="skip", **kw)
+  rows = list(_rows(6))
+  # (The same program: the data ends after 5 steps, and nothing is skipped.)
+  plain = st.train(rows[:3] + rows[4:], cfg, steps=6, nonfinite="skip", progress=False)
+  assert plain.skipped == [] and int(plain.state.step) == 5
+  np.testing.assert_array_equal(dropped.sae.W_enc, plain.sae.W_enc)
+  for a, b in zip(jax.tree.leaves(dropped.state.opt_state), jax.tree.leaves(plain.state.opt_state)):
+    np.testing.assert_array_equal(a, b)
+  assert dropped.skipped == [{"batch": 3, "step": 4, "code": "batch_not_finite"}]
+  assert list(dropped.metrics["step"]) == [1, 2, 3, 5, 6]
+  again = st.train(_rows(6, bad=3), cfg, steps=6, nonfinite="skip", **kw)
+  assert again.skipped == dropped.skipped
+
+
+def test_train_reft_names_the_step_and_pairs_of_a_non_finite_loss_or_skips_them():
+  """ReFT's batches are token ids (always finite): a token past the vocabulary reads a NaN
+  embedding row, so that batch's loss is NaN; the error names the step and the pairs."""
+  model = nn.Sequential(
+    [nn.Embed(8, 4, param_dtype=jnp.float64), nn.Dense(8, param_dtype=jnp.float64)]
+  )
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
+  method = jt.LoReFT(1)
+  params = method.init(jax.random.key(0), 4, jnp.float64)
+  pairs = [([1, 2], [3]), ([2, 3], [4]), ([1, 9], [5]), ([3, 4], [5])]  # 9: past the vocabulary
+  kw = dict(steps=4, batch_size=2, progress=False)
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[loss_not_finite\].*pairs \[") as info:
+    jt.train_reft(model, variables, "layers_0", method, params, pairs, **kw)
+  assert 2 in info.value.fields["pairs"] and info.value.fields["step"] == 0
+  result = jt.train_reft(
+    model, variables, "layers_0", method, params, pairs, nonfinite="skip", **kw
+  )
+  # Two epochs of two batches: pair 2 is in one batch of each.
+  assert [r["step"] for r in result.skipped] == [0, 3]
+  assert all(2 in r["pairs"] and r["code"] == "loss_not_finite" for r in result.skipped)
+  assert len(result.losses) == 2 and np.isfinite(result.losses).all()
+  assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(result.params))
+
+
+@pytest.mark.parametrize(
+  "call",
+  [
+    lambda mlp: _iit(mlp, _batches(1), nonfinite="ignore"),
+    lambda mlp: jt.train_reft(
+      nn.Dense(3), {}, "x", jt.LoReFT(1), {}, [([1], [2])], steps=1, nonfinite=None
+    ),
+    lambda mlp: st.train(
+      _rows(1), st.TrainConfig(d_sae=8, architecture="relu"), steps=1, nonfinite="x"
+    ),
+  ],
+)
+def test_nonfinite_is_raise_or_skip(mlp, call):
+  with pytest.raises(jl.JaxlensError, match=r'nonfinite must be "raise" or "skip"'):
+    call(mlp)
 
 
 @pytest.mark.parametrize(

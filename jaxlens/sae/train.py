@@ -484,11 +484,11 @@ def optimizer(cfg: TrainConfig, steps: int):
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(cfg: TrainConfig, steps: int):
+def _compiled(cfg: TrainConfig, steps: int, skip: bool = False):
   """The jitted initial state and the jitted step for one configuration (a second
   :func:`train` call with the same configuration and shapes reuses both programs)."""
   tx = optimizer(cfg, steps)
-  return jax.jit(make_init(cfg, tx)), jax.jit(make_step(cfg, tx))
+  return jax.jit(make_init(cfg, tx)), jax.jit(make_step(cfg, tx, skip))
 
 
 def make_init(cfg: TrainConfig, tx):
@@ -550,8 +550,9 @@ def _not_finite(batch_finite: bool, index: int, step: int) -> SAEError:
   )
 
 
-def make_step(cfg: TrainConfig, tx):
-  """The train step ``(state, x, target) -> (state, metrics)`` (not jitted)."""
+def make_step(cfg: TrainConfig, tx, skip: bool = False):
+  """The train step ``(state, x, target) -> (state, metrics)`` (not jitted). With ``skip``,
+  a step whose loss or gradient is not finite changes nothing but the step count."""
   optax = require("optax", feature="jaxlens.sae.train", extra="sae")
 
   def step_fn(state: State, x, target):
@@ -604,7 +605,11 @@ def make_step(cfg: TrainConfig, tx):
       "_finite": jnp.isfinite(total) & _finite_tree(grads),
       "_batch_finite": _finite_tree((x, target)),
     }
-    return State(new, opt_state, state.step + 1, since, threshold), metrics
+    after = State(new, opt_state, state.step + 1, since, threshold)
+    if skip:
+      kept = dataclasses.replace(state, step=state.step + 1)
+      after = jax.tree.map(lambda a, b: jnp.where(metrics["_finite"], a, b), after, kept)
+    return after, metrics
 
   return step_fn
 
@@ -665,12 +670,15 @@ class Trained:
     state: the final :class:`State` (optimizer state, counters).
     metrics: ``{name: np.ndarray over logged steps}`` and ``"step"``.
     config: the :class:`TrainConfig`.
+    skipped: with ``nonfinite="skip"``, the skipped steps (resumed runs' included), each
+      ``{"batch": i, "step": s, "code": "batch_not_finite" | "loss_not_finite"}``.
   """
 
   sae: Any
   state: State
   metrics: dict
   config: TrainConfig
+  skipped: list = dataclasses.field(default_factory=list)
 
   def inference(self):
     """The dictionary for inference: a BatchTopK SAE becomes the JumpReLU one with its
@@ -703,13 +711,15 @@ def _restore(ckpt, state: State, directory):
       field="checkpoint_dir",
       fix="a new checkpoint_dir, or the TrainConfig the checkpoint was written with",
     )
-  return ckpt.restore(state, meta), meta["consumed"], meta["metrics"]
+  skipped = list(meta.get("skipped", []))
+  return ckpt.restore(state, meta), meta["consumed"], meta["metrics"], skipped
 
 
-def _save(ckpt, state: State, consumed: int, metrics: dict):
+def _save(ckpt, state: State, consumed: int, metrics: dict, skipped: list):
   meta = {
     "consumed": consumed,
     "metrics": {k: [float(v) for v in vs] for k, vs in metrics.items()},
+    "skipped": skipped,
   }
   ckpt.save(int(state.step), state, meta, force=True)
 
@@ -813,6 +823,7 @@ def train(
   log_every: int = 10,
   progress: bool = True,
   callback: Callable | None = None,
+  nonfinite: str = "raise",
 ) -> Trained:
   """Trains a dictionary on batches of activations.
 
@@ -835,6 +846,12 @@ def train(
     log_every: the metrics (every step's) are read back to the host every this many steps.
     progress: a tqdm progress bar (MSE, L0, explained variance).
     callback: called as ``callback(step, metrics)`` at every logged step.
+    nonfinite: what a step whose batch, loss or gradient holds NaN or infinity does:
+      ``"raise"`` (the default: ``batch_not_finite`` / ``loss_not_finite`` below) or
+      ``"skip"``: the step changes nothing but the step count (it still counts as one of
+      ``steps``; the dictionary, its optimiser state and the dead-feature counters are those
+      before it, and it has no metrics) and is listed in :attr:`Trained.skipped`, which
+      checkpoints keep across a resume.
 
   Returns:
     A :class:`Trained`.
@@ -845,10 +862,19 @@ def train(
       ``init`` of another kind or size), ``sae_shape_mismatch`` (an ``init`` whose ``d_in``
       differs from the data's), ``batch_not_finite`` / ``loss_not_finite`` (a batch holding
       NaN or infinity, or a diverged step: ``fields["batch"]`` and ``fields["step"]`` name it;
-      the metrics are read every ``log_every`` steps, so training stops within that many).
+      the metrics are read every ``log_every`` steps, so training stops within that many;
+      with ``nonfinite="skip"``, such steps are skipped instead).
     jaxlens.CheckpointError: a checkpoint directory that is a file, locked by another run,
       damaged, or on a full disk (``disk_full``).
   """
+  if nonfinite not in ("raise", "skip"):
+    raise SAEError(
+      f'nonfinite must be "raise" or "skip", got {nonfinite!r}',
+      code="sae_config_invalid",
+      field="nonfinite",
+      fix='nonfinite="raise"',
+    )
+  skip = nonfinite == "skip"
   for name, value, fix in (
     ("steps", steps, "steps=1000"),
     ("log_every", log_every, "log_every=10"),
@@ -885,7 +911,7 @@ def train(
   if init is not None:
     _check_init(init, config, fx, fy)
   if mesh is None:
-    init_state, jitted = _compiled(config, steps)
+    init_state, jitted = _compiled(config, steps, skip)
 
     def put(a):
       return a
@@ -903,7 +929,7 @@ def train(
     replicated = NamedSharding(mesh, P())
     sharded = NamedSharding(mesh, P(axis))
     init_state = jax.jit(make_init(config, tx), out_shardings=replicated)
-    jitted = jax.jit(make_step(config, tx), out_shardings=(replicated, replicated))
+    jitted = jax.jit(make_step(config, tx, skip), out_shardings=(replicated, replicated))
 
     def put(a):
       return None if a is None else jax.make_array_from_process_local_data(sharded, np.asarray(a))
@@ -913,6 +939,7 @@ def train(
   state = init_state(jax.random.key(config.seed), put(fx), put(fy), init)
 
   history: dict[str, list] = {}
+  skipped: list | None = [] if skip else None  # (None: a non-finite step raises)
   consumed = 0
   ckpt = None if checkpoint_dir is None else _checkpoints(checkpoint_dir, checkpoint_every)
 
@@ -925,7 +952,8 @@ def train(
   try:
     restored = None if ckpt is None else _restore(ckpt, state, checkpoint_dir)
     if restored is not None:
-      state, consumed, history = restored
+      state, consumed, history, was_skipped = restored
+      skipped = was_skipped if skip else None
       if mesh is not None:
         state = jax.device_put(state, replicated)
     if progress:
@@ -949,28 +977,34 @@ def train(
       done += 1
       pending.append((done, i, metrics))
       if done % log_every == 0 or done == steps:
-        _flush(pending, history, bar, callback)
+        _flush(pending, history, bar, callback, skipped)
       if ckpt is not None and done % checkpoint_every == 0:
-        _flush(pending, history, bar, callback)
-        _save(ckpt, state, position, history)
-    _flush(pending, history, bar, callback)
+        _flush(pending, history, bar, callback, skipped)
+        _save(ckpt, state, position, history, skipped or [])
+    _flush(pending, history, bar, callback, skipped)
     if ckpt is not None:
-      _save(ckpt, state, position, history)
+      _save(ckpt, state, position, history, skipped or [])
   finally:
     if bar is not None:
       bar.close()
     if ckpt is not None:
       ckpt.close()  # releases the directory's lock
   metrics = {k: np.asarray(v) for k, v in history.items()}
-  return Trained(state.sae, state, metrics, config)
+  return Trained(state.sae, state, metrics, config, skipped=skipped or [])
 
 
-def _flush(pending, history, bar, callback):
+def _flush(pending, history, bar, callback, skipped=None):
+  """Reads the pending steps' metrics into ``history``; a non-finite step raises, or is
+  listed in ``skipped`` (a list: ``nonfinite="skip"``, whose step changed nothing)."""
   if not pending:
     return
   read = jax.device_get([m for _, _, m in pending])
   for (step, index, _), m in zip(pending, read):
     finite, batch_finite = bool(m.pop("_finite")), bool(m.pop("_batch_finite"))
+    if not finite and skipped is not None:
+      code = "loss_not_finite" if batch_finite else "batch_not_finite"
+      skipped.append({"batch": index, "step": step, "code": code})
+      continue
     if not finite:
       pending.clear()
       raise _not_finite(batch_finite, index, step)

@@ -37,6 +37,9 @@ class TrainResult:
     step: the number of steps done in all (resumed ones included).
     depends: the structural check before the first step: ``{"params": pytree of bool,
       "variables": pytree of bool}``, whether the loss depends on each leaf.
+    skipped: with ``nonfinite="skip"``, the steps skipped (resumed runs' included), each
+      ``{"batch": i, "step": s, "code": "batch_not_finite" | "loss_not_finite"}`` (ReFT's
+      with ``"pairs"``, the indices of the pairs in the batch); empty otherwise.
   """
 
   params: Any
@@ -45,6 +48,7 @@ class TrainResult:
   opt_state: Any
   step: int
   depends: Any = None
+  skipped: list = dataclasses.field(default_factory=list)
 
 
 def last_position(out):
@@ -94,26 +98,42 @@ def _all_finite(tree):
   return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
 
-def _not_finite(batch_finite: bool, index: int, step: int) -> InvalidArgumentError:
+def _not_finite(batch_finite: bool, index: int, step: int, pairs=None) -> InvalidArgumentError:
   """The error for a step whose loss or gradient is not finite; the parameters, the
-  optimiser state and the checkpoints stay those before the step."""
+  optimiser state and the checkpoints stay those before the step. ``pairs``: ReFT's pairs
+  in the batch."""
+  where = {"batch": index, "step": step, **({} if pairs is None else {"pairs": pairs})}
   if not batch_finite:
     return InvalidArgumentError(
       f"batch {index} (step {step}) holds NaN or infinite values; training stopped before "
       "the step changed the parameters",
       code="batch_not_finite",
-      fix="drop or repair that batch (checkpoints keep the steps before it)",
-      batch=index,
-      step=step,
+      fix='drop or repair that batch (checkpoints keep the steps before it), or nonfinite="skip"',
+      **where,
     )
   return InvalidArgumentError(
-    f"the loss or its gradient is NaN or infinite at step {step} (batch {index}, whose values "
-    "are finite): training diverged; stopped before the step changed the parameters",
+    f"the loss or its gradient is NaN or infinite at step {step} (batch {index}"
+    + (f", pairs {pairs}" if pairs is not None else "")
+    + ", whose values are finite): training diverged, or the model's output is not finite on "
+    "that batch; stopped before the step changed the parameters",
     code="loss_not_finite",
-    fix="a smaller learning rate, or a readout whose logits stay finite",
-    batch=index,
-    step=step,
+    fix="a smaller learning rate, a readout whose logits stay finite, token ids inside the "
+    'vocabulary, or nonfinite="skip" to drop such batches',
+    **where,
   )
+
+
+def _check_nonfinite(nonfinite) -> bool:
+  """Whether ``nonfinite`` asks to skip (``"skip"``) or to raise (``"raise"``)."""
+  if nonfinite not in ("raise", "skip"):
+    raise InvalidArgumentError(
+      f'nonfinite must be "raise" or "skip", got {nonfinite!r}',
+      code="invalid_argument",
+      fix='nonfinite="raise"',
+      expected=["raise", "skip"],
+      received=repr(nonfinite),
+    )
+  return nonfinite == "skip"
 
 
 def _positive_int(value, name: str, fix: str) -> int:
@@ -209,8 +229,11 @@ def _loop(
   checkpoint_every,
   progress,
   desc,
+  nonfinite="raise",
+  pairs_of=None,
 ):
   optax = _optax()
+  skip = _check_nonfinite(nonfinite)
   if steps is None:
     if callable(batches):
       raise InvalidArgumentError(
@@ -253,14 +276,17 @@ def _loop(
   start = 0
   ckpt = _Checkpoints(checkpoint, checkpoint_every) if checkpoint is not None else None
   losses = []
+  skipped: list = []
   bar = None
   try:
     if ckpt is not None:
       state = {"trained": trained, "opt_state": opt_state, "step": jnp.asarray(0)}
-      restored = ckpt.restore(state)
+      meta = ckpt.restore_meta()
+      restored = ckpt.restore(state, meta)
       if restored is not None:
         trained, opt_state = restored["trained"], restored["opt_state"]
         start = int(restored["step"])
+        skipped = list(meta.get("skipped", []))
     trained, opt_state = _replicate(trained, mesh), _replicate(opt_state, mesh)
     variables = _replicate(variables, mesh)
     bar = _progress(steps, start, progress, desc)
@@ -271,20 +297,32 @@ def _loop(
         trained, variables, opt_state, batch, jnp.asarray(step)
       )
       if not bool(finite):
-        raise _not_finite(bool(batch_finite), index, step)
-      trained, opt_state = new_trained, new_state
-      losses.append(value)
+        pairs = None if pairs_of is None else pairs_of(step)
+        if not skip:
+          raise _not_finite(bool(batch_finite), index, step, pairs)
+        # Skipped: the step counts, the parameters and the optimiser state stay as they were.
+        code = "batch_not_finite" if not bool(batch_finite) else "loss_not_finite"
+        record = {"batch": index, "step": step, "code": code}
+        skipped.append(record if pairs is None else {**record, "pairs": pairs})
+      else:
+        trained, opt_state = new_trained, new_state
+        losses.append(value)
       if bar is not None:
         bar.update(1)
         if step % 10 == 0:
           bar.set_postfix(loss=f"{float(value):.4f}")
       if ckpt is not None:
         ckpt.save(
-          step + 1, {"trained": trained, "opt_state": opt_state, "step": jnp.asarray(step + 1)}
+          step + 1,
+          {"trained": trained, "opt_state": opt_state, "step": jnp.asarray(step + 1)},
+          {"skipped": skipped},
         )
     if ckpt is not None and start < steps:
       ckpt.save(
-        steps, {"trained": trained, "opt_state": opt_state, "step": jnp.asarray(steps)}, force=True
+        steps,
+        {"trained": trained, "opt_state": opt_state, "step": jnp.asarray(steps)},
+        {"skipped": skipped},
+        force=True,
       )
   finally:
     if bar is not None:
@@ -293,7 +331,7 @@ def _loop(
       ckpt.close()
   params, variables = (trained, variables) if frozen else trained
   return TrainResult(
-    params, variables, [float(v) for v in losses], opt_state, max(steps, start), depends
+    params, variables, [float(v) for v in losses], opt_state, max(steps, start), depends, skipped
   )
 
 
@@ -366,6 +404,7 @@ def train_iit(
   checkpoint=None,
   checkpoint_every: int = 50,
   progress: bool = True,
+  nonfinite: str = "raise",
 ) -> TrainResult:
   """Interchange intervention training: align ``method``'s subspace with a causal variable.
 
@@ -397,6 +436,11 @@ def train_iit(
       run at a time trains into a directory (a lock file in it).
     checkpoint_every: steps between checkpoints.
     progress: show a tqdm progress bar.
+    nonfinite: what a step whose batch, loss or gradient holds NaN or infinity does:
+      ``"raise"`` (the default: ``batch_not_finite`` / ``loss_not_finite`` below) or
+      ``"skip"``: the step changes nothing (no update of the parameters or the optimiser
+      state; it still counts as one of ``steps``, and has no entry in ``losses``) and is
+      listed in :attr:`TrainResult.skipped`, which checkpoints keep across a resume.
 
   Returns:
     a :class:`TrainResult`.
@@ -450,6 +494,7 @@ def train_iit(
     checkpoint_every=checkpoint_every,
     progress=progress,
     desc=f"IIT {type(method).__name__}",
+    nonfinite=nonfinite,
   )
 
 
@@ -539,6 +584,25 @@ def _check_pairs(pairs):
         fix="pairs=[([1, 2, 3], [4, 5]), ...]",
         received=repr(pair)[:80],
       )
+    for part in (prompt, answer):
+      try:
+        tokens = np.asarray(part).reshape(-1)
+      except (TypeError, ValueError):
+        tokens = np.asarray([np.nan])
+      ok = tokens.dtype.kind in "iu" or (
+        tokens.dtype == object and all(_token_id(t) for t in tokens.tolist())
+      )
+      if not ok or (tokens.dtype.kind in "iu" and (tokens.min() < 0 or tokens.max() >= 2**31)):
+        raise InvalidArgumentError(
+          f"pairs[{i}] holds a token id that is not an int in [0, 2**31): {part!r:.80}",
+          code="invalid_argument",
+          fix="token ids from the tokenizer (ints)",
+          received=repr(pair)[:80],
+        )
+
+
+def _token_id(t) -> bool:
+  return isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < 2**31
 
 
 def _check_seed(seed):
@@ -569,6 +633,7 @@ def train_reft(
   checkpoint=None,
   checkpoint_every: int = 50,
   progress: bool = True,
+  nonfinite: str = "raise",
 ) -> TrainResult:
   """Representation fine-tuning on ``(prompt, answer)`` token pairs, the model frozen.
 
@@ -589,6 +654,19 @@ def train_reft(
     pad_token: the padding token.
     seed: the shuffling seed.
     mesh, data_axis, checkpoint, checkpoint_every, progress: as :func:`train_iit`.
+    nonfinite: ``"raise"`` or ``"skip"``, as :func:`train_iit`. The token batches are always
+      finite; a step's loss is not when the model's output is not (a token id past the
+      vocabulary reads a NaN embedding row, for example): ``loss_not_finite`` names the
+      step and the indices of the batch's pairs (``fields["pairs"]``).
+
+  Returns:
+    a :class:`TrainResult`.
+
+  Raises:
+    InvalidArgumentError: ``invalid_argument`` (no pairs, a pair that is not two non-empty
+      lists of token ids in ``[0, 2**31)``, a step count or batch size that is not a positive
+      int), ``invalid_seed``, ``loss_not_finite`` (see ``nonfinite``).
+    jaxlens.CheckpointError: as :func:`train_iit`.
   """
   _check_pairs(pairs)
   steps = _positive_int(steps, "steps", "steps=200")
@@ -601,12 +679,15 @@ def train_reft(
   per_epoch = n // batch_size
   orders = {}
 
-  def batch_at(step):
+  def pairs_at(step):
     epoch, i = divmod(step, per_epoch)
     if epoch not in orders:
       orders.clear()
       orders[epoch] = np.random.default_rng([seed, epoch]).permutation(n)
-    idx = orders[epoch][i * batch_size : (i + 1) * batch_size]
+    return orders[epoch][i * batch_size : (i + 1) * batch_size]
+
+  def batch_at(step):
+    idx = pairs_at(step)
     return {k: v[idx] for k, v in data.items()}
 
   selector = as_selector(site)
@@ -631,6 +712,8 @@ def train_reft(
     checkpoint_every=checkpoint_every,
     progress=progress,
     desc=f"ReFT {type(method).__name__}",
+    nonfinite=nonfinite,
+    pairs_of=lambda step: [int(i) for i in pairs_at(step)],
   )
 
 
