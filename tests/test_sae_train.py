@@ -191,7 +191,7 @@ def test_ce_loss_recovered_by_splicing(gpt_store):
 
 def test_training_refusals():
   with pytest.raises(sae.SAEError, match=r"\[sae_config_invalid\]") as info:
-    st.TrainConfig(d_sae=8, architecture="gated")
+    st.TrainConfig(d_sae=8, architecture="matching_pursuit")
   assert info.value.fields["field"] == "architecture"
   with pytest.raises(sae.SAEError, match=r"\[sae_config_invalid\]"):
     st.TrainConfig(d_sae=0)

@@ -47,9 +47,14 @@ from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder, batch_topk_relu
 from jaxlens.sae._splice import splice
 
 __all__ = [
+  "ARCHITECTURES",
   "TrainConfig",
   "Trained",
   "train",
+  "schedule",
+  "estimate_scaling_factor",
+  "fold_activation_scale",
+  "fold_decoder_norm",
   "loss_terms",
   "explained_variance",
   "ce_loss_recovered",
@@ -58,21 +63,53 @@ __all__ = [
 ]
 
 
+ARCHITECTURES = ("relu", "topk", "batchtopk", "matryoshka_batchtopk", "jumprelu", "gated")
+_TOPK = ("topk", "batchtopk", "matryoshka_batchtopk")  # the k family
+_BATCH = ("batchtopk", "matryoshka_batchtopk")  # a running threshold, JumpReLU at inference
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """What :func:`train` fits and how.
 
   Attributes:
     d_sae: the number of features.
-    architecture: ``"relu"``, ``"topk"``, ``"batchtopk"`` or ``"jumprelu"``.
+    architecture: ``"relu"``, ``"topk"``, ``"batchtopk"``, ``"matryoshka_batchtopk"``,
+      ``"jumprelu"`` or ``"gated"``.
     k: TopK's active features per row; BatchTopK's mean active features per row.
     transcoder: fit a :class:`~jaxlens.sae.Transcoder` to ``(x, y)`` batches.
     skip: a transcoder with a skip connection ``W_skip``.
     lr, adam_beta1, adam_beta2: Adam's (SAELens's defaults).
+    lr_scheduler: ``"constant"`` or ``"cosineannealing"`` (SAELens's ``lr_scheduler_name``):
+      the learning rate between the warm-up and the decay, constant at ``lr`` or a cosine
+      from ``lr`` to ``lr_end`` over those steps.
+    lr_end: the cosine's final learning rate and the start of the final decay (default
+      ``lr / 10``, as SAELens's); ignored by ``"constant"``, whose decay starts at ``lr``.
     lr_warm_up_steps, lr_decay_steps: linear warm-up from ``lr / warm_up`` and linear
       decay to 0 over the last ``lr_decay_steps`` of ``steps``.
-    l1_coefficient: ReLU's L1 coefficient (on decoder-norm-weighted activations).
+    l1_coefficient: ReLU's and gated's L1 coefficient (on decoder-norm-weighted
+      activations; gated: on the gate's ReLU).
     l0_coefficient: JumpReLU's L0 coefficient.
+    jumprelu_sparsity_loss_mode: JumpReLU's sparsity loss: ``"step"`` (the L0 through the
+      step function's straight-through estimator, DeepMind's), ``"tanh"`` (``sum
+      tanh(jumprelu_tanh_scale * acts * |W_dec row|)``, Anthropic's) or ``"quadratic"``
+      (``2 / target_l0 * (L0 - target_l0)^2``, Gemma Scope 2's).
+    jumprelu_tanh_scale: the tanh loss's scale.
+    target_l0: the quadratic loss's target L0 (required by it, in ``(0, d_sae]``).
+    pre_act_loss_coefficient: Anthropic's pre-activation loss on dead features
+      (``sum relu(threshold - pre) * dead * |W_dec row|``), None for none.
+    jumprelu_ste_to_input: the straight-through estimators also pass their gradient to the
+      pre-activations (Anthropic's), not only to the threshold (DeepMind's).
+    matryoshka_widths: Matryoshka BatchTopK's nested widths, strictly increasing (``d_sae``
+      is appended when the last is smaller, as SAELens does); each width but the last adds
+      an ``inner_mse_loss_{width}`` of the reconstruction from the features below it.
+    use_matryoshka_aux_loss: Matryoshka's AuxK per level (each level's dead features
+      reconstruct that level's residual) instead of the whole SAE's.
+    normalize_activations: ``"none"`` or ``"expected_average_only_in"``: the first
+      ``n_batches_for_norm_estimate`` batches estimate a factor ``sqrt(d_in) / mean |x|``,
+      training runs on the scaled batches that follow, and the factor is folded into the
+      trained dictionary (:func:`fold_activation_scale`), as SAELens's trainer does.
+    n_batches_for_norm_estimate: batches read for that estimate.
     coefficient_warm_up_steps: linear warm-up of the L1 / L0 coefficient.
     aux_loss_coefficient: TopK / BatchTopK's AuxK coefficient.
     jumprelu_init_threshold, jumprelu_bandwidth: JumpReLU's initial threshold and STE
@@ -98,10 +135,21 @@ class TrainConfig:
   lr: float = 3e-4
   adam_beta1: float = 0.9
   adam_beta2: float = 0.999
+  lr_scheduler: str = "constant"
+  lr_end: float | None = None
   lr_warm_up_steps: int = 0
   lr_decay_steps: int = 0
   l1_coefficient: float = 1.0
   l0_coefficient: float = 1.0
+  jumprelu_sparsity_loss_mode: str = "step"
+  jumprelu_tanh_scale: float = 4.0
+  target_l0: float | None = None
+  pre_act_loss_coefficient: float | None = None
+  jumprelu_ste_to_input: bool = False
+  matryoshka_widths: tuple = ()
+  use_matryoshka_aux_loss: bool = False
+  normalize_activations: str = "none"
+  n_batches_for_norm_estimate: int = 1000
   coefficient_warm_up_steps: int = 0
   aux_loss_coefficient: float = 1.0
   jumprelu_init_threshold: float = 0.01
@@ -121,15 +169,15 @@ class TrainConfig:
     def bad(field, why, fix):
       raise SAEError(f"TrainConfig.{field}: {why}", code="sae_config_invalid", field=field, fix=fix)
 
-    if self.architecture not in ("relu", "topk", "batchtopk", "jumprelu"):
+    if self.architecture not in ARCHITECTURES:
       bad(
         "architecture",
-        f"{self.architecture!r} is not relu/topk/batchtopk/jumprelu",
+        f"{self.architecture!r} is not one of {', '.join(ARCHITECTURES)}",
         'architecture="topk"',
       )
     if isinstance(self.d_sae, bool) or not isinstance(self.d_sae, int) or self.d_sae < 1:
       bad("d_sae", f"{self.d_sae!r} is not a positive int", "d_sae=4096")
-    if self.architecture in ("topk", "batchtopk") and (
+    if self.architecture in _TOPK and (
       self.k is None or isinstance(self.k, bool) or not self.k > 0 or self.k > self.d_sae
     ):
       bad("k", f"{self.k!r} must be in (0, d_sae] for {self.architecture}", "k=32")
@@ -143,6 +191,58 @@ class TrainConfig:
       floating = False
     if not floating:
       bad("dtype", f"{self.dtype!r} is not a float dtype", 'dtype="float32"')
+    if self.lr_scheduler not in ("constant", "cosineannealing"):
+      bad(
+        "lr_scheduler",
+        f"{self.lr_scheduler!r} is not 'constant' or 'cosineannealing'",
+        'lr_scheduler="cosineannealing"',
+      )
+    if self.lr_end is not None and not (math.isfinite(self.lr_end) and self.lr_end >= 0):
+      bad("lr_end", f"{self.lr_end!r} is not a finite number >= 0", "lr_end=lr / 10")
+    lr_end = self.lr / 10 if self.lr_end is None else self.lr_end
+    if self.lr_decay_steps > 0 and self.lr_scheduler != "constant" and lr_end == 0:
+      bad(
+        "lr_end",
+        "a decay after a cosine to lr_end=0 would decay from 0 to 0 (SAELens refuses it too)",
+        "lr_end > 0, or lr_decay_steps=0",
+      )
+    mode = self.jumprelu_sparsity_loss_mode
+    if mode not in ("step", "tanh", "quadratic"):
+      bad("jumprelu_sparsity_loss_mode", f"{mode!r} is not step/tanh/quadratic", '"step"')
+    if self.architecture == "jumprelu" and mode == "quadratic":
+      t = self.target_l0
+      if t is None or isinstance(t, bool) or not (0 < t <= self.d_sae):
+        bad("target_l0", f"{t!r} must be in (0, d_sae] for the quadratic L0 loss", "target_l0=32")
+    if self.normalize_activations not in ("none", "expected_average_only_in"):
+      bad(
+        "normalize_activations",
+        f"{self.normalize_activations!r} is not 'none' or 'expected_average_only_in'",
+        'normalize_activations="expected_average_only_in"',
+      )
+    n = self.n_batches_for_norm_estimate
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      bad("n_batches_for_norm_estimate", f"{n!r} is not a positive int", "1000")
+    if self.normalize_activations != "none" and self.transcoder:
+      bad(
+        "normalize_activations",
+        "a transcoder's input and output would need two factors; scale the data instead",
+        'normalize_activations="none"',
+      )
+    widths = tuple(self.matryoshka_widths)
+    object.__setattr__(self, "matryoshka_widths", widths)  # hashable (the compile cache)
+    if self.architecture == "matryoshka_batchtopk":
+      if not widths or any(isinstance(w, bool) or not isinstance(w, int) for w in widths):
+        bad("matryoshka_widths", f"{widths!r} is not a non-empty list of ints", "(512, 2048)")
+      if any(b <= a for a, b in zip(widths, widths[1:])) or widths[0] < 1:
+        bad(
+          "matryoshka_widths", f"{widths!r} is not strictly increasing and positive", "(512, 2048)"
+        )
+      if widths[-1] > self.d_sae:
+        bad("matryoshka_widths", f"{widths[-1]} is wider than d_sae={self.d_sae}", "(512, d_sae)")
+      if widths[-1] != self.d_sae:
+        object.__setattr__(self, "matryoshka_widths", widths + (self.d_sae,))
+    if self.transcoder and self.architecture in ("gated", "matryoshka_batchtopk"):
+      bad("architecture", f"{self.architecture} trains SAEs only here", 'architecture="topk"')
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,52 +253,59 @@ def _rectangle(x):
   return ((x > -0.5) & (x < 0.5)).astype(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _jumprelu(x, threshold, bandwidth):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _jumprelu(x, threshold, bandwidth, ste_to_input):
   return x * (x > threshold).astype(x.dtype)
 
 
-def _jumprelu_fwd(x, threshold, bandwidth):
-  return _jumprelu(x, threshold, bandwidth), (x, threshold)
+def _jumprelu_fwd(x, threshold, bandwidth, ste_to_input):
+  return _jumprelu(x, threshold, bandwidth, ste_to_input), (x, threshold)
 
 
-def _jumprelu_bwd(bandwidth, res, g):
+def _jumprelu_bwd(bandwidth, ste_to_input, res, g):
   x, threshold = res
   ste = (threshold / bandwidth) * _rectangle((x - threshold) / bandwidth) * g
   dthreshold = -ste.reshape(-1, x.shape[-1]).sum(0)
-  return (x > threshold).astype(x.dtype) * g, dthreshold.astype(threshold.dtype)
+  dx = (x > threshold).astype(x.dtype) * g
+  if ste_to_input:
+    dx = dx + ste
+  return dx, dthreshold.astype(threshold.dtype)
 
 
 _jumprelu.defvjp(_jumprelu_fwd, _jumprelu_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _step(x, threshold, bandwidth):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _step(x, threshold, bandwidth, ste_to_input):
   return (x > threshold).astype(x.dtype)
 
 
-def _step_fwd(x, threshold, bandwidth):
-  return _step(x, threshold, bandwidth), (x, threshold)
+def _step_fwd(x, threshold, bandwidth, ste_to_input):
+  return _step(x, threshold, bandwidth, ste_to_input), (x, threshold)
 
 
-def _step_bwd(bandwidth, res, g):
+def _step_bwd(bandwidth, ste_to_input, res, g):
   x, threshold = res
   ste = (1.0 / bandwidth) * _rectangle((x - threshold) / bandwidth) * g
   dthreshold = -ste.reshape(-1, x.shape[-1]).sum(0)
-  return jnp.zeros_like(x), dthreshold.astype(threshold.dtype)
+  # The step depends on x only through x - threshold: x's estimate is the threshold's negated.
+  dx = ste if ste_to_input else jnp.zeros_like(x)
+  return dx, dthreshold.astype(threshold.dtype)
 
 
 _step.defvjp(_step_fwd, _step_bwd)
 
 
-def jumprelu(x, threshold, bandwidth: float):
-  """``x * (x > threshold)``, with the straight-through gradient for ``threshold``."""
-  return _jumprelu(x, threshold, float(bandwidth))
+def jumprelu(x, threshold, bandwidth: float, ste_to_input: bool = False):
+  """``x * (x > threshold)``, with the straight-through gradient for ``threshold`` (and with
+  ``ste_to_input`` for ``x`` too, Anthropic's variant)."""
+  return _jumprelu(x, threshold, float(bandwidth), bool(ste_to_input))
 
 
-def step_function(x, threshold, bandwidth: float):
-  """``(x > threshold)``, with the straight-through gradient for ``threshold`` (the L0)."""
-  return _step(x, threshold, float(bandwidth))
+def step_function(x, threshold, bandwidth: float, ste_to_input: bool = False):
+  """``(x > threshold)``, with the straight-through gradient for ``threshold`` (the L0; with
+  ``ste_to_input`` for ``x`` too)."""
+  return _step(x, threshold, float(bandwidth), bool(ste_to_input))
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,7 +447,7 @@ def _forward(d: SAE, cfg: TrainConfig, x):
   a dense ``(rows, d_sae)`` product where only ``k`` columns per row are nonzero)."""
   sae_in = x.astype(d.dtype)
   norm = jnp.linalg.norm(d.W_dec, axis=-1)
-  rescale = cfg.architecture in ("topk", "batchtopk") and cfg.rescale_acts_by_decoder_norm
+  rescale = cfg.architecture in _TOPK and cfg.rescale_acts_by_decoder_norm
   pick = active = None
   if cfg.architecture == "topk":
     shift = d.b_dec if d.apply_b_dec_to_input else jnp.zeros_like(d.b_dec)
@@ -376,13 +483,22 @@ def _forward(d: SAE, cfg: TrainConfig, x):
   else:
     if d.apply_b_dec_to_input:
       sae_in = sae_in - d.b_dec
-    pre = sae_in @ d.W_enc + d.b_enc
+    if cfg.architecture == "gated":
+      # The gate's pre-activation (b_enc is SAELens's b_gate) picks the features, without
+      # gradient; the magnitude path shares W_enc, rescaled by exp(r_mag).
+      gate = (sae_in @ d.W_enc + d.b_enc > 0).astype(sae_in.dtype)
+      pre = sae_in @ (d.W_enc * jnp.exp(d.r_mag)) + d.b_mag
+    else:
+      pre = sae_in @ d.W_enc + d.b_enc
     if rescale:
       pre = pre * norm
     if cfg.architecture == "relu":
       acts = jax.nn.relu(pre)
+    elif cfg.architecture == "gated":
+      acts = jax.lax.stop_gradient(gate) * jax.nn.relu(pre)
     elif cfg.architecture == "jumprelu":
-      acts = jumprelu(pre, d.threshold.astype(pre.dtype), cfg.jumprelu_bandwidth)
+      threshold = d.threshold.astype(pre.dtype)
+      acts = jumprelu(pre, threshold, cfg.jumprelu_bandwidth, cfg.jumprelu_ste_to_input)
     else:
       acts = batch_topk_relu(pre, cfg.k)
     out = (acts / norm if rescale else acts) @ d.W_dec + d.b_dec
@@ -416,23 +532,100 @@ def _loss_terms(d, cfg, x, *, target, dead, coefficient):
   acts, pre, out, pick, active = _forward(d, cfg, x)
   mse = jnp.mean(jnp.sum((out - target) ** 2, axis=-1))
   terms = {"mse_loss": mse}
+  if dead is None:
+    dead = jnp.zeros((d.d_sae,), bool)
+  norm = jnp.linalg.norm(d.W_dec, axis=-1)
   if cfg.architecture == "relu":
     c = cfg.l1_coefficient if coefficient is None else coefficient
-    weighted = acts * jnp.linalg.norm(d.W_dec, axis=-1)
-    terms["l1_loss"] = jnp.mean(c * jnp.sum(jnp.abs(weighted), axis=-1))
+    terms["l1_loss"] = jnp.mean(c * jnp.sum(jnp.abs(acts * norm), axis=-1))
+  elif cfg.architecture == "gated":
+    # SAELens's gated losses: an L1 on the gate's ReLU (weighted by the decoder norms), and
+    # the reconstruction from the gate's ReLU alone.
+    c = cfg.l1_coefficient if coefficient is None else coefficient
+    sae_in = x.astype(d.dtype) - (d.b_dec if d.apply_b_dec_to_input else 0)
+    via_gate = jax.nn.relu(sae_in @ d.W_enc + d.b_enc)
+    terms["l1_loss"] = c * jnp.mean(jnp.sum(via_gate * norm, axis=-1))
+    recon = via_gate @ d.W_dec + d.b_dec
+    terms["auxiliary_reconstruction_loss"] = jnp.mean(jnp.sum((recon - target) ** 2, axis=-1))
   elif cfg.architecture == "jumprelu":
-    c = cfg.l0_coefficient if coefficient is None else coefficient
-    l0 = jnp.sum(step_function(pre, d.threshold.astype(pre.dtype), cfg.jumprelu_bandwidth), -1)
-    terms["l0_loss"] = jnp.mean(c * l0)
+    terms.update(_jumprelu_losses(d, cfg, acts, pre, norm, dead, coefficient))
   else:
-    if dead is None:
-      dead = jnp.zeros((d.d_sae,), bool)
-    residual_in = target
     if pick is None:  # BatchTopK: pre carries its gradient
       pick = functools.partial(jnp.take_along_axis, pre, axis=-1)
-    terms["auxiliary_reconstruction_loss"] = _topk_aux(d, cfg, residual_in, out, pre, dead, pick)
+    if cfg.architecture == "matryoshka_batchtopk":
+      inner, partial = _matryoshka_decodes(d, cfg, acts, norm)
+      if cfg.use_matryoshka_aux_loss:
+        aux = _matryoshka_aux(d, cfg, target, partial, pre, dead, norm)
+      else:
+        aux = _topk_aux(d, cfg, target, out, pre, dead, pick)
+      terms["auxiliary_reconstruction_loss"] = aux
+      for width, decoded in zip(cfg.matryoshka_widths[:-1], inner):
+        terms[f"inner_mse_loss_{width}"] = jnp.mean(jnp.sum((decoded - target) ** 2, axis=-1))
+    else:
+      terms["auxiliary_reconstruction_loss"] = _topk_aux(d, cfg, target, out, pre, dead, pick)
   total = sum(terms.values())
   return total, terms, (acts, pre, out), active
+
+
+def _jumprelu_losses(d, cfg, acts, pre, norm, dead, coefficient):
+  """JumpReLU's sparsity loss (``l0_loss``, in ``jumprelu_sparsity_loss_mode``) and, with a
+  ``pre_act_loss_coefficient``, Anthropic's ``pre_act_loss`` on the dead features."""
+  c = cfg.l0_coefficient if coefficient is None else coefficient
+  threshold = d.threshold.astype(pre.dtype)
+  mode = cfg.jumprelu_sparsity_loss_mode
+  if mode == "tanh":
+    per_row = jnp.sum(jnp.tanh(cfg.jumprelu_tanh_scale * acts * norm), axis=-1)
+  else:
+    l0 = jnp.sum(
+      step_function(pre, threshold, cfg.jumprelu_bandwidth, cfg.jumprelu_ste_to_input), -1
+    )
+    if mode == "quadratic":
+      per_row = 2 / cfg.target_l0 * (l0 - cfg.target_l0) ** 2
+    else:
+      per_row = l0
+  terms = {"l0_loss": jnp.mean(c * per_row)}
+  if cfg.pre_act_loss_coefficient is not None:
+    gap = jax.nn.relu(threshold - pre) * dead.astype(pre.dtype) * norm
+    terms["pre_act_loss"] = cfg.pre_act_loss_coefficient * jnp.mean(jnp.sum(gap, axis=-1))
+  return terms
+
+
+def _matryoshka_decodes(d, cfg, acts, norm):
+  """The nested reconstructions: for each width, ``b_dec`` plus the decode of the features
+  below it (``(inner ones, all)``; the last of all is the SAE's own output)."""
+  if cfg.rescale_acts_by_decoder_norm:
+    acts = acts * (1 / norm)
+  decoded, prev, out = d.b_dec, 0, []
+  for width in cfg.matryoshka_widths:
+    decoded = acts[..., prev:width] @ d.W_dec[prev:width] + decoded
+    out.append(decoded)
+    prev = width
+  return out[:-1], out
+
+
+def _matryoshka_aux(d, cfg, x, partial, pre, dead, norm):
+  """Matryoshka's per-level AuxK: each level's top dead pre-activations reconstruct the
+  residual of the reconstruction up to that level, scaled down while fewer than ``d_in // 2``
+  of its features are dead; levels without dead features add nothing."""
+  half = x.shape[-1] // 2
+  W = d.W_dec / norm[:, None] if cfg.rescale_acts_by_decoder_norm else d.W_dec
+  total = jnp.zeros((), x.dtype)
+  prev = 0
+  for width, decoded in zip(cfg.matryoshka_widths, partial):
+    n_dead = dead[prev:width].sum()
+    scale = jnp.minimum(n_dead / max(half, 1), 1.0).astype(x.dtype)
+    level = pre[..., prev:width]
+    # As in _topk_aux: past the level's dead features top_k returns -inf entries (zeros).
+    top, index = jax.lax.top_k(
+      jnp.where(dead[prev:width], level, -jnp.inf), min(half, width - prev)
+    )
+    values = jnp.where(jnp.isfinite(top), jnp.take_along_axis(level, index, -1), 0)
+    aux_acts = jnp.put_along_axis(jnp.zeros_like(level), index, values, axis=-1, inplace=False)
+    residual = jax.lax.stop_gradient(x - decoded)
+    loss = jnp.mean(jnp.sum((aux_acts @ W[prev:width] - residual) ** 2, axis=-1))
+    total = total + jnp.where(n_dead > 0, scale * loss, 0)
+    prev = width
+  return (cfg.aux_loss_coefficient * total).astype(x.dtype)
 
 
 def explained_variance(x, x_hat):
@@ -459,19 +652,31 @@ class State:
   topk_threshold: Any  # float32 scalar: BatchTopK's running threshold
 
 
-def _schedule(cfg: TrainConfig, steps: int):
+def schedule(cfg: TrainConfig, steps: int):
+  """The learning rate at each step as an optax schedule: SAELens's ``get_lr_scheduler``
+  (a linear warm-up from ``lr / lr_warm_up_steps`` to ``lr`` over ``lr_warm_up_steps``;
+  then ``lr``, or a cosine from ``lr`` to ``lr_end``; then a linear decay to 0 over the last
+  ``lr_decay_steps``, from ``lr_end``, or from ``lr`` after a constant)."""
   optax = require("optax", feature="jaxlens.sae.train", extra="sae")
+  warm, decay = cfg.lr_warm_up_steps, cfg.lr_decay_steps
+  cosine = cfg.lr_scheduler == "cosineannealing"
+  lr_end = (cfg.lr / 10 if cfg.lr_end is None else cfg.lr_end) if cosine else cfg.lr
   parts, bounds = [], []
-  if cfg.lr_warm_up_steps > 0:
-    parts.append(
-      optax.linear_schedule(cfg.lr / cfg.lr_warm_up_steps, cfg.lr, max(cfg.lr_warm_up_steps - 1, 1))
-    )
-    bounds.append(cfg.lr_warm_up_steps)
-  parts.append(optax.constant_schedule(cfg.lr))
-  if cfg.lr_decay_steps > 0:
-    parts.append(optax.linear_schedule(cfg.lr, 0.0, cfg.lr_decay_steps))
-    bounds.append(max(steps - cfg.lr_decay_steps, bounds[-1] if bounds else 0))
+  if warm > 0:
+    parts.append(optax.linear_schedule(cfg.lr / warm, cfg.lr, max(warm - 1, 1)))
+    bounds.append(warm)
+  if cosine:
+    main = max(steps - warm - decay, 1)
+    parts.append(optax.cosine_decay_schedule(cfg.lr, main, alpha=lr_end / cfg.lr))
+  else:
+    parts.append(optax.constant_schedule(cfg.lr))
+  if decay > 0:
+    parts.append(optax.linear_schedule(lr_end, 0.0, decay))
+    bounds.append(max(steps - decay, bounds[-1] if bounds else 0))
   return optax.join_schedules(parts, bounds) if bounds else parts[0]
+
+
+_schedule = schedule
 
 
 def optimizer(cfg: TrainConfig, steps: int):
@@ -480,7 +685,21 @@ def optimizer(cfg: TrainConfig, steps: int):
   adam = optax.adam(_schedule(cfg, steps), b1=cfg.adam_beta1, b2=cfg.adam_beta2)
   if cfg.grad_clip is None:
     return adam
-  return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adam)
+  return optax.chain(_clip_by_global_norm(cfg.grad_clip), adam)
+
+
+def _clip_by_global_norm(max_norm: float):
+  """torch's ``clip_grad_norm_`` (SAELens's trainer): gradients times
+  ``min(1, max_norm / (norm + 1e-6))`` (optax's clip has no 1e-6)."""
+  optax = require("optax", feature="jaxlens.sae.train", extra="sae")
+
+  def update(updates, state, params=None):
+    del params
+    norm = optax.global_norm(updates)
+    coef = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
+    return jax.tree.map(lambda g: g * coef.astype(g.dtype), updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 @functools.lru_cache(maxsize=16)
@@ -505,17 +724,20 @@ def make_init(cfg: TrainConfig, tx):
       opt_state,
       jnp.asarray(0, jnp.int32),
       jnp.zeros((d.d_sae,), jnp.int32),
-      jnp.asarray(0.0, jnp.float32),
+      # BatchTopK's running threshold, at least float32 (SAELens keeps it in float64).
+      jnp.asarray(0.0, jnp.float64 if d.dtype == jnp.float64 else jnp.float32),
     )
 
   return init_fn
 
 
-def _coefficient(cfg: TrainConfig, step):
-  base = cfg.l1_coefficient if cfg.architecture == "relu" else cfg.l0_coefficient
+def _coefficient(cfg: TrainConfig, step, dtype=jnp.float32):
+  """The sparsity coefficient at ``step``, in ``dtype`` (at least float32)."""
+  dtype = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+  base = cfg.l1_coefficient if cfg.architecture in ("relu", "gated") else cfg.l0_coefficient
   if cfg.coefficient_warm_up_steps <= 0:
-    return jnp.asarray(base, jnp.float32)
-  return base * jnp.minimum(step.astype(jnp.float32) / cfg.coefficient_warm_up_steps, 1.0)
+    return jnp.asarray(base, dtype)
+  return base * jnp.minimum(step.astype(dtype) / cfg.coefficient_warm_up_steps, 1.0)
 
 
 def _normalise_rows(w):
@@ -560,7 +782,7 @@ def make_step(cfg: TrainConfig, tx, skip: bool = False):
     if cfg.architecture == "jumprelu":
       d = d.replace(threshold=jnp.maximum(d.threshold, 0.0))
     dead = state.since_fired > cfg.dead_feature_window
-    coefficient = _coefficient(cfg, state.step).astype(d.dtype)
+    coefficient = _coefficient(cfg, state.step, d.dtype).astype(d.dtype)
 
     def loss_fn(d):
       total, terms, aux, active = _loss_terms(
@@ -585,9 +807,9 @@ def make_step(cfg: TrainConfig, tx, skip: bool = False):
       l0 = jnp.mean(jnp.sum(values != 0, axis=-1).astype(jnp.float32))
     since = jnp.where(fired, 0, state.since_fired + 1)
     threshold = state.topk_threshold
-    if cfg.architecture == "batchtopk":
+    if cfg.architecture in _BATCH:
       positive = acts > 0
-      smallest = jnp.min(jnp.where(positive, acts, jnp.inf)).astype(jnp.float32)
+      smallest = jnp.min(jnp.where(positive, acts, jnp.inf)).astype(threshold.dtype)
       threshold = jnp.where(
         positive.any(),
         (1 - cfg.topk_threshold_lr) * threshold + cfg.topk_threshold_lr * smallest,
@@ -622,7 +844,7 @@ def init_dictionary(key, cfg: TrainConfig, first_x, first_y=None):
   """A dictionary to train: SAELens's initialisation, ``b_dec`` from the data."""
   d_in = int(first_x.shape[-1])
   dtype = jnp.dtype(cfg.dtype)
-  activation = {"relu": "relu"}.get(cfg.architecture, cfg.architecture)
+  activation = {"matryoshka_batchtopk": "batchtopk"}.get(cfg.architecture, cfg.architecture)
   common = dict(dtype=dtype, decoder_init_norm=cfg.decoder_init_norm)
   if cfg.transcoder:
     d_out = int(first_y.shape[-1])
@@ -647,8 +869,7 @@ def init_dictionary(key, cfg: TrainConfig, first_x, first_y=None):
       k=cfg.k,
       threshold=cfg.jumprelu_init_threshold,
       apply_b_dec_to_input=cfg.apply_b_dec_to_input,
-      rescale_acts_by_decoder_norm=cfg.rescale_acts_by_decoder_norm
-      and cfg.architecture in ("topk", "batchtopk"),
+      rescale_acts_by_decoder_norm=cfg.rescale_acts_by_decoder_norm and cfg.architecture in _TOPK,
       **common,
     )
     data_for_bias = first_x
@@ -678,15 +899,21 @@ class Trained:
   state: State
   metrics: dict
   config: TrainConfig
+  scaling_factor: float | None = None
   skipped: list = dataclasses.field(default_factory=list)
 
   def inference(self):
-    """The dictionary for inference: a BatchTopK SAE becomes the JumpReLU one with its
-    running threshold (decoder norms folded in, as SAELens saves it); others as trained."""
+    """The dictionary for inference: a (Matryoshka) BatchTopK SAE becomes the JumpReLU one
+    with its running threshold (decoder norms folded in, as SAELens saves it); others as
+    trained."""
     d = self.sae
-    if self.config.architecture != "batchtopk":
+    if self.config.architecture not in _BATCH:
       return d
-    return d.to_jumprelu(self.state.topk_threshold)
+    threshold = self.state.topk_threshold
+    if self.scaling_factor is not None and self.config.rescale_acts_by_decoder_norm:
+      # The threshold is in units of pre * |W_dec row|, and the fold divided W_dec.
+      threshold = threshold / self.scaling_factor
+    return d.to_jumprelu(threshold)
 
   @property
   def dead_fraction(self) -> float:
@@ -888,17 +1115,23 @@ def train(
         fix=fix,
       )
   iterator = iter(data)
+  factor = None
+  if config.normalize_activations == "expected_average_only_in":
+    factor = _estimate_from(iterator, config)
   try:
     first = next(iterator)
   except StopIteration:
     raise SAEError(
-      "train: the data yields no batch",
+      "train: the data yields no batch"
+      + (" after the batches of the scale estimate" if factor is not None else ""),
       code="sae_batch_invalid",
       field="data",
       fix="an iterator of (rows, d_in) arrays",
     ) from None
   fx, fy = _split_batch(first, config.transcoder)
   fx = _rows(fx, 0)
+  if factor is not None:
+    fx = fx * factor
   fy = None if fy is None else _rows(fy, 0)
   rows = fx.shape[0]
   if fy is not None and fy.shape[0] != rows:
@@ -969,6 +1202,8 @@ def train(
         break
       x, y = _split_batch(batch, config.transcoder)
       x = _rows(x, i, fx.shape[1:])
+      if factor is not None:
+        x = x * factor
       y = None if y is None else _rows(y, i, fy.shape[1:])
       position = i + 1
       if x.shape[0] != rows or (y is not None and y.shape[0] != rows):
@@ -990,7 +1225,112 @@ def train(
     if ckpt is not None:
       ckpt.close()  # releases the directory's lock
   metrics = {k: np.asarray(v) for k, v in history.items()}
-  return Trained(state.sae, state, metrics, config, skipped=skipped or [])
+  skipped = skipped or []
+  if factor is None:
+    return Trained(state.sae, state, metrics, config, skipped=skipped)
+  return Trained(
+    fold_activation_scale(state.sae, factor), state, metrics, config, factor, skipped=skipped
+  )
+
+
+def _estimate_from(iterator, config: TrainConfig) -> float:
+  """The scale factor from the first ``n_batches_for_norm_estimate`` batches of
+  ``iterator`` (consumed), as SAELens's trainer reads them from its data provider."""
+  batches = []
+  for i in range(config.n_batches_for_norm_estimate):
+    try:
+      batch = next(iterator)
+    except StopIteration:
+      raise SAEError(
+        f"the data ended after {i} of the n_batches_for_norm_estimate="
+        f"{config.n_batches_for_norm_estimate} batches of the scale estimate",
+        code="sae_batch_invalid",
+        field="data",
+        fix="more batches, or a smaller n_batches_for_norm_estimate",
+      ) from None
+    batches.append(_rows(_split_batch(batch, False)[0], i))
+  return estimate_scaling_factor(batches)
+
+
+def estimate_scaling_factor(batches) -> float:
+  """SAELens's activation scale: ``sqrt(d_in) / mean |x|`` over the rows of ``batches``
+  (an iterable of ``(..., d_in)`` arrays), so that scaled rows have mean norm
+  ``sqrt(d_in)``. The norms are summed in float64 on the host."""
+  total, count, d_in = 0.0, 0, None
+  for i, batch in enumerate(batches):
+    a = _rows(batch, i, None if d_in is None else (d_in,))
+    d_in = a.shape[-1]
+    wide = jnp.float64 if a.dtype == jnp.float64 else jnp.float32
+    norms = np.asarray(jnp.linalg.norm(a.astype(wide), axis=-1), np.float64)
+    total += float(norms.sum())
+    count += norms.size
+  if count == 0:
+    raise SAEError(
+      "estimate_scaling_factor: no batch",
+      code="sae_batch_invalid",
+      field="batches",
+      fix="one or more (rows, d_in) arrays",
+    )
+  if not (math.isfinite(total) and total > 0):
+    raise SAEError(
+      f"estimate_scaling_factor: the rows' mean norm is {total / count!r}",
+      code="sae_batch_invalid",
+      field="batches",
+      fix="activations that are finite and not all zero",
+    )
+  return math.sqrt(d_in) / (total / count)
+
+
+def fold_activation_scale(d, factor: float):
+  """The dictionary that reads raw activations and writes raw reconstructions, from one
+  trained on activations scaled by ``factor``: ``W_enc * factor``, ``W_dec / factor``,
+  ``b_dec / factor`` (SAELens's ``fold_activation_norm_scaling_factor``; its features
+  are the same numbers)."""
+  if not isinstance(d, SAE) or isinstance(d, Transcoder):
+    raise SAEError(
+      f"fold_activation_scale folds into an SAE, got {type(d).__name__}",
+      code="sae_invalid_argument",
+      field="d",
+      fix="an SAE trained on scaled activations",
+    )
+  if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+    raise SAEError(
+      f"the scale factor must be a finite positive number, got {factor!r}",
+      code="sae_invalid_argument",
+      field="factor",
+      fix="the factor of estimate_scaling_factor",
+    )
+  return d.replace(W_enc=d.W_enc * factor, W_dec=d.W_dec / factor, b_dec=d.b_dec / factor)
+
+
+def fold_decoder_norm(d):
+  """The same dictionary with unit-norm decoder rows: each row's norm moves into its
+  encoder column and bias (``b_enc``, a JumpReLU's threshold, a gated SAE's ``b_mag``), so
+  the reconstruction is unchanged and each feature's activation is multiplied by its norm
+  (SAELens's ``fold_W_dec_norm``; norms clamped at 1e-8). A TopK SAE needs
+  ``rescale_acts_by_decoder_norm`` (otherwise folding changes which features win)."""
+  if not isinstance(d, SAE):
+    raise SAEError(
+      f"fold_decoder_norm folds an SAE or transcoder, got {type(d).__name__}",
+      code="sae_invalid_argument",
+      field="d",
+      fix="an SAE or a Transcoder",
+    )
+  if d.activation in ("topk", "batchtopk", "abstopk") and not d.rescale_acts_by_decoder_norm:
+    raise SAEError(
+      f"folding the decoder norms of a {d.activation} SAE without "
+      "rescale_acts_by_decoder_norm changes which features are selected",
+      code="sae_config_invalid",
+      field="rescale_acts_by_decoder_norm",
+      fix="keep the norms, or train with rescale_acts_by_decoder_norm=True",
+    )
+  norm = jnp.maximum(jnp.linalg.norm(d.W_dec, axis=-1), 1e-8)
+  changes = dict(W_dec=d.W_dec / norm[:, None], W_enc=d.W_enc * norm, b_enc=d.b_enc * norm)
+  if d.threshold is not None:
+    changes["threshold"] = d.threshold * norm
+  if d.b_mag is not None:
+    changes["b_mag"] = d.b_mag * norm
+  return d.replace(**changes)
 
 
 def _flush(pending, history, bar, callback, skipped=None):
