@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import types
+
 import numpy as np
 import optax
 import pytest
@@ -20,6 +22,7 @@ pv = LazyModule("pyvene")
 
 import jaxlens as jl  # noqa: E402
 import torch_bridge  # noqa: E402
+from jaxlens import sae as js  # noqa: E402
 from jaxlens import train as jt  # noqa: E402
 from torch_bridge.convert import from_torch  # noqa: E402
 
@@ -236,3 +239,203 @@ def test_from_pyvene_refuses_what_it_cannot_read():
     jl.InvalidArgumentError, match="no torch.nn.utils.parametrizations.orthogonal"
   ):
     torch_bridge.from_pyvene(holder)
+
+
+# --------------------------------------------------------------------------
+# Per-example subspaces, sigmoid masks, PCA, SAE features (issue 48 item 8): pyvene's
+# interventions called on the same weights and values.
+
+HV, BV, TOLV = 6, 5, 1e-12
+PARTITION = [[0, 2], [2, 5]]  # two variables in one rotation: coordinates 0-1 and 2-4
+SUBSPACES = [[0], [1], [0, 1], [1], [0]]  # ragged: pyvene's per-example (not "fast") path
+
+
+def _variant_inputs(seed=0):
+  rng = np.random.default_rng(seed)
+  return rng.normal(size=(BV, 1, HV)), rng.normal(size=(BV, 1, HV))
+
+
+def _perturb(layer):
+  """Moves a torch orthogonal parametrisation off its initial point (below the diagonal:
+  torch reads the diagonal through .int())."""
+  with torch.no_grad():
+    w = layer.parametrizations.weight.original
+    w.add_(0.3 * torch.randn(w.shape, dtype=w.dtype).tril(-1))
+
+
+def _run_edit(edit, base):
+  # One jitted program: eagerly, every primitive of the rotation's expm compiles apart.
+  return np.asarray(jax.jit(lambda b: edit(b))(jnp.asarray(base)))
+
+
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_per_example_subspaces_in_partitions_equal_pyvene(low_rank):
+  torch.manual_seed(0)
+  if low_rank:
+    # Its per-example path stacks the examples' columns: equal sizes, different columns.
+    partition, subspaces = [[0, 2], [2, 4]], [[0], [1], [0], [1], [1]]
+    iv = pv.LowRankRotatedSpaceIntervention(
+      embed_dim=HV, low_rank_dimension=5, subspace_partition=partition
+    ).double()
+    method, k = jt.LowRankDAS(5), 5
+  else:
+    partition, subspaces = PARTITION, SUBSPACES
+    iv = pv.RotatedSpaceIntervention(embed_dim=HV, subspace_partition=partition).double()
+    method, k = jt.DAS(1), HV
+  _perturb(iv.rotate_layer)
+  params = torch_bridge.from_pyvene(iv)
+  base, source = _variant_inputs()
+  if low_rank:  # pyvene's low-rank per-example path indexes (batch, k) values
+    base, source = base[:, 0], source[:, 0]
+  want = iv(torch.from_numpy(base), torch.from_numpy(source), subspaces=subspaces)
+  mask = jt.subspace_mask(subspaces, k, partition, np.float64)
+  got = _run_edit(method.edit(params, source, subspaces=mask), base)
+  np.testing.assert_allclose(got, want.detach().numpy(), atol=TOLV, rtol=0)
+  # Examples interchange different coordinates: no single dim gives this.
+  shared = _run_edit(method.edit(params, source, subspaces=mask[1]), base)  # one (k,) mask for all
+  assert np.allclose(got[1], shared[1]) and not np.allclose(got[0], shared[0])
+
+
+def test_sigmoid_masks_equal_pyvene():
+  torch.manual_seed(1)
+  base, source = _variant_inputs(1)
+  b, s = torch.from_numpy(base), torch.from_numpy(source)
+  # Per feature.
+  iv = pv.SigmoidMaskIntervention(embed_dim=HV).double()
+  with torch.no_grad():
+    iv.mask.copy_(torch.randn(HV, dtype=torch.float64))
+    # pyvene 0.1.8 copies its temperature parameter with torch.tensor(tensor) (a warning),
+    # and a float becomes a float32 tensor: a temperature exact in float32.
+    del iv.temperature
+    iv.temperature = 0.5
+  params = {"mask": jnp.asarray(iv.mask.detach().numpy())}
+  got = _run_edit(jt.SigmoidMask().edit(params, source, 0.5), base)
+  np.testing.assert_allclose(got, iv(b, s).detach().numpy(), atol=TOLV, rtol=0)
+  # In a rotated space.
+  iv = pv.SigmoidMaskRotatedSpaceIntervention(embed_dim=HV).double()
+  _perturb(iv.rotate_layer)
+  with torch.no_grad():
+    iv.masks.copy_(torch.randn(HV, dtype=torch.float64) * 3)
+    iv.set_temperature(torch.tensor(2.0, dtype=torch.float64))
+  params = {
+    "rotation": torch_bridge.from_pyvene(iv)["rotation"],
+    "masks": jnp.asarray(iv.masks.detach().numpy()),
+  }
+  # (pyvene's mask is (batch, d): (batch, d) values.)
+  got = _run_edit(jt.SigmoidMaskDAS().edit(params, source[:, 0], 2.0), base[:, 0])
+  np.testing.assert_allclose(got, iv(b[:, 0], s[:, 0]).detach().numpy(), atol=TOLV, rtol=0)
+  init = jt.SigmoidMaskDAS().init(jax.random.key(0), HV)
+  assert float(init["masks"][0]) == 100.0 and init["masks"].shape == (HV,)
+
+
+def test_pca_interchange_equals_pyvene_and_pca_basis_is_a_standardised_pca():
+  rng = np.random.default_rng(2)
+  acts = rng.normal(size=(40, HV)) @ rng.normal(size=(HV, HV)) + 3.0
+  basis = jt.pca_basis(acts, 4, jnp.float32)
+  c = np.asarray(basis["components"])
+  np.testing.assert_allclose(c @ c.T, np.eye(4), atol=1e-5)
+  z = (acts - acts.mean(0)) / acts.std(0)
+  top = np.linalg.svd(z, full_matrices=False)[2][:4]
+  np.testing.assert_allclose(np.abs(c @ top.T), np.eye(4), atol=1e-4)  # the same axes
+  pca = types.SimpleNamespace(components_=c)
+  iv = pv.PCARotatedSpaceIntervention(
+    embed_dim=HV, pca=pca, pca_mean=np.asarray(basis["mean"]), pca_std=np.asarray(basis["std"])
+  )
+  iv.set_interchange_dim(2)
+  base, source = (a.astype(np.float32) for a in _variant_inputs(2))
+  want = iv(torch.from_numpy(base), torch.from_numpy(source)).detach().numpy()
+  got = _run_edit(jt.PCAInterchange(2).edit(basis, source), base)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+  with pytest.raises(jl.InvalidArgumentError, match="dim=5 of a basis of 4"):
+    jt.PCAInterchange(5).edit(basis, source)
+
+
+def test_sae_feature_interchange_equals_pyvene_jumprelu():
+  n = 10
+  iv = pv.JumpReLUAutoencoderIntervention(embed_dim=HV, low_rank_dimension=n).double()
+  rng = np.random.default_rng(3)
+  with torch.no_grad():
+    for name in ("W_enc", "W_dec", "b_enc", "b_dec"):
+      getattr(iv, name).copy_(torch.from_numpy(rng.normal(size=getattr(iv, name).shape)))
+    iv.threshold.copy_(torch.from_numpy(np.abs(rng.normal(size=n)) * 0.5))
+  iv.set_interchange_dim(4)
+  sae = js.SAE(
+    *(jnp.asarray(getattr(iv, f).detach().numpy()) for f in ("W_enc", "b_enc", "W_dec", "b_dec")),
+    threshold=jnp.asarray(iv.threshold.detach().numpy()),
+    activation="jumprelu",
+    apply_b_dec_to_input=False,
+  )
+  base, source = _variant_inputs(3)
+  want = iv(torch.from_numpy(base), torch.from_numpy(source)).detach().numpy()
+  method = jt.SAEInterchange(sae, features=(0, 1, 2, 3))
+  got = _run_edit(method.edit(method.init(None, HV), source), base)
+  np.testing.assert_allclose(got, want, atol=TOLV, rtol=0)
+  # keep_error adds the reconstruction error back: no feature interchanged is the identity.
+  keep = jt.SAEInterchange(sae, keep_error=True)
+  np.testing.assert_allclose(_run_edit(keep.edit({}, source), base), base, atol=TOLV)
+  learned = jt.SAEInterchange(sae, learn_mask=True)
+  assert learned.init(None, HV)["mask"].shape == (n,)
+  with pytest.raises(jl.InvalidArgumentError, match=r"features \[10\]"):
+    jt.SAEInterchange(sae, features=(10,))
+
+
+def test_several_sites_sources_and_tied_weights_in_one_step_equal_pyvene(models):
+  """One pyvene intervention object at two sites (tied weights), each site reading its own
+  source, and a second intervention at the same site reading a third: jaxlens's placements
+  give pyvene's loss and the tied rotation's summed gradient (float64, 1e-10); train_multi
+  trains the two named parameter sets from that step."""
+  seq, flax_model, variables, site = models
+  torch.manual_seed(1)
+  tied = pv.RotatedSpaceIntervention(embed_dim=H).double()
+  tied.set_interchange_dim(3)
+  low = pv.LowRankRotatedSpaceIntervention(embed_dim=H, low_rank_dimension=2).double()
+  reps = [("seq.0.output", tied), ("seq.2.output", tied), ("seq.2.output", low)]
+  config = pv.IntervenableConfig(
+    representations=[
+      pv.RepresentationConfig(component=c, unit="pos", max_number_of_units=1, intervention=i)
+      for c, i in reps
+    ]
+  )
+  ivm = pv.IntervenableModel(config, _Wrapped(seq))
+  ivm.disable_model_gradients()
+  rng = np.random.default_rng(7)
+  base, *sources = (rng.normal(size=(B, 1, D)) for _ in range(4))
+  label = (sources[0][:, 0, 0] > 0).astype(np.int32)
+  locations = [[[0]] * B] * 3
+  _, out = ivm(
+    {"x": torch.from_numpy(base)},
+    [{"x": torch.from_numpy(s)} for s in sources],
+    {"sources->base": (locations, locations)},
+  )
+  loss = torch.nn.functional.cross_entropy(out[:, -1], torch.from_numpy(label).long())
+  loss.backward()
+
+  params = {"r": torch_bridge.from_pyvene(tied), "low": torch_bridge.from_pyvene(low)}
+  ats = [
+    jt.At("layers_0", jt.DAS(3), "r", source=0),
+    jt.At(site, jt.DAS(3), "r", source=1),
+    jt.At(site, jt.LowRankDAS(2), "low", source=2),
+  ]
+  batch = {"base": base, "sources": sources, "label": label}
+
+  def jax_loss(p):
+    logits = jt.multi_output(flax_model, variables, ats, p, batch)[:, -1]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), label[:, None], 1))
+
+  value, g = jax.jit(jax.value_and_grad(jax_loss))(params)
+  assert abs(float(value) - loss.item()) <= 1e-10
+  for name, iv in (("r", tied), ("low", low)):
+    want = iv.rotate_layer.parametrizations.weight.original.grad.numpy()
+    np.testing.assert_allclose(g[name]["rotation"]["raw"], want, atol=1e-10, rtol=0)
+  result = jt.train_multi(
+    flax_model,
+    variables,
+    ats,
+    params,
+    [batch],
+    steps=2,
+    optimizer=optax.adam(0.01),
+    progress=False,
+  )
+  assert abs(result.losses[0] - loss.item()) <= 1e-10
+  assert sorted(result.params) == ["low", "r"] and result.depends["params"]["r"]["rotation"]["raw"]

@@ -1,40 +1,29 @@
-"""jaxlens.train's subspace masks and more methods against pyvene 0.1.8 and pyreft's math
-(issue 48 item 8): per-example subspaces and partitions, sigmoid masks, PCA and SAE
-interchanges against pyvene's interventions on the same weights and inputs (float64, or
-float32 where pyvene fixes it); NoReFT, ConsReFT, LoBiReFT and the orthogonal DiReFT
-against pyreft 0.1.0's forward code (pyreft pins transformers 4.45 and does not install
-here), forward and gradients. Also the typed refusals of item 10 that reach the verbs."""
+"""jaxlens.train's subspace masks, pyreft's variants and positions, and several placements
+in one step (issue 48 item 8). NoReFT, ConsReFT, LoBiReFT and the orthogonal DiReFT
+against pyreft 0.1.0's forward code, forward and gradients (pyreft pins transformers 4.45
+and does not install here; its classes, loaded from its wheel beside pyvene 0.1.8, agreed
+to 4e-16 when this was written), and reft_positions against its position rule. The
+comparisons with pyvene itself are in tests/test_train_pyvene.py. Also the typed refusals
+of item 10 that reach the verbs."""
 
 from __future__ import annotations
-
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from lazy_import import LazyModule, missing  # noqa: E402
-
 import jaxlens as jl  # noqa: E402
-from jaxlens import sae as js  # noqa: E402
 from jaxlens import train as jt  # noqa: E402
-
-needs_pyvene = pytest.mark.skipif(bool(missing("pyvene")), reason="needs pyvene")
-pv = LazyModule("pyvene")
+from jaxlens.models import Llama, LlamaConfig  # noqa: E402
 
 H, B = 6, 5
 TOL = 1e-12
 PARTITION = [[0, 2], [2, 5]]  # two variables in one rotation: coordinates 0-1 and 2-4
-# Ragged per-example lists: pyvene's per-example (non-"fast") path.
 SUBSPACES = [[0], [1], [0, 1], [1], [0]]
-
-
-def _inputs(seed=0):
-  rng = np.random.default_rng(seed)
-  return rng.normal(size=(B, 1, H)), rng.normal(size=(B, 1, H))
 
 
 def _perturb(layer):
@@ -43,11 +32,6 @@ def _perturb(layer):
   with torch.no_grad():
     w = layer.parametrizations.weight.original
     w.add_(0.3 * torch.randn(w.shape, dtype=w.dtype).tril(-1))
-
-
-def _run(edit, base, source_is_array=True):
-  del source_is_array
-  return np.asarray(edit(jnp.asarray(base)))
 
 
 def test_subspace_mask_reads_pyvene_partitions_and_refuses_bad_indices():
@@ -63,135 +47,26 @@ def test_subspace_mask_reads_pyvene_partitions_and_refuses_bad_indices():
     jt.subspace_mask([[0]], 0)
 
 
-@needs_pyvene
-@pytest.mark.parametrize("low_rank", [False, True])
-def test_per_example_subspaces_in_partitions_equal_pyvene(low_rank):
-  torch.manual_seed(0)
-  if low_rank:
-    # Its per-example path stacks the examples' columns: equal sizes, different columns.
-    partition, subspaces = [[0, 2], [2, 4]], [[0], [1], [0], [1], [1]]
-    iv = pv.LowRankRotatedSpaceIntervention(
-      embed_dim=H, low_rank_dimension=5, subspace_partition=partition
-    ).double()
-    method, k = jt.LowRankDAS(5), 5
-  else:
-    partition, subspaces = PARTITION, SUBSPACES
-    iv = pv.RotatedSpaceIntervention(embed_dim=H, subspace_partition=partition).double()
-    method, k = jt.DAS(1), H
-  _perturb(iv.rotate_layer)
-  import torch_bridge
+class _LowRankRotateLayer(torch.nn.Module):
+  """pyreft's LowRankRotateLayer (interventions.py): an (n, m) weight, orthogonal init."""
 
-  params = torch_bridge.from_pyvene(iv)
-  base, source = _inputs()
-  if low_rank:  # pyvene's low-rank per-example path indexes (batch, k) values
-    base, source = base[:, 0], source[:, 0]
-  want = iv(torch.from_numpy(base), torch.from_numpy(source), subspaces=subspaces)
-  mask = jt.subspace_mask(subspaces, k, partition, np.float64)
-  got = _run(method.edit(params, source, subspaces=mask), base)
-  np.testing.assert_allclose(got, want.detach().numpy(), atol=TOL, rtol=0)
-  # Examples interchange different coordinates: no single dim gives this.
-  shared = _run(method.edit(params, source, subspaces=mask[1]), base)  # one (k,) mask for all
-  assert np.allclose(got[1], shared[1]) and not np.allclose(got[0], shared[0])
+  def __init__(self, n, m):
+    super().__init__()
+    self.weight = torch.nn.Parameter(torch.empty(n, m), requires_grad=True)
+    torch.nn.init.orthogonal_(self.weight)
 
-
-@needs_pyvene
-def test_sigmoid_masks_equal_pyvene():
-  torch.manual_seed(1)
-  base, source = _inputs(1)
-  b, s = torch.from_numpy(base), torch.from_numpy(source)
-  # Per feature.
-  iv = pv.SigmoidMaskIntervention(embed_dim=H).double()
-  with torch.no_grad():
-    iv.mask.copy_(torch.randn(H, dtype=torch.float64))
-    # pyvene 0.1.8 copies its temperature parameter with torch.tensor(tensor) (a warning),
-    # and a float becomes a float32 tensor: a temperature exact in float32.
-    del iv.temperature
-    iv.temperature = 0.5
-  params = {"mask": jnp.asarray(iv.mask.detach().numpy())}
-  got = _run(jt.SigmoidMask().edit(params, source, 0.5), base)
-  np.testing.assert_allclose(got, iv(b, s).detach().numpy(), atol=TOL, rtol=0)
-  # In a rotated space.
-  iv = pv.SigmoidMaskRotatedSpaceIntervention(embed_dim=H).double()
-  _perturb(iv.rotate_layer)
-  with torch.no_grad():
-    iv.masks.copy_(torch.randn(H, dtype=torch.float64) * 3)
-    iv.set_temperature(torch.tensor(2.0, dtype=torch.float64))
-  import torch_bridge
-
-  params = {
-    "rotation": torch_bridge.from_pyvene(iv)["rotation"],
-    "masks": jnp.asarray(iv.masks.detach().numpy()),
-  }
-  # (pyvene's mask is (batch, d): (batch, d) values.)
-  got = _run(jt.SigmoidMaskDAS().edit(params, source[:, 0], 2.0), base[:, 0])
-  np.testing.assert_allclose(got, iv(b[:, 0], s[:, 0]).detach().numpy(), atol=TOL, rtol=0)
-  init = jt.SigmoidMaskDAS().init(jax.random.key(0), H)
-  assert float(init["masks"][0]) == 100.0 and init["masks"].shape == (H,)
-
-
-@needs_pyvene
-def test_pca_interchange_equals_pyvene_and_pca_basis_is_a_standardised_pca():
-  rng = np.random.default_rng(2)
-  acts = rng.normal(size=(40, H)) @ rng.normal(size=(H, H)) + 3.0
-  basis = jt.pca_basis(acts, 4, jnp.float32)
-  c = np.asarray(basis["components"])
-  np.testing.assert_allclose(c @ c.T, np.eye(4), atol=1e-5)
-  z = (acts - acts.mean(0)) / acts.std(0)
-  top = np.linalg.svd(z, full_matrices=False)[2][:4]
-  np.testing.assert_allclose(np.abs(c @ top.T), np.eye(4), atol=1e-4)  # the same axes
-  pca = types.SimpleNamespace(components_=c)
-  iv = pv.PCARotatedSpaceIntervention(
-    embed_dim=H, pca=pca, pca_mean=np.asarray(basis["mean"]), pca_std=np.asarray(basis["std"])
-  )
-  iv.set_interchange_dim(2)
-  base, source = (a.astype(np.float32) for a in _inputs(2))
-  want = iv(torch.from_numpy(base), torch.from_numpy(source)).detach().numpy()
-  got = _run(jt.PCAInterchange(2).edit(basis, source), base)
-  np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-  with pytest.raises(jl.InvalidArgumentError, match="dim=5 of a basis of 4"):
-    jt.PCAInterchange(5).edit(basis, source)
-
-
-@needs_pyvene
-def test_sae_feature_interchange_equals_pyvene_jumprelu():
-  n = 10
-  iv = pv.JumpReLUAutoencoderIntervention(embed_dim=H, low_rank_dimension=n).double()
-  rng = np.random.default_rng(3)
-  with torch.no_grad():
-    for name in ("W_enc", "W_dec", "b_enc", "b_dec"):
-      getattr(iv, name).copy_(torch.from_numpy(rng.normal(size=getattr(iv, name).shape)))
-    iv.threshold.copy_(torch.from_numpy(np.abs(rng.normal(size=n)) * 0.5))
-  iv.set_interchange_dim(4)
-  sae = js.SAE(
-    *(jnp.asarray(getattr(iv, f).detach().numpy()) for f in ("W_enc", "b_enc", "W_dec", "b_dec")),
-    threshold=jnp.asarray(iv.threshold.detach().numpy()),
-    activation="jumprelu",
-    apply_b_dec_to_input=False,
-  )
-  base, source = _inputs(3)
-  want = iv(torch.from_numpy(base), torch.from_numpy(source)).detach().numpy()
-  method = jt.SAEInterchange(sae, features=(0, 1, 2, 3))
-  got = _run(method.edit(method.init(None, H), source), base)
-  np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
-  # keep_error adds the reconstruction error back: no feature interchanged is the identity.
-  keep = jt.SAEInterchange(sae, keep_error=True)
-  np.testing.assert_allclose(_run(keep.edit({}, source), base), base, atol=TOL)
-  learned = jt.SAEInterchange(sae, learn_mask=True)
-  assert learned.init(None, H)["mask"].shape == (n,)
-  with pytest.raises(jl.InvalidArgumentError, match=r"features \[10\]"):
-    jt.SAEInterchange(sae, features=(10,))
+  def forward(self, x):
+    return torch.matmul(x.to(self.weight.dtype), self.weight)
 
 
 def _pyreft_rotation(k, seed):
-  """pyreft's LowRankRotateLayer (pyvene's, the same class) under torch's orthogonal map."""
+  """pyreft's rotation: its LowRankRotateLayer under torch's orthogonal parametrisation."""
   torch.manual_seed(seed)
-  layers = LazyModule("pyvene.models.layers")
-  rot = torch.nn.utils.parametrizations.orthogonal(layers.LowRankRotateLayer(H, k).double())
+  rot = torch.nn.utils.parametrizations.orthogonal(_LowRankRotateLayer(H, k).double())
   _perturb(rot)
   return rot
 
 
-@needs_pyvene
 @pytest.mark.parametrize("name", ["noreft", "noreft_bias", "consreft", "lobireft", "direft"])
 def test_reft_variants_equal_pyreft_forward_and_gradients(name):
   """pyreft 0.1.0's forward code, line for line (interventions.py), with act_fn linear and
@@ -264,3 +139,100 @@ def test_temperatures_and_variant_arguments_are_typed_errors():
     with pytest.raises(jl.InvalidArgumentError, match=r"\[invalid_argument\]") as info:
       make()
     assert field in str(info.value) or "rank" in str(info.value)
+
+
+def test_reft_positions_follow_pyreft():
+  """pyreft's get_intervention_locations: at most half the prompt per set, padded to its
+  widths (here with -1, no position). Checked against pyreft 0.1.0's function for
+  prompts of 2-11 tokens and f1, l1, f3, l2, f1+l1, f2+l3, f5+l5, shared or not, when
+  this was written; these are its values for a few."""
+  got = jt.reft_positions([6, 3, 2], "f2+l3")
+  assert got["first"].tolist() == [[0, 1, -1], [0, -1, -1], [0, -1, -1]]
+  assert got["last"].tolist() == [[3, 4, 5], [2, -1, -1], [1, -1, -1]]
+  shared = jt.reft_positions([6, 3], "f2+l3", share_weights=True)
+  assert shared["all"].tolist() == [[0, 1, 3, 4, 5], [0, 2, -1, -1, -1]]
+  assert list(jt.reft_positions([5], "l3")) == ["all"]
+  for bad in ("x3", "f", "f2+", 3):
+    with pytest.raises(jl.InvalidArgumentError, match="pyreft's 'f<n>'"):
+      jt.reft_positions([4], bad)
+
+
+@pytest.fixture(scope="module")
+def llama():
+  model = Llama(
+    LlamaConfig(vocab_size=24, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_mlp=24)
+  )
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  # Larger weights than the default init, whose logits are nearly flat.
+  return model, jax.tree.map(lambda a: a * 20.0 if a.ndim == 2 else a, variables)
+
+
+def test_positions_tied_weights_and_reft_training_with_placements(llama):
+  """pyreft's set-up: LoReFT at the first and last prompt tokens with separate weights.
+  multi_output equals the same edits written by hand with per-row masks (jl.units); a
+  placement pair naming one parameter set gets the sum of the two placements' gradients;
+  train_multi learns the answer."""
+  model, variables = llama
+  site = "blocks_1/resid_post"
+  rng = np.random.default_rng(0)
+  # One answer token: the loss is read at the last prompt token, which the edit reaches (the
+  # site is after the last attention layer).
+  pairs = [(rng.integers(1, 24, int(n)).tolist(), [7]) for n in rng.integers(3, 6, 8)]
+  batch = jt.reft_batch(pairs, "f1+l2")
+  method = jt.LoReFT(rank=2)
+  params = {
+    name: jax.tree.map(lambda a: a + 0.1, method.init(jax.random.key(i), 16, jnp.float64))
+    for i, name in enumerate(("first", "last"))
+  }
+  ats = [
+    jt.At(site, method, "first", positions="first"),
+    jt.At(site, method, "last", positions="last"),
+  ]
+  tokens = jnp.asarray(batch["tokens"])
+  got = jt.multi_output(model, variables, ats, params, {**batch, "base": tokens})
+  seq = np.arange(tokens.shape[1])
+  spec = None
+  for name in ("first", "last"):
+    rows = (seq[None, :, None] == batch["positions"][name][:, None, :]).any(-1)[..., None]
+    rule = jl.when(jl.units(site, jnp.asarray(rows)), jl.loreft(params[name]))
+    spec = rule if spec is None else spec + rule
+  np.testing.assert_allclose(got, spec.bind(model)(variables, tokens), atol=1e-12, rtol=0)
+
+  def loss(p, ats):
+    out = jt.multi_output(model, variables, ats, p, {**batch, "base": tokens})
+    return jnp.sum(jnp.sin(out[:, -1]))
+
+  tied = [jt.At(site, method, "w", positions="first"), jt.At(site, method, "w", positions="last")]
+  g_tied = jax.grad(loss)({"w": params["first"]}, tied)["w"]
+  g_apart = jax.grad(loss)({"first": params["first"], "last": params["first"]}, ats)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(g_tied):
+    want = sum(
+      jax.tree_util.tree_leaves_with_path(g_apart[n])[i][1]
+      for n in ("first", "last")
+      for i, (p2, _) in enumerate(jax.tree_util.tree_leaves_with_path(g_apart[n]))
+      if p2 == path
+    )
+    np.testing.assert_allclose(leaf, want, atol=1e-12, err_msg=jax.tree_util.keystr(path))
+
+  params32 = {n: method.init(jax.random.key(i), 16) for i, n in enumerate(("first", "last"))}
+  result = jt.train_multi(
+    model,
+    variables,
+    ats,
+    params32,
+    [batch],
+    steps=30,
+    optimizer=optax.adam(0.05),
+    progress=False,
+  )
+  assert result.losses[-1] < 0.1 * result.losses[0]
+  with pytest.raises(jl.InvalidArgumentError, match=r"parameters \['w'\]"):
+    jt.multi_output(model, variables, tied, params, {**batch, "base": tokens})
+  with pytest.raises(jl.InvalidArgumentError, match="positions 'middle'"):
+    jt.multi_output(
+      model,
+      variables,
+      [jt.At(site, method, "first", positions="middle")],
+      params,
+      {**batch, "base": tokens},
+    )

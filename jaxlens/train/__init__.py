@@ -40,8 +40,16 @@ from jaxlens.train._variants import SAEInterchange as SAEInterchange
 from jaxlens.train._variants import SigmoidMask as SigmoidMask
 from jaxlens.train._variants import SigmoidMaskDAS as SigmoidMaskDAS
 from jaxlens.train._variants import pca_basis as pca_basis
+from jaxlens.train._sites import At as At
+from jaxlens.train._sites import example_positions as example_positions
+from jaxlens.train._sites import iia_multi as iia_multi
+from jaxlens.train._sites import multi_output as multi_output
+from jaxlens.train._sites import reft_batch as reft_batch
+from jaxlens.train._sites import reft_positions as reft_positions
+from jaxlens.train._sites import train_multi as train_multi
 
 __all__ = [
+  "At",
   "DAS",
   "BoundlessDAS",
   "ConsReFT",
@@ -56,13 +64,19 @@ __all__ = [
   "SigmoidMaskDAS",
   "TrainResult",
   "answer_batch",
+  "example_positions",
   "frozen_leaves",
   "iia",
+  "iia_multi",
   "init_rotation",
   "intervened_output",
   "last_position",
+  "multi_output",
   "pca_basis",
+  "reft_batch",
+  "reft_positions",
   "subspace_mask",
   "train_iit",
+  "train_multi",
   "train_reft",
 ]
