@@ -180,6 +180,57 @@ def dictionary_learning_cases(tmp: Path):
     with torch.no_grad():
       acts, out = ref.encode(x), ref(x)
     report(f"dictionary_learning {name}", ours.encode(x.numpy()), acts, ours(x.numpy()), out)
+  # trainSAE itself: a few steps of real training, normalize_activations=True (trainSAE scales
+  # the biases and thresholds back to the raw activations' units before it saves), a save step
+  if "wandb" not in sys.modules:
+    try:
+      import wandb  # noqa: F401
+    except ImportError:  # training.py imports it at the top; use_wandb=False never calls it
+      sys.modules["wandb"] = types.SimpleNamespace()
+  import itertools
+
+  from dictionary_learning.trainers.batch_top_k import BatchTopKTrainer
+  from dictionary_learning.trainers.jumprelu import JumpReluTrainer
+  from dictionary_learning.trainers.top_k import TopKTrainer
+  from dictionary_learning.training import trainSAE
+
+  def batches():
+    g = torch.Generator().manual_seed(1)
+    for _ in itertools.count():
+      yield torch.randn(64, d, generator=g) * 3.0 + 1.0
+
+  common = dict(steps=40, activation_dim=d, dict_size=f, layer=3, lm_name="tiny", device="cpu")
+  configs = [
+    dict(trainer=TopKTrainer, k=k, warmup_steps=5, threshold_start_step=5, **common),
+    dict(trainer=BatchTopKTrainer, k=k, warmup_steps=5, threshold_start_step=5, **common),
+    dict(trainer=JumpReluTrainer, warmup_steps=5, sparsity_warmup_steps=5, **common),
+  ]
+  trainSAE(
+    batches(),
+    configs,
+    steps=40,
+    save_dir=str(tmp / "trained"),
+    save_steps=[20],
+    normalize_activations=True,
+    device="cpu",
+  )
+  for i, cls in enumerate((AutoEncoderTopK, BatchTopKSAE, JumpReluAutoEncoder)):
+    for where in (
+      tmp / "trained" / f"trainer_{i}",
+      tmp / "trained" / f"trainer_{i}" / "checkpoints" / "ae_20.pt",
+    ):
+      file = where / "ae.pt" if where.is_dir() else where
+      ref = cls.from_pretrained(str(file))
+      ours = jsae.load_dictionary_learning(where)
+      with torch.no_grad():
+        acts, out = ref.encode(x * 3.0 + 1.0), ref(x * 3.0 + 1.0)
+      report(
+        f"dictionary_learning trainSAE {cls.__name__} {file.name}",
+        ours.encode(x.numpy() * 3.0 + 1.0),
+        acts,
+        ours(x.numpy() * 3.0 + 1.0),
+        out,
+      )
   # a checkpoint without config.json whose class its tensors do not tell is refused
   ae = AutoEncoderTopK(d, f, k)
   (tmp / "bare").mkdir()
