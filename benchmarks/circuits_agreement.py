@@ -1,7 +1,9 @@
 """Agreement with circuit-tracer 0.5.0, the jaxlens side (run after circuits_agreement_ct.py,
 which writes /tmp/ct/exchange_<layout>_<kind>[_b].npz from its own environment): the same weights
 in the zoo's GPT-2, Llama or Gemma (with Gemma 2's options), the same transcoders, the same graph, compared in float32 and
-float64 (adjacency, active and selected features, logit targets, pruning masks, scores).
+float64 (adjacency, active and selected features, logit targets, pruning masks, scores), and
+circuits.feature_intervention / feature_intervention_generate against circuit-tracer's
+(logits and feature pre-activations under each freezing setting, generated tokens and logits).
 
 Usage::
 
@@ -255,4 +257,38 @@ for dtype in (jnp.float32, jnp.float64):
     s = circuits.graph_scores(g)
     print(
       "  scores", s, "circuit-tracer", z["scores"], "diff", np.abs(np.array(s) - z["scores"]).max()
+    )
+
+  # Interventions: the same features set to 0 and to 3x their activation, under each setting.
+  settings = {
+    "all": dict(constrained_layers=range(L)),
+    "late": dict(constrained_layers=range(1, L)),
+    "frozen_attn": dict(),
+    "live_attn": dict(freeze_attention=False),
+  }
+  for factor in (0.0, 3.0):
+    feats, vals = z[f"iv/{factor}/features"], z[f"iv/{factor}/values"]
+    ivs = [(int(a), int(b), int(c), float(x)) for (a, b, c), x in zip(feats, vals)]
+    for name, kw in settings.items():
+      got = circuits.feature_intervention(
+        m, v, tokens, tcs, ivs, zero_bos=True, apply_activation_function=False, **kw
+      )
+      ref_l, ref_a = z[f"iv/{factor}/{name}/logits"], z[f"iv/{factor}/{name}/acts"]
+      base = z["iv/base/logits"] if "iv/base/logits" in z.files else None
+      effect = np.abs(ref_l - base).max() if base is not None else float("nan")
+      print(
+        f"  intervention x{factor} {name}: max |logits - ct| {np.abs(got.logits - ref_l).max():.2e}"
+        f" (logits up to {np.abs(ref_l).max():.2f}, change up to {effect:.2f}),"
+        f" pre-activations {np.abs(got.activations - ref_a).max():.2e}"
+      )
+  if "gen/logits" in z.files:
+    feats, vals = z["iv/3.0/features"], z["iv/3.0/values"]
+    ivs = [(int(a), slice(int(b), None), int(c), float(x)) for (a, b, c), x in zip(feats, vals)]
+    gen = circuits.feature_intervention_generate(
+      m, v, tokens, tcs, ivs, len(z["gen/tokens"]), zero_bos=True
+    )
+    print(
+      "  generation: same tokens",
+      np.array_equal(np.asarray(gen.tokens[0]), z["gen/tokens"]),
+      f"max |logits - ct| {np.abs(np.asarray(gen.logits[0]) - z['gen/logits']).max():.2e}",
     )

@@ -1,6 +1,8 @@
 """Agreement with circuit-tracer 0.5.0, the circuit-tracer side: a random GPT-2-,
 Llama- or Gemma-2-layout TransformerLens model with random per-layer transcoders (with or without skip),
-offline (the tokenizer attribute is a stand-in); writes its weights and its graph to
+offline (the tokenizer attribute is a stand-in); writes its weights, its graph, and the logits of
+its feature interventions (feature_intervention under four freezing settings,
+feature_intervention_generate with open-ended interventions) to
 /tmp/ct/exchange_<layout>_<kind>[_b].npz for benchmarks/circuits_agreement.py.
 
 Run it in a separate environment (not a jaxlens requirement)::
@@ -177,5 +179,46 @@ out.update(
   cumulative=res.cumulative_scores.numpy(),
   scores=np.array([rs, cs]),
 )
+# Interventions on the graph's three most active features (positions after the first), with
+# circuit-tracer's feature_intervention under each freezing setting, ablated and tripled.
+af, av = graph.active_features, graph.activation_values
+keep = torch.nonzero(af[:, 1] > 0).flatten()
+top = keep[torch.argsort(av[keep], descending=True)[:3]]
+SETTINGS = {
+  "all": dict(constrained_layers=range(L)),
+  "late": dict(constrained_layers=range(1, L)),
+  "frozen_attn": dict(),
+  "live_attn": dict(freeze_attention=False),
+}
+out["iv/base/logits"] = model(tokens[None])[0].detach().numpy()
+for factor in (0.0, 3.0):
+  ivs = [(int(af[k, 0]), int(af[k, 1]), int(af[k, 2]), float(av[k]) * factor) for k in top]
+  out[f"iv/{factor}/features"] = np.array([iv[:3] for iv in ivs])
+  out[f"iv/{factor}/values"] = np.array([iv[3] for iv in ivs])
+  for name, kw in SETTINGS.items():
+    lg, acts = model.feature_intervention(tokens, ivs, apply_activation_function=False, **kw)
+    out[f"iv/{factor}/{name}/logits"] = lg[0].detach().numpy()
+    out[f"iv/{factor}/{name}/acts"] = acts.detach().numpy()
+# Open-ended: held on every generated token (KV cache); the prompt's attention frozen (with a
+# (1, seq) tensor, circuit-tracer 0.5.0 sizes an unfrozen prefill by the batch axis and fails).
+ivs = [(int(af[k, 0]), slice(int(af[k, 1]), None), int(af[k, 2]), float(av[k]) * 3.0) for k in top]
+try:
+  gtokens, glogits, _ = model.feature_intervention_generate(
+    tokens[None],
+    ivs,
+    freeze_attention=True,
+    max_new_tokens=4,
+    do_sample=False,
+    verbose=False,
+    stop_at_eos=False,
+    return_type="tokens",
+  )
+  out["gen/logits"] = glogits.detach().numpy()
+  out["gen/tokens"] = gtokens[0, len(tokens) :].detach().numpy()
+except Exception as e:  # reported, not hidden: the comparison then says it is missing
+  import traceback
+
+  traceback.print_exc()
+  print("feature_intervention_generate failed:", type(e).__name__, e)
 np.savez(f"/tmp/ct/exchange_{layout}_{kind}{'_b' if budget else ''}.npz", **out)
 print("ok", graph.adjacency_matrix.shape, len(graph.active_features), rs, cs)

@@ -556,3 +556,120 @@ def test_circuit_tracer_transcoder_files_are_read(tmp_path):
   refused(
     "holds no W_enc_0", tmp_path / "empty_dir" if (tmp_path / "empty_dir").mkdir() is None else None
   )
+
+
+# Interventions on features (circuit-tracer's feature_intervention semantics).
+
+
+def _pick(graph, ks):
+  return [tuple(int(a) for a in graph.active_features[graph.selected_features[k]]) for k in ks]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_a_constrained_intervention_moves_logits_and_features_by_the_graphs_edges(family):
+  # With every layer constrained (attention, norms and MLP outputs held) the model is the local
+  # replacement model: scaling a feature by c moves each logit target (demeaned) and each
+  # feature's pre-activation by (c - 1) times the graph's edge, summed over the features.
+  family, model, variables, tcs, graph, _ = _build(family)
+  sl = graph.node_slices()
+  ks = [0, graph.n_features // 2, graph.n_features - 1]
+  feats = graph.active_features[graph.selected_features]
+  kw = dict(constrained_layers=range(L), apply_activation_function=False)
+  base = circuits.feature_intervention(model, variables, TOKENS, tcs, [], **kw)
+  ivs = [(lay, p, f, circuits.Scale(2.5)) for lay, p, f in _pick(graph, ks[:2])]
+  ivs += [(lay, p, f, 0.0) for lay, p, f in _pick(graph, ks[2:])]
+  out = circuits.feature_intervention(model, variables, TOKENS, tcs, ivs, **kw)
+  factor = np.asarray([1.5, 1.5, -1.0])
+  scale = np.abs(graph.adjacency).max()
+  d_pre = np.asarray(out.activations - base.activations)[feats[:, 0], feats[:, 1], feats[:, 2]]
+  want_pre = graph.adjacency[sl["features"]][:, ks] @ factor
+  assert np.abs(want_pre).max() > 1e-3 * scale  # the edges are not all zero
+  np.testing.assert_allclose(d_pre, want_pre, atol=1e-11 * scale)
+  if family != "gemma":  # Gemma's logits pass its final soft-cap, which is not linear
+    d_logit = np.asarray(out.logits[-1] - base.logits[-1])
+    want = graph.adjacency[sl["logits"]][:, ks] @ factor
+    np.testing.assert_allclose(
+      (d_logit - d_logit.mean())[graph.logit_tokens], want, atol=1e-11 * scale
+    )
+  # The edit is an ordinary spec: bound on the live door it gives the same logits.
+  bound = out.spec.bind(model)(variables, TOKENS[None])
+  np.testing.assert_allclose(bound[0], out.logits, atol=1e-12)
+
+
+def test_an_unconstrained_intervention_is_the_spliced_transcoders_edit(llama):
+  # With nothing held, circuit-tracer's intervention adds decoder * (value - activation) to the
+  # real MLP output, the activation read on the edited run: that is editing the features of
+  # the transcoders spliced into the model (jaxlens.sae.splice keeps the error term).
+  import jaxlens as jl
+
+  _, model, variables, tcs, graph, _ = llama
+  (l0, p0, f0), (l1, p1, f1) = _pick(graph, [0, graph.n_features - 1])
+  ivs = [(l0, p0, f0, 3.0), (l1, slice(p1, None), f1, circuits.Scale(0.5))]
+  out = circuits.feature_intervention(model, variables, TOKENS, tcs, ivs, freeze_attention=False)
+  spliced = model
+  for i in range(L):
+    spliced = sae.splice(spliced, f"blocks_{i}/mlp_out", tcs[i], reads=f"blocks_{i}/ln_2")
+
+  def edit(layer, fn):
+    return jl.when(jl.module(f"blocks_{layer}/mlp_out/sae/acts"), jl.hook(fn))
+
+  spec = edit(l0, lambda a: a.at[0, p0, f0].set(3.0))
+  spec = spec + edit(l1, lambda a: a.at[0, p1:, f1].multiply(0.5))
+  want = spec.bind(spliced)(variables, TOKENS[None])[0]
+  plain = model.apply(variables, TOKENS[None])[0]
+  assert np.abs(np.asarray(want - plain)).max() > 1e-2
+  np.testing.assert_allclose(out.logits, want, atol=1e-12)
+
+
+def test_generation_holds_open_ended_interventions_through_the_kv_cache():
+  # Open-ended interventions hold their features on every generated token: each logit that
+  # chose a token equals the uncached intervention on the whole sequence so far. With the
+  # prompt's attention, norms and MLP outputs held (Gemma's cache keeps the prompt at an
+  # offset), the first logit is the constrained intervention's.
+  _, model, variables, tcs, graph, _ = _build("gemma")
+  (l0, p0, f0), (l1, p1, f1) = _pick(graph, [0, 1])
+  ivs = [(l0, slice(p0, None), f0, 4.0), (l1, slice(p1, None), f1, circuits.Scale(3.0))]
+  gen = circuits.feature_intervention_generate(
+    model, variables, TOKENS, tcs, ivs, 3, freeze_attention=False
+  )
+  seq = jnp.concatenate([TOKENS, gen.tokens[0, :-1]])
+  full = circuits.feature_intervention(model, variables, seq, tcs, ivs, freeze_attention=False)
+  plain = model.apply(variables, seq[None])[0]
+  n = len(TOKENS)
+  assert np.abs(np.asarray(full.logits - plain))[n:].max() > 1e-2  # held on new tokens
+  np.testing.assert_allclose(gen.logits[0], full.logits[n - 1 :], atol=1e-12)
+  gen = circuits.feature_intervention_generate(
+    model, variables, TOKENS, tcs, ivs, 1, constrained_layers=range(L)
+  )
+  held = circuits.feature_intervention(
+    model, variables, TOKENS, tcs, ivs, constrained_layers=range(L)
+  )
+  np.testing.assert_allclose(gen.logits[0, 0], held.logits[-1], atol=1e-12)
+
+
+def test_bad_interventions_are_refused_with_a_typed_error(llama):
+  _, model, variables, tcs, _, _ = llama
+
+  def run(ivs, **kw):
+    return circuits.feature_intervention(model, variables, TOKENS, tcs, ivs, **kw)
+
+  with pytest.raises(circuits.CircuitError, match="layer 2 of a model of 2") as e:
+    run([(2, 0, 0, 1.0)])
+  assert e.value.code == "index_out_of_range"
+  with pytest.raises(circuits.CircuitError, match="not a feature index") as e:
+    run([(0, 0, SAE_WIDTH, 1.0)])
+  assert e.value.code == "index_out_of_range"
+  with pytest.raises(circuits.CircuitError, match="position \\[5\\] of a prompt of 5") as e:
+    run([(0, 5, 0, 1.0)])
+  assert e.value.code == "index_out_of_range"
+  with pytest.raises(circuits.CircuitError, match="finite number") as e:
+    run([(0, 1, 0, float("nan"))])
+  assert e.value.code == "invalid_argument"
+  with pytest.raises(circuits.CircuitError, match="is \\(layer, position, feature, value\\)"):
+    run([(0, 1, 0)])
+  with pytest.raises(circuits.CircuitError, match="constrained_layers must be"):
+    run([(0, 1, 0, 1.0)], constrained_layers=range(3))
+  with pytest.raises(circuits.CircuitError, match="makes its own prefill="):
+    circuits.feature_intervention_generate(
+      model, variables, TOKENS, tcs, [(0, 1, 0, 1.0)], 2, prefill=None
+    )

@@ -7,6 +7,9 @@
   replacement model (norm scales, attention patterns and MLP outputs frozen on the prompt).
 * :func:`prune`, :func:`graph_scores`: circuit-tracer's pruning by node and edge influence and
   its replacement and completeness scores.
+* :func:`feature_intervention`, :func:`feature_intervention_generate`,
+  :func:`intervention_spec`: set or scale features and rerun or generate (circuit-tracer's
+  semantics), as an ordinary jaxlens spec.
 * :func:`save_graph` / :func:`load_graph` (safetensors + JSON), :func:`to_neuronpedia_json`;
   :func:`load_circuit_tracer` reads circuit-tracer's transcoder files.
 
@@ -28,6 +31,13 @@ from jaxlens.circuits._freeze import Recording as Recording
 from jaxlens.circuits._freeze import frozen_forward as frozen_forward
 from jaxlens.circuits._freeze import record as record
 from jaxlens.circuits._freeze import stop_gradient_freeze as stop_gradient_freeze
+from jaxlens.circuits._intervene import Intervened as Intervened
+from jaxlens.circuits._intervene import Scale as Scale
+from jaxlens.circuits._intervene import feature_intervention as feature_intervention
+from jaxlens.circuits._intervene import (
+  feature_intervention_generate as feature_intervention_generate,
+)
+from jaxlens.circuits._intervene import intervention_spec as intervention_spec
 from jaxlens.circuits._prune import PruneResult as PruneResult
 from jaxlens.circuits._prune import find_threshold as find_threshold
 from jaxlens.circuits._prune import graph_scores as graph_scores
@@ -36,14 +46,19 @@ from jaxlens.circuits._prune import prune as prune
 __all__ = [
   "CircuitError",
   "Graph",
+  "Intervened",
   "LocalReplacement",
   "PruneResult",
   "Recording",
   "Replacement",
+  "Scale",
   "attribute",
+  "feature_intervention",
+  "feature_intervention_generate",
   "find_threshold",
   "frozen_forward",
   "graph_scores",
+  "intervention_spec",
   "load_circuit_tracer",
   "load_graph",
   "local_replacement",
