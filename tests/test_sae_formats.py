@@ -155,4 +155,7 @@ def test_transcoder_with_layer_norm_computes_what_saelens_does(skip, tmp_path, x
   assert ours.normalize_activations == "layer_norm"
   with torch.no_grad():
     expected = ref.eval()(torch.from_numpy(x)).numpy()
+    decoded = ref.decode(ref.encode(torch.from_numpy(x))).numpy()
   assert rel(ours(x), expected) <= 1e-6
+  # decode needs no input: the normalisation is not undone (SAELens's decode(encode(norm(x))))
+  assert rel(ours.decode(ours.encode(x)), decoded) <= 1e-6
