@@ -439,3 +439,43 @@ def test_several_sites_sources_and_tied_weights_in_one_step_equal_pyvene(models)
   )
   assert abs(result.losses[0] - loss.item()) <= 1e-10
   assert sorted(result.params) == ["low", "r"] and result.depends["params"]["r"]["rotation"]["raw"]
+
+
+def _equality_models():
+  """Hierarchical equality (examples/das_hierarchical_equality.py's task) as a causal model,
+  in jaxlens and in pyvene."""
+  values = {v: [0, 1, 2, 3] for v in "WXYZ"}
+  values.update({"WX": [False, True], "YZ": [False, True], "O": [False, True]})
+  parents = {"W": [], "X": [], "Y": [], "Z": [], "WX": ["W", "X"], "YZ": ["Y", "Z"]}
+  parents["O"] = ["WX", "YZ"]
+  functions = {"WX": lambda w, x: w == x, "YZ": lambda y, z: y == z, "O": lambda a, b: a == b}
+  ours = jt.CausalModel(values, parents, functions)
+  theirs = pv.CausalModel(
+    list(values), values, parents, {**{v: (lambda: 0) for v in "WXYZ"}, **functions}
+  )
+  return ours, theirs
+
+
+def test_causal_model_runs_and_labels_interchanges_as_pyvene():
+  """The same causal model in both: every input's setting, and the counterfactual labels of
+  sampled interchanges of one variable and of two, equal pyvene's run_forward and
+  run_interchange."""
+  ours, theirs = _equality_models()
+  assert sorted(ours.inputs) == sorted(theirs.inputs) and ours.outputs == theirs.outputs == ["O"]
+  for w, x, y, z in np.ndindex(4, 4, 4, 4):
+    inputs = {"W": w, "X": x, "Y": y, "Z": z}
+    assert ours.run(inputs) == dict(theirs.run_forward(inputs))
+  encode = lambda s: np.asarray([s[v] for v in "WXYZ"], np.float64)  # noqa: E731
+  for variables in ("WX", ["WX", "YZ"]):
+    batch = ours.counterfactual(40, variables, seed=1, encode=encode)
+    names = [variables] if isinstance(variables, str) else variables
+    assert batch["base"].shape == (40, 4)
+    got = batch["source"][None] if isinstance(variables, str) else np.stack(batch["sources"])
+    assert got.shape == (len(names), 40, 4)
+    changed = 0
+    for i, (base, srcs) in enumerate(zip(batch["inputs"], batch["source_inputs"])):
+      want = theirs.run_interchange(base, dict(zip(names, srcs)))["O"]
+      assert batch["label"][i] == int(want)
+      assert batch["base_label"][i] == int(theirs.run_forward(base)["O"])
+      changed += batch["label"][i] != batch["base_label"][i]
+    assert changed > 0  # the interchange changes some outputs: the labels are not the base's

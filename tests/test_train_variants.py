@@ -236,3 +236,23 @@ def test_positions_tied_weights_and_reft_training_with_placements(llama):
       params,
       {**batch, "base": tokens},
     )
+
+
+def test_causal_model_refuses_malformed_graphs_and_intervenes():
+  values = {"a": [0, 1], "b": [0, 1], "c": [0, 1]}
+  with pytest.raises(jl.InvalidArgumentError, match="cycle: b -> c -> b"):
+    jt.CausalModel(values, {"a": [], "b": ["c"], "c": ["b"]}, {"b": abs, "c": abs})
+  with pytest.raises(jl.InvalidArgumentError, match="'c' has parents but no function"):
+    jt.CausalModel(values, {"a": [], "b": [], "c": ["a", "b"]}, {})
+  with pytest.raises(jl.InvalidArgumentError, match=r"parents \['d'\] that are not variables"):
+    jt.CausalModel(values, {"a": [], "b": [], "c": ["d"]}, {"c": abs})
+  m = jt.CausalModel(values, {"a": [], "b": [], "c": ["a", "b"]}, {"c": lambda a, b: a ^ b})
+  assert m.run({"a": 1, "b": 0}) == {"a": 1, "b": 0, "c": 1}
+  assert m.run({"a": 1, "b": 0}, {"c": 0})["c"] == 0
+  assert m.interchange({"a": 1, "b": 0}, {"a": {"a": 0, "b": 1}})["c"] == 0
+  with pytest.raises(jl.InvalidArgumentError, match=r"run needs the inputs \['b'\]"):
+    m.run({"a": 1})
+  with pytest.raises(jl.InvalidArgumentError, match="unknown variables"):
+    m.counterfactual(2, "d")
+  factual = m.factual(6, seed=0)
+  assert [s["c"] for s in factual["settings"]] == factual["label"].tolist()

@@ -40,6 +40,7 @@ from jaxlens.train._variants import SAEInterchange as SAEInterchange
 from jaxlens.train._variants import SigmoidMask as SigmoidMask
 from jaxlens.train._variants import SigmoidMaskDAS as SigmoidMaskDAS
 from jaxlens.train._variants import pca_basis as pca_basis
+from jaxlens.train._causal import CausalModel as CausalModel
 from jaxlens.train._sites import At as At
 from jaxlens.train._sites import example_positions as example_positions
 from jaxlens.train._sites import iia_multi as iia_multi
@@ -52,6 +53,7 @@ __all__ = [
   "At",
   "DAS",
   "BoundlessDAS",
+  "CausalModel",
   "ConsReFT",
   "DiReFT",
   "LoBiReFT",
