@@ -323,6 +323,20 @@ def llama_scope_case(tmp: Path):
     ours(x.numpy()),
     out,
   )
+  # jaxlens writes it back (the norm written as sqrt(d_model): the folded factor is 1)
+  jsae.save_llama_scope(ours, tmp / "llama_back" / folder)
+  back = _saelens_sae(
+    llama_scope_sae_huggingface_loader, "fnlp/x", folder, tmp / "llama_back", fold=1.0
+  )
+  with torch.no_grad():
+    acts, out = back.encode(x), back(x)
+  report(
+    "Llama Scope (written, read by SAELens's loader)",
+    ours.encode(x.numpy()),
+    acts,
+    ours(x.numpy()),
+    out,
+  )
 
 
 def gemma_scope_2_cases(tmp: Path):
@@ -373,6 +387,26 @@ def gemma_scope_2_cases(tmp: Path):
       acts, out = ref.encode(x), ref(x)
     report(
       f"Gemma Scope 2 {folder.split('/')[0]}{' affine' if affine else ''} -> {meta['site']}",
+      ours.encode(x.numpy()),
+      acts,
+      ours(x.numpy()),
+      out,
+    )
+    # jaxlens writes the folder back; SAELens's loader reads it
+    back_root = tmp / "gs2_back" / folder
+    jsae.save_gemma_scope(ours, back_root)
+    back = _saelens_sae(
+      gemma_3_sae_huggingface_loader,
+      "google/gemma-scope-2-270m-pt",
+      folder,
+      tmp / "gs2_back",
+      shapes=lambda repo_id, filename, root=back_root: shapes(repo_id, filename, root),
+    )
+    with torch.no_grad():
+      acts, out = back.encode(x), back(x)
+    kind = f"{folder.split('/')[0]}{' affine' if affine else ''}"
+    report(
+      f"Gemma Scope 2 {kind} (written, read by SAELens)",
       ours.encode(x.numpy()),
       acts,
       ours(x.numpy()),

@@ -311,6 +311,18 @@ def test_llama_scope_reads_as_saelens_folds_it(tmp_path):
   close(d(X), acts @ (w["decoder.weight"].T / s) + w["decoder.bias"] / s)
   assert (acts != 0).any() and not d.apply_b_dec_to_input
   assert d.metadata["site"] == "blocks_5/resid_post"
+  # written back: the same function, the norm written as sqrt(d_model)
+  jsae.save_llama_scope(d, tmp_path / "back")
+  back = jsae.load_llama_scope(tmp_path / "back")
+  close(back.encode(X), acts)
+  assert back.metadata["hook_name"] == "blocks.5.hook_resid_post"
+  per_feature = d.replace(threshold=d.threshold * jnp.linspace(1, 2, F, dtype=d.dtype))
+  with pytest.raises(jsae.SAEError) as info:
+    jsae.save_llama_scope(per_feature, tmp_path / "x")
+  assert field(info) == ("sae_architecture_unsupported", "threshold")
+  with pytest.raises(jsae.SAEError) as info:
+    jsae.save_llama_scope(d.replace(metadata_json="{}"), tmp_path / "x")
+  assert field(info) == ("sae_config_invalid", "hook_name")
   (root / "hyperparams.json").write_text(json.dumps({**hyper, "act_fn": "topk"}))
   with pytest.raises(jsae.SAEError) as info:
     jsae.load_llama_scope(root)
@@ -350,6 +362,21 @@ def test_gemma_scope_2_affine_transcoder_and_attn_out(tmp_path):
   acts = relu(pre) * (pre > w["threshold"])
   close(d(X), acts @ w["w_dec"] + w["b_dec"] + X @ skip)
   assert (d.metadata["site"], d.metadata["site_out"]) == ("blocks_4/ln_2", "blocks_4/mlp_out")
+  jsae.save_gemma_scope(d, tmp_path / "back" / tc.name, model_name="gemma-v3-270m-pt")
+  back = jsae.load_gemma_scope(tmp_path / "back" / tc.name)
+  np.testing.assert_array_equal(back.W_skip, d.W_skip)
+  close(back(X), acts @ w["w_dec"] + w["b_dec"] + X @ skip)
+  # an SAE that subtracts b_dec is written with it folded into b_enc (Gemma Scope does not)
+  sub = jsae.SAE(**{n: getattr(d, n) for n in ("W_enc", "b_enc", "threshold")},
+                 W_dec=rand(F, D), b_dec=rand(D), activation="jumprelu")  # fmt: skip
+  jsae.save_gemma_scope(sub, tmp_path / "sub", model_name="m")
+  close(jsae.load_gemma_scope(tmp_path / "sub")(X), sub(X), 1e-5)
+  with pytest.raises(jsae.SAEError) as info:
+    jsae.save_gemma_scope(sub, tmp_path / "x")
+  assert field(info) == ("sae_config_invalid", "model_name")
+  with pytest.raises(jsae.SAEError) as info:
+    jsae.save_gemma_scope(sub.replace(activation="relu", threshold=None), tmp_path / "x")
+  assert field(info) == ("sae_architecture_unsupported", "activation")
   # attn_out: the output projection's input, heads concatenated; the zoo's attn/z is per head
   at = tmp_path / "attn_out" / "layer_4_width_16k_l0_small"
   w = gemma_scope_2(at, 6, 6)

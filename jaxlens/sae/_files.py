@@ -512,6 +512,7 @@ def _gemma_scope_2_config(path: Path) -> dict:
   ``{kind}/layer_{L}_...`` and its optional ``config.json``."""
   folder = f"{path.parent.parent.name}/{path.parent.name}"
   cfg_file = path.parent / "config.json"
+  model = None
   if cfg_file.is_file():
     try:
       raw = json_loads(cfg_file.read_text())
@@ -530,6 +531,7 @@ def _gemma_scope_2_config(path: Path) -> dict:
         field="architecture",
         fix='a Gemma Scope 2 folder whose config.json has "architecture": "jump_relu"',
       )
+    model = raw.get("model_name") if isinstance(raw.get("model_name"), str) else None
   layer = re.search(r"layer_(\d+)", folder)
   if layer is None:
     return {}
@@ -544,6 +546,8 @@ def _gemma_scope_2_config(path: Path) -> dict:
   for kind, hook, site in hooks:
     if kind in folder:
       meta = {"format": "gemma_scope_2", "hook_name": hook, "site": site}
+      if model is not None:
+        meta["model_name"] = model
       if kind in ("transcoder", "clt"):
         meta.update(hook_name_out=f"blocks.{i}.hook_mlp_out", site_out=f"blocks_{i}/mlp_out")
       config = {"metadata_json": json.dumps(meta, sort_keys=True)}

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -30,6 +31,8 @@ __all__ = [
   "save_sparsify",
   "load_dictionary_learning",
   "load_llama_scope",
+  "save_llama_scope",
+  "save_gemma_scope",
   "load_hook_z",
   "load_circuit_tracer",
 ]
@@ -181,6 +184,70 @@ def _take(tensors: dict, name: str, shape: tuple, path: Path, fix: str):
   return value
 
 
+def _safetensors_bytes(tensors: dict, dtype) -> bytes:
+  """A safetensors file of numpy arrays (bfloat16 through safetensors' flax writer)."""
+  _safetensors()
+  if np.dtype(dtype) == jnp.bfloat16:
+    from safetensors.flax import save as save_jax
+
+    return save_jax({k: jnp.asarray(v) for k, v in tensors.items()})
+  from safetensors.numpy import save
+
+  return save({k: np.ascontiguousarray(v) for k, v in tensors.items()})
+
+
+def _write_dir(root: Path, marker: str, files: dict, what: str) -> Path:
+  """Writes ``files`` (relative path -> bytes) as the directory ``root``, whole or not at all:
+  into a temporary sibling renamed into place. An existing ``root`` is replaced only if it is
+  empty or holds ``marker`` (a directory of the same format)."""
+  if root.exists() and (
+    not root.is_dir() or (any(root.iterdir()) and not (root / marker).is_file())
+  ):
+    raise SAEError(
+      f"{root} exists and is not a {what}'s directory: refusing to replace it",
+      code="sae_file_exists",
+      field=str(root),
+      fix="a new or empty directory",
+    )
+  root.parent.mkdir(parents=True, exist_ok=True)
+  tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+  try:
+    for name, data in files.items():
+      (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+      (tmp / name).write_bytes(data)
+    if root.exists():
+      old = root.with_name(f".{root.name}.old")
+      os.replace(root, old)
+      os.replace(tmp, root)
+      shutil.rmtree(old)
+    else:
+      os.replace(tmp, root)
+  finally:
+    if tmp.exists():
+      shutil.rmtree(tmp)
+  return root
+
+
+def _unsupported(writer: str, problems: list, fix: str) -> None:
+  if problems:
+    raise SAEError(
+      f"{writer} has no dictionary with {problems[0][1]}",
+      code="sae_architecture_unsupported",
+      field=problems[0][0],
+      fix=fix,
+    )
+
+
+def _b_dec_folded(sae):
+  """``b_enc`` of the same function without subtracting ``b_dec`` from the input first."""
+  if not sae.apply_b_dec_to_input:
+    return np.asarray(sae.b_enc)
+  folded = np.asarray(sae.b_enc, np.float64) - np.asarray(sae.b_dec, np.float64) @ np.asarray(
+    sae.W_enc, np.float64
+  )
+  return folded.astype(np.dtype(sae.dtype))
+
+
 # -- EleutherAI sparsify ----------------------------------------------------------------------
 
 SPARSIFY_CFG = "cfg.json"
@@ -319,13 +386,11 @@ def save_sparsify(sae, path) -> Path:
       problems.append(("reshape_activations", "reshape_activations='hook_z'"))
     if sae.d_out != sae.d_in:
       problems.append(("d_out", f"d_out={sae.d_out} != d_in={sae.d_in}"))
-  if problems:
-    raise SAEError(
-      f"sparsify has no sparse coder with {problems[0][1]}",
-      code="sae_architecture_unsupported",
-      field=problems[0][0],
-      fix="a TopK SAE or transcoder (d_out == d_in) without rescaling, normalisation or hook_z",
-    )
+  _unsupported(
+    "sparsify",
+    problems,
+    "a TopK SAE or transcoder (d_out == d_in) without rescaling, normalisation or hook_z",
+  )
   transcode = isinstance(sae, Transcoder)
   b_enc = sae.b_enc
   if not transcode and not sae.apply_b_dec_to_input:
@@ -354,44 +419,11 @@ def save_sparsify(sae, path) -> Path:
     "transcode": transcode,
     "d_in": sae.d_in,
   }
-  root = Path(path)
-  if root.exists() and (
-    not root.is_dir() or (any(root.iterdir()) and not (root / SPARSIFY_CFG).is_file())
-  ):
-    raise SAEError(
-      f"{root} exists and is not a sparse coder's directory: refusing to replace it",
-      code="sae_file_exists",
-      field=str(root),
-      fix="a new or empty directory",
-    )
-  _safetensors()
-  from safetensors.numpy import save_file
-
-  root.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
-  try:
-    if np.dtype(sae.dtype) == jnp.bfloat16:
-      from safetensors.flax import save_file as save_jax
-
-      save_jax({k: jnp.asarray(v) for k, v in tensors.items()}, str(tmp / SPARSIFY_WEIGHTS))
-    else:
-      save_file(tensors, str(tmp / SPARSIFY_WEIGHTS))
-    (tmp / SPARSIFY_CFG).write_text(json.dumps(cfg))
-    if root.exists():
-      old = root.with_name(f".{root.name}.old")
-      os.replace(root, old)
-      os.replace(tmp, root)
-      for f in old.iterdir():
-        f.unlink()
-      old.rmdir()
-    else:
-      os.replace(tmp, root)
-  finally:
-    if tmp.exists():
-      for f in tmp.iterdir():
-        f.unlink()
-      tmp.rmdir()
-  return root
+  files = {
+    SPARSIFY_WEIGHTS: _safetensors_bytes(tensors, sae.dtype),
+    SPARSIFY_CFG: json.dumps(cfg).encode(),
+  }
+  return _write_dir(Path(path), SPARSIFY_CFG, files, "sparse coder")
 
 
 # -- dictionary_learning ----------------------------------------------------------------------
@@ -671,6 +703,119 @@ def load_llama_scope(path, *, dtype=jnp.float32):
     apply_b_dec_to_input=False,
     metadata_json=meta,
   )
+
+
+def _jumprelu_problems(sae) -> list:
+  problems = []
+  if not isinstance(sae, SAE) or sae.activation != "jumprelu":
+    problems.append(("activation", f"activation {getattr(sae, 'activation', None)!r}"))
+  elif sae.normalize_activations not in ("none", "expected_average_only_in"):
+    problems.append(("normalize_activations", f"normalize={sae.normalize_activations!r}"))
+  return problems
+
+
+def save_llama_scope(sae, path, *, hook_name=None) -> Path:
+  """Writes a JumpReLU SAE with one threshold for every feature as a Llama Scope directory
+  (``hyperparams.json``, ``checkpoints/final.safetensors``), which :func:`load_llama_scope`
+  and SAELens's Llama Scope loader read back as the same function: the dataset norm is written
+  as ``sqrt(d_model)`` (so the folded factor is 1), and a ``b_dec`` the SAE subtracts from its
+  input is folded into ``encoder.bias`` (Llama Scope encodes ``x`` itself).
+
+  Args:
+    sae: a JumpReLU :class:`SAE` whose ``threshold`` is one value.
+    path: the directory to write.
+    hook_name: ``hook_point_in`` (default: ``metadata["hook_name"]``; SAELens needs one).
+
+  Raises:
+    SAEError: ``sae_architecture_unsupported`` (not JumpReLU, per-feature thresholds, a
+      transcoder, a run-time normalisation: each naming the field), ``sae_config_invalid``
+      (no ``hook_name``), ``sae_file_exists``.
+  """
+  problems = _jumprelu_problems(sae)
+  if not problems and isinstance(sae, Transcoder):
+    problems.append(("d_out", "a transcoder's d_out and W_skip"))
+  threshold = np.asarray(sae.threshold) if not problems else None
+  if threshold is not None and not (threshold == threshold[0]).all():
+    problems.append(("threshold", "per-feature thresholds (Llama Scope's is one scalar)"))
+  _unsupported("Llama Scope", problems, "a JumpReLU SAE whose threshold is one value")
+  hook = hook_name or sae.metadata.get("hook_name")
+  if not isinstance(hook, str) or not hook:
+    raise SAEError(
+      "a Llama Scope directory names its hook_point_in, and this SAE's metadata has none",
+      code="sae_config_invalid",
+      field="hook_name",
+      fix="save_llama_scope(d, path, hook_name='blocks.5.hook_resid_post')",
+    )
+  d_model = sae.d_in
+  hyper = {
+    "d_model": d_model,
+    "d_sae": sae.d_sae,
+    "expansion_factor": max(1, sae.d_sae // d_model),
+    "act_fn": "jumprelu",
+    "jump_relu_threshold": float(threshold[0]),
+    "dataset_average_activation_norm": {"in": d_model**0.5, "out": d_model**0.5},
+    "hook_point_in": hook,
+    "hook_point_out": hook,
+    "apply_decoder_bias_to_pre_encoder": False,
+  }
+  tensors = {
+    "encoder.weight": np.asarray(sae.W_enc).T,
+    "encoder.bias": _b_dec_folded(sae),
+    "decoder.weight": np.asarray(sae.W_dec).T,
+    "decoder.bias": np.asarray(sae.b_dec),
+  }
+  files = {
+    "hyperparams.json": json.dumps(hyper, indent=2).encode(),
+    "checkpoints/final.safetensors": _safetensors_bytes(tensors, sae.dtype),
+  }
+  return _write_dir(Path(path), "hyperparams.json", files, "Llama Scope SAE")
+
+
+def save_gemma_scope(sae, path, *, model_name=None) -> Path:
+  """Writes a JumpReLU SAE or transcoder as a Gemma Scope 2 folder: ``params.safetensors``
+  (``w_enc``, ``w_dec``, ``b_enc``, ``b_dec``, ``threshold``, and a transcoder's ``W_skip`` as
+  ``affine_skip_connection (d_in, d_out)``) and ``config.json`` (``"architecture":
+  "jump_relu"``). :func:`load_gemma_scope` and SAELens's Gemma Scope 2 loader read it back as
+  the same function (a ``b_dec`` subtracted from the input is folded into ``b_enc``). Name the
+  folder as Gemma Scope 2 does (``resid_post/layer_5_width_16k_l0_small``): the site is read
+  from it.
+
+  Args:
+    sae: a JumpReLU :class:`SAE` or :class:`Transcoder`.
+    path: the folder to write.
+    model_name: ``config.json``'s ``model_name`` (default: ``metadata["model_name"]``;
+      SAELens needs one), e.g. ``"gemma-v3-270m-pt"``.
+
+  Raises:
+    SAEError: ``sae_architecture_unsupported`` (not JumpReLU, or a run-time normalisation),
+      ``sae_config_invalid`` (no ``model_name``), ``sae_file_exists``.
+  """
+  _unsupported("Gemma Scope", _jumprelu_problems(sae), "a JumpReLU SAE or transcoder")
+  model_name = model_name or sae.metadata.get("model_name")
+  if not isinstance(model_name, str) or not model_name:
+    raise SAEError(
+      "a Gemma Scope 2 config.json names its model, and this dictionary's metadata has none",
+      code="sae_config_invalid",
+      field="model_name",
+      fix="save_gemma_scope(d, path, model_name='gemma-v3-270m-pt')",
+    )
+  tensors = {
+    "w_enc": np.asarray(sae.W_enc),
+    "w_dec": np.asarray(sae.W_dec),
+    "b_enc": _b_dec_folded(sae),
+    "b_dec": np.asarray(sae.b_dec),
+    "threshold": np.asarray(sae.threshold),
+  }
+  cfg = {"architecture": "jump_relu", "model_name": model_name}
+  if isinstance(sae, Transcoder):
+    cfg["affine_connection"] = sae.W_skip is not None
+    if sae.W_skip is not None:
+      tensors["affine_skip_connection"] = np.asarray(sae.W_skip).T
+  files = {
+    "params.safetensors": _safetensors_bytes(tensors, sae.dtype),
+    "config.json": json.dumps(cfg, indent=2).encode(),
+  }
+  return _write_dir(Path(path), "params.safetensors", files, "Gemma Scope dictionary")
 
 
 # -- connor-rob hook_z SAEs --------------------------------------------------------------------
