@@ -2,8 +2,8 @@
 EleutherAI sparsify 1.3.3 and dictionary_learning 0.1.0 themselves, and reads the Llama Scope,
 Gemma Scope 2 and connor-rob hook_z layouts as SAELens 6.54.12's pretrained loaders do; for
 each, the feature activations and the reconstruction of random inputs are compared (largest
-difference over the largest value), and sparsify's directories are written back by jaxlens and
-read by sparsify.
+difference over the largest value); what jaxlens writes (sparsify directories, Gemma Scope 2
+folders, Llama Scope directories) is read back by sparsify and by SAELens's loaders.
 
 Neither library is a jaxlens requirement, and dictionary-learning would replace the pinned torch;
 both are installed beside the virtualenv without their dependencies (sparsify's natsort and
