@@ -256,3 +256,34 @@ def test_causal_model_refuses_malformed_graphs_and_intervenes():
     m.counterfactual(2, "d")
   factual = m.factual(6, seed=0)
   assert [s["c"] for s in factual["settings"]] == factual["label"].tolist()
+
+
+def test_train_iit_and_iia_read_a_batchs_subspaces():
+  """A batch's "subspaces" reach the method in train_iit, iia and intervened_output: a mask
+  of the first 2 rotated coordinates is DAS(2); a method without subspaces refuses them."""
+  import flax.linen as nn
+
+  f64 = {"param_dtype": jnp.float64}
+  model = nn.Sequential([nn.Dense(H, **f64), jnp.tanh, nn.Dense(2, **f64)])
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 1, H), jnp.float64))
+  rng = np.random.default_rng(0)
+  base, source = rng.normal(size=(2, B, 1, H))
+  mask = np.tile((np.arange(H) < 2).astype(np.float64), (B, 1))
+  params = jt.DAS(2).init(jax.random.key(1), H, jnp.float64)
+  run = lambda m, p, **kw: jt.intervened_output(
+    model, variables, "layers_0", m, p, base, source, **kw
+  )  # noqa: E731
+  np.testing.assert_allclose(
+    run(jt.DAS(5), params, subspaces=mask), run(jt.DAS(2), params), atol=TOL
+  )
+  batch = {"base": base, "source": source, "label": (source[:, 0, 0] > 0).astype(np.int32)}
+  masked = {**batch, "subspaces": mask}
+  kw = {"optimizer": optax.adam(0.01), "progress": False, "steps": 2}
+  a = jt.train_iit(model, variables, "layers_0", jt.DAS(5), params, [masked], **kw)
+  b = jt.train_iit(model, variables, "layers_0", jt.DAS(2), params, [batch], **kw)
+  np.testing.assert_allclose(a.losses, b.losses, atol=1e-12)
+  assert jt.iia(model, variables, "layers_0", jt.DAS(5), a.params, masked) == jt.iia(
+    model, variables, "layers_0", jt.DAS(2), b.params, batch
+  )
+  with pytest.raises(jl.InvalidArgumentError, match="BoundlessDAS takes no per-example"):
+    run(jt.BoundlessDAS(), jt.BoundlessDAS().init(jax.random.key(0), H), subspaces=mask)

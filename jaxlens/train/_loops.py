@@ -12,6 +12,7 @@ model. With ``frozen=False`` the model's variables train with it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Sequence
 
 import jax
@@ -173,6 +174,47 @@ def _check_batches(batches, keys):
     )
 
 
+def _check_labels(logits, labels) -> int:
+  """The readout's logits and a batch's labels fit (checked while the loss is traced):
+  float ``(..., classes)`` logits, int labels of their leading shape. Returns ``classes``."""
+  if not isinstance(logits, jax.Array) or logits.ndim < 1:
+    raise InvalidArgumentError(
+      f"readout must return (batch, classes) logits, got {type(logits).__name__}"
+      + (f" of shape {logits.shape}" if hasattr(logits, "shape") else ""),
+      code="invalid_argument",
+      fix="readout=lambda out: out[:, -1] (the default)",
+    )
+  labels = jnp.asarray(labels)
+  if not jnp.issubdtype(labels.dtype, jnp.integer) or labels.shape != logits.shape[:-1]:
+    raise InvalidArgumentError(
+      f"a batch's labels must be int class indices of shape {logits.shape[:-1]} (the readout's "
+      f"logits are {logits.shape}), got {labels.dtype} of shape {labels.shape}",
+      code="shape_mismatch",
+      fix="one int label per example: batch['label'] of shape (batch,)",
+      expected=list(logits.shape[:-1]),
+      received=list(labels.shape),
+    )
+  return int(logits.shape[-1])
+
+
+def _check_params(method, params):
+  """``params`` holds every top-level entry ``method.init`` gives (a missing one was a raw
+  ``KeyError`` at the first step)."""
+  try:
+    want = jax.eval_shape(lambda: method.init(jax.random.key(0), 16))
+  except Exception:  # noqa: BLE001 (a method whose init needs more: not checked here)
+    return
+  if isinstance(want, dict):
+    missing = sorted(set(want) - set(params)) if isinstance(params, dict) else sorted(want)
+    if missing:
+      raise InvalidArgumentError(
+        f"params lack {missing}: they are not {type(method).__name__}'s parameters",
+        code="invalid_argument",
+        fix=f"params = {type(method).__name__}(...).init(key, d)",
+        received=type(params).__name__ if not isinstance(params, dict) else sorted(params),
+      )
+
+
 def _progress(total, initial, enabled, desc):
   if not enabled:
     return None
@@ -231,9 +273,19 @@ def _loop(
   desc,
   nonfinite="raise",
   pairs_of=None,
+  check_batch=None,
 ):
   optax = _optax()
   skip = _check_nonfinite(nonfinite)
+  if not (
+    callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+  ):
+    raise InvalidArgumentError(
+      f"optimizer must be an optax GradientTransformation, got {type(optimizer).__name__}",
+      code="invalid_argument",
+      fix="optimizer=optax.adam(1e-3)",
+      received=repr(optimizer)[:80],
+    )
   if steps is None:
     if callable(batches):
       raise InvalidArgumentError(
@@ -292,6 +344,8 @@ def _loop(
     bar = _progress(steps, start, progress, desc)
     for step in range(start, steps):
       index = step if callable(batches) else step % len(batches)
+      if check_batch is not None:
+        check_batch(_batch_at(batches, step), index)
       batch = _shard(_batch_at(batches, step), mesh, data_axis)
       new_trained, new_state, value, finite, batch_finite = train_step(
         trained, variables, opt_state, batch, jnp.asarray(step)
@@ -351,7 +405,17 @@ def _run_edited(model, site, edit, positions):
 
 
 def intervened_output(
-  model, variables, site, method, params, base, source=None, *, positions=None, temperature=None
+  model,
+  variables,
+  site,
+  method,
+  params,
+  base,
+  source=None,
+  *,
+  positions=None,
+  temperature=None,
+  subspaces=None,
 ):
   """The model's output on ``base`` with ``method``'s edit at ``site`` (source: ``source``'s run).
 
@@ -365,6 +429,8 @@ def intervened_output(
     source: the source inputs (for the interchange methods).
     positions: sequence positions to intervene at (``jl.at_positions``), or None for all.
     temperature: Boundless DAS's temperature (default: the schedule's last).
+    subspaces: a per-example mask of the interchanged coordinates
+      (:func:`jaxlens.train.subspace_mask`); a batch's ``"subspaces"`` in the loops.
   """
   selector = as_selector(site)
   donor = None
@@ -376,7 +442,16 @@ def intervened_output(
         fix="intervened_output(..., base, source)",
       )
     donor = trace(model, variables, source, save=selector, keep_inputs=False)
-  edit = method.edit(params, donor, temperature)
+  extra = {}
+  if subspaces is not None:
+    if "subspaces" not in inspect.signature(method.edit).parameters:
+      raise InvalidArgumentError(
+        f"{type(method).__name__} takes no per-example subspaces (a batch's 'subspaces')",
+        code="invalid_argument",
+        fix="DAS, LowRankDAS, PCAInterchange or SAEInterchange, or no 'subspaces'",
+      )
+    extra["subspaces"] = subspaces
+  edit = method.edit(params, donor, temperature, **extra)
   return _run_edited(model, selector, edit, positions)(variables, base)
 
 
@@ -459,6 +534,20 @@ def train_iit(
   optimizer = _optax().adam(1e-3) if optimizer is None else optimizer
   steps_total = steps if steps is not None else (None if callable(batches) else len(batches))
   temperature_of = getattr(method, "temperature", None)
+  _check_params(method, params)
+  classes = {"n": None}  # the readout's class count, known once the loss is traced
+
+  def check_batch(batch, index):
+    labels = np.asarray(batch["label"])
+    n = classes["n"]
+    if labels.size and (labels.min() < 0 or (n is not None and labels.max() >= n)):
+      raise InvalidArgumentError(
+        f"batch {index}'s labels must be class indices in [0, {n}) (the readout's classes), "
+        f"got values from {labels.min()} to {labels.max()}",
+        code="index_out_of_range",
+        fix="labels in [0, classes), or a readout with as many classes as the labels need",
+        batch=index,
+      )
 
   def loss_of(p, v, batch, step):
     t = None
@@ -471,11 +560,14 @@ def train_iit(
       method,
       p,
       batch["base"],
-      batch["source"],
+      batch.get("source"),
       positions=positions,
       temperature=t,
+      subspaces=batch.get("subspaces"),
     )
-    loss = jnp.mean(_cross_entropy(readout(out), batch["label"]))
+    logits = readout(out)
+    classes["n"] = _check_labels(logits, batch["label"])
+    loss = jnp.mean(_cross_entropy(logits, batch["label"]))
     if boundary_weight and "boundary" in p:
       loss = loss + boundary_weight * jnp.sum(jnp.clip(p["boundary"], 1e-3, 1.0))
     return loss
@@ -495,6 +587,7 @@ def train_iit(
     progress=progress,
     desc=f"IIT {type(method).__name__}",
     nonfinite=nonfinite,
+    check_batch=check_batch,
   )
 
 
@@ -523,15 +616,16 @@ def iia(
       method,
       p,
       batch["base"],
-      batch["source"],
+      batch.get("source"),
       positions=positions,
       temperature=temperature,
+      subspaces=batch.get("subspaces"),
     )
     guess = jnp.argmax(readout(out), axis=-1)
     return jnp.sum(guess == jnp.asarray(batch["label"]).astype(guess.dtype)), guess.size
 
-  if isinstance(batches, dict):
-    batches = [batches]
+  batches = [batches] if isinstance(batches, dict) else list(batches)
+  _check_batches(batches, ("base", "source", "label") if method.needs_source else ("base", "label"))
   right = total = 0
   for batch in batches:
     h, n = hits(params, variables, batch)
@@ -586,7 +680,8 @@ def _check_pairs(pairs):
       )
     for part in (prompt, answer):
       try:
-        tokens = np.asarray(part).reshape(-1)
+        tokens = np.asarray(part)
+        tokens = tokens if tokens.ndim == 1 else np.asarray([np.nan])
       except (TypeError, ValueError):
         tokens = np.asarray([np.nan])
       ok = tokens.dtype.kind in "iu" or (
@@ -594,7 +689,8 @@ def _check_pairs(pairs):
       )
       if not ok or (tokens.dtype.kind in "iu" and (tokens.min() < 0 or tokens.max() >= 2**31)):
         raise InvalidArgumentError(
-          f"pairs[{i}] holds a token id that is not an int in [0, 2**31): {part!r:.80}",
+          f"pairs[{i}] holds a token id that is not an int in [0, 2**31), or is not a flat "
+          f"list of them: {part!r:.80}",
           code="invalid_argument",
           fix="token ids from the tokenizer (ints)",
           received=repr(pair)[:80],
@@ -672,6 +768,21 @@ def train_reft(
   steps = _positive_int(steps, "steps", "steps=200")
   batch_size = _positive_int(batch_size, "batch_size", "batch_size=8")
   _check_seed(seed)
+  if not _token_id(pad_token):
+    raise InvalidArgumentError(
+      f"pad_token must be a token id (an int in [0, 2**31)), got {pad_token!r}",
+      code="invalid_argument",
+      fix="pad_token=0",
+      received=repr(pad_token),
+    )
+  if method.needs_source:
+    raise InvalidArgumentError(
+      f"train_reft trains a ReFT method (LoReFT, DiReFT, ...); {type(method).__name__} "
+      "interchanges with a source run",
+      code="invalid_argument",
+      fix="train_iit(...) for the interchange methods",
+    )
+  _check_params(method, params)
   optimizer = _optax().adam(4e-3) if optimizer is None else optimizer
   data = answer_batch(pairs, pad_token)
   n = len(pairs)

@@ -12,6 +12,7 @@ answer tokens (a batch from :func:`reft_batch`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Sequence
 
 import jax
@@ -146,6 +147,12 @@ def multi_output(model, variables, ats, params, batch, *, temperatures=None):
     kwargs = {}
     sub = _per_name(batch.get("subspaces"), a.params)
     if sub is not None:
+      if "subspaces" not in inspect.signature(a.method.edit).parameters:
+        raise InvalidArgumentError(
+          f"{type(a.method).__name__} (parameters {a.params!r}) takes no per-example subspaces",
+          code="invalid_argument",
+          fix="give subspaces per parameter name: {name: mask} for the methods that take them",
+        )
       kwargs["subspaces"] = sub
     t = None if temperatures is None else temperatures.get(a.params)
     if a.method.needs_source:
@@ -194,6 +201,7 @@ def train_multi(
   checkpoint=None,
   checkpoint_every: int = 50,
   progress: bool = True,
+  nonfinite: str = "raise",
 ):
   """Trains every placement together: several sites, sources and tied weights in one step.
 
@@ -209,7 +217,7 @@ def train_multi(
       of placements use it.
     batches: a sequence of batches (cycled) or a function of the step.
     steps, optimizer, readout, frozen, mesh, data_axis, checkpoint, checkpoint_every,
-      progress: as :func:`train_iit` (default optimiser ``optax.adam(1e-3)``).
+      progress, nonfinite: as :func:`train_iit` (default optimiser ``optax.adam(1e-3)``).
 
   Returns:
     a :class:`TrainResult` whose ``params`` is the dict of named parameters.
@@ -249,6 +257,7 @@ def train_multi(
     checkpoint_every=checkpoint_every,
     progress=progress,
     desc=f"{len(ats)} placements",
+    nonfinite=nonfinite,
   )
 
 
