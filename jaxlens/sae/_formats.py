@@ -839,7 +839,7 @@ def load_hook_z(path, *, dtype=jnp.float32):
     SAEError: ``sae_file_missing``, ``sae_config_invalid``, ``sae_weights_invalid``.
   """
   file = Path(path)
-  cfg_file = Path(str(file).split(".pt")[0] + "_cfg.json")
+  cfg_file = file.with_name(file.name.split(".pt")[0] + "_cfg.json")  # as SAELens names it
   for f in (file, cfg_file):
     if not f.is_file():
       raise _missing(f, f.name, "the .pt file and the _cfg.json beside it")
