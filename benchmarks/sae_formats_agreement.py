@@ -108,18 +108,22 @@ def sparsify_cases(tmp: Path):
     FAILED.append("sparsify groupmax refused")
   except jsae.SAEError as error:
     print(f"ok   sparsify groupmax refused: {error.fields['code']} field={error.fields['field']}")
-  # SAELens 6.54.12's own sparsify_disk_loader on a sparsify 1.3.3 directory (for the record).
-  try:
-    from sae_lens.loading.pretrained_sae_loaders import sparsify_disk_loader
+  # SAELens 6.54.12's own sparsify reader on a sparsify 1.3.3 directory (for the record).
+  from sae_lens import SAE
+  from sae_lens.loading.pretrained_sae_loaders import sparsify_disk_loader
 
-    cfg_dict, state = sparsify_disk_loader(tmp / "sparsify_False_False" / "layers.3")
-    print(
-      "note SAELens sparsify_disk_loader on sparsify 1.3.3's file: W_dec "
-      f"{tuple(state['W_dec'].shape)} (SAELens's W_dec is (d_sae, d_in) = ({n}, {d_in})), "
-      f"apply_b_dec_to_input={cfg_dict['apply_b_dec_to_input']} (sparsify subtracts b_dec)"
-    )
-  except Exception as error:  # noqa: BLE001 (a record, not a check)
-    print(f"note SAELens sparsify_disk_loader fails on it: {type(error).__name__}: {error}")
+  where = tmp / "sparsify_False_False" / "layers.3"
+  cfg_dict, state = sparsify_disk_loader(where)
+  print(
+    "note SAELens's sparsify_disk_loader on sparsify 1.3.3's directory: W_dec "
+    f"{tuple(state['W_dec'].shape)} (SAELens's is (d_sae, d_in) = ({n}, {d_in})), "
+    f"apply_b_dec_to_input={cfg_dict['apply_b_dec_to_input']} (sparsify subtracts b_dec)"
+  )
+  try:
+    SAE.load_from_disk(where, converter=sparsify_disk_loader)
+    print("note SAE.load_from_disk(converter=sparsify_disk_loader) reads it")
+  except RuntimeError as error:
+    print(f"note SAE.load_from_disk(converter=sparsify_disk_loader) fails: {str(error)[:160]!r}")
 
 
 # -- dictionary_learning ---------------------------------------------------------------------
