@@ -673,3 +673,91 @@ def test_bad_interventions_are_refused_with_a_typed_error(llama):
     circuits.feature_intervention_generate(
       model, variables, TOKENS, tcs, [(0, 1, 0, 1.0)], 2, prefill=None
     )
+
+
+def _largest_edges(graph, n):
+  sl = graph.node_slices()
+  sub = np.abs(graph.adjacency[:, : sl["tokens"].stop])
+  sub[sl["errors"].start : sl["tokens"].stop] = 0  # no incoming edges
+  idx = np.argsort(-sub.ravel(), kind="stable")[:n]
+  return np.stack(np.unravel_index(idx, sub.shape), 1)
+
+
+def test_head_loadings_split_each_edge_into_its_first_attention_heads():
+  # Gemma: post-norms and GQA. The parts (no attention, one per first head) sum to the edge;
+  # a path that changes position crosses a head; no head before its source's MLP (or at its
+  # layer) or after its target's MLP input carries it.
+  _, model, variables, tcs, graph, lr = _build("gemma")
+  sl = graph.node_slices()
+  edges = _largest_edges(graph, 8)
+  first_token = sl["tokens"].start
+  layer0 = [
+    k for k in range(graph.n_features) if graph.active_features[graph.selected_features[k]][0] == 0
+  ]
+  edges = np.concatenate([edges, [[layer0[-1], first_token]]])  # token 0 -> a layer-0 feature
+  hl = circuits.head_loadings(model, variables, TOKENS, tcs, graph, edges, local=lr)
+  scale = np.abs(graph.adjacency).max()
+  np.testing.assert_allclose(
+    hl.total, graph.adjacency[edges[:, 0], edges[:, 1]], atol=1e-12 * scale
+  )
+  np.testing.assert_allclose(hl.residual + hl.heads.sum((1, 2)), hl.total, atol=1e-12 * scale)
+  assert np.abs(hl.heads).max() > 1e-2 * scale
+
+  def where(node):  # (layer of the write or read, position); tokens write before layer 0
+    if node < sl["features"].stop:
+      layer, pos, _ = graph.active_features[graph.selected_features[node]]
+      return int(layer), int(pos)
+    if node < sl["errors"].stop:
+      e = node - sl["errors"].start
+      return e // graph.n_pos, e % graph.n_pos
+    if node < sl["tokens"].stop:
+      return -1, node - sl["tokens"].start
+    return L, graph.n_pos - 1
+
+  for r, (target, source) in enumerate(edges):
+    (ls, ps), (lt, pt) = where(source), where(target)
+    if ps != pt:
+      assert hl.residual[r] == 0.0
+    assert np.abs(hl.heads[r, : ls + 1]).max(initial=0.0) == 0.0
+    assert np.abs(hl.heads[r, lt + 1 :]).max(initial=0.0) == 0.0
+  # token 0 -> a layer-0 feature at a later position: only layer 0's heads carry it
+  assert where(int(edges[-1, 0]))[1] > 0
+  np.testing.assert_allclose(hl.heads[-1, 0].sum(), hl.total[-1], atol=1e-12 * scale)
+
+
+def test_qk_attribution_splits_a_score_into_query_and_key_side_nodes(llama):
+  # q . k of a head is bilinear in the nodes: the parts sum to the model's own score, and
+  # removing a node (its feature set to 0 in the constrained intervention) moves the query and
+  # the key by exactly its parts.
+  import jaxlens as jl
+
+  _, model, variables, tcs, graph, lr = llama
+  layer, head, qp, kp = 1, 3, 4, 2
+  qa = circuits.qk_attribution(model, variables, TOKENS, tcs, graph, layer, head, qp, kp, local=lr)
+  score = jl.trace(model, variables, TOKENS[None], save=jl.module(f"blocks_{layer}/attn/scores"))
+  model_score = score[f"blocks_{layer}/attn/scores"].out[0, head, qp, kp] * (D // 4) ** 0.5
+  np.testing.assert_allclose(qa.score, model_score, rtol=1e-12)
+  for total in (qa.query_side.sum(), qa.key_side.sum(), qa.pairs().sum()):
+    np.testing.assert_allclose(total, qa.score, rtol=1e-12)
+  feats = graph.active_features[graph.selected_features]
+  # layer-0 features at the query's and at the key's position: one reaches only the query,
+  # the other only the key (layer 1's attention comes after its query and key)
+  ks = [int(np.flatnonzero((feats[:, 0] == 0) & (feats[:, 1] == p))[0]) for p in (qp, kp)]
+  assert np.abs(qa.queries[ks[0]]).max() > 1e-3 and np.abs(qa.keys[ks[1]]).max() > 1e-3
+  assert not qa.keys[ks[0]].any() and not qa.queries[ks[1]].any()
+  ivs = [(int(feats[k, 0]), int(feats[k, 1]), int(feats[k, 2]), 0.0) for k in ks]
+  out = circuits.feature_intervention(
+    model, variables, TOKENS, tcs, ivs, constrained_layers=range(L)
+  )
+  sites = [jl.module(f"blocks_{layer}/attn/q"), jl.module(f"blocks_{layer}/attn/k")]
+  t = jl.trace(model, variables, TOKENS[None], intervene=out.spec, save=sites)
+  q = t[f"blocks_{layer}/attn/q"].out[0, qp, head]
+  kv = t[f"blocks_{layer}/attn/k"].out[0, kp, head // 2]
+  q0, k0 = qa.queries.sum(0), qa.keys.sum(0)
+  np.testing.assert_allclose(q, q0 - qa.queries[ks].sum(0), atol=1e-12)
+  np.testing.assert_allclose(kv, k0 - qa.keys[ks].sum(0), atol=1e-12)
+  with pytest.raises(circuits.CircuitError, match="head=4 is outside") as e:
+    circuits.qk_attribution(model, variables, TOKENS, tcs, graph, 1, 4, 0, 0, local=lr)
+  assert e.value.code == "index_out_of_range"
+  with pytest.raises(circuits.CircuitError, match="error or token node"):
+    circuits.head_loadings(model, variables, TOKENS, tcs, graph, [[graph.n_features, 0]])

@@ -10,6 +10,8 @@
 * :func:`feature_intervention`, :func:`feature_intervention_generate`,
   :func:`intervention_spec`: set or scale features and rerun or generate (circuit-tracer's
   semantics), as an ordinary jaxlens spec.
+* :func:`head_loadings`, :func:`qk_attribution`: each edge split into the attention heads
+  that carry it, and an attention score split over query-side and key-side nodes.
 * :func:`save_graph` / :func:`load_graph` (safetensors + JSON), :func:`to_neuronpedia_json`;
   :func:`load_circuit_tracer` reads circuit-tracer's transcoder files.
 
@@ -31,6 +33,10 @@ from jaxlens.circuits._freeze import Recording as Recording
 from jaxlens.circuits._freeze import frozen_forward as frozen_forward
 from jaxlens.circuits._freeze import record as record
 from jaxlens.circuits._freeze import stop_gradient_freeze as stop_gradient_freeze
+from jaxlens.circuits._heads import HeadLoadings as HeadLoadings
+from jaxlens.circuits._heads import QKAttribution as QKAttribution
+from jaxlens.circuits._heads import head_loadings as head_loadings
+from jaxlens.circuits._heads import qk_attribution as qk_attribution
 from jaxlens.circuits._intervene import Intervened as Intervened
 from jaxlens.circuits._intervene import Scale as Scale
 from jaxlens.circuits._intervene import feature_intervention as feature_intervention
@@ -46,9 +52,11 @@ from jaxlens.circuits._prune import prune as prune
 __all__ = [
   "CircuitError",
   "Graph",
+  "HeadLoadings",
   "Intervened",
   "LocalReplacement",
   "PruneResult",
+  "QKAttribution",
   "Recording",
   "Replacement",
   "Scale",
@@ -58,11 +66,13 @@ __all__ = [
   "find_threshold",
   "frozen_forward",
   "graph_scores",
+  "head_loadings",
   "intervention_spec",
   "load_circuit_tracer",
   "load_graph",
   "local_replacement",
   "prune",
+  "qk_attribution",
   "record",
   "replacement",
   "save_graph",
