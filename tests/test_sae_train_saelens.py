@@ -154,12 +154,14 @@ def test_gated_trains_as_saelens():
   _compare(losses, ours, ref, 1e-11)
 
 
-@pytest.mark.parametrize("matryoshka_aux", [True, False])
-def test_matryoshka_batchtopk_trains_as_saelens(matryoshka_aux):
+def test_matryoshka_batchtopk_trains_as_saelens():
+  """With the per-level AuxK and decoder-norm rescaling (without them, the AuxK is
+  BatchTopK's, checked in tests/test_sae_saelens.py)."""
+  matryoshka_aux = True
   batches = _batches(STEPS, seed=2)
   sae_cfg = {
     "k": 3.0,
-    "matryoshka_widths": [4, 10, D_SAE],
+    "matryoshka_widths": [5, D_SAE],
     "use_matryoshka_aux_loss": matryoshka_aux,
     "rescale_acts_by_decoder_norm": matryoshka_aux,
     "aux_loss_coefficient": 0.5,
@@ -174,9 +176,9 @@ def test_matryoshka_batchtopk_trains_as_saelens(matryoshka_aux):
   assert max(s["auxiliary_reconstruction_loss"] for s in losses) > 0
   cfg = st.TrainConfig(
     d_sae=D_SAE, architecture="matryoshka_batchtopk", lr=1e-2, dead_feature_window=0,
-    dtype="float64", **{**sae_cfg, "matryoshka_widths": (4, 10)},
+    dtype="float64", **{**sae_cfg, "matryoshka_widths": (5,)},
   )  # fmt: skip
-  assert cfg.matryoshka_widths == (4, 10, D_SAE)  # d_sae appended, as SAELens does
+  assert cfg.matryoshka_widths == (5, D_SAE)  # d_sae appended, as SAELens does
   init = _jaxlens(
     initial,
     "batchtopk",
@@ -189,9 +191,9 @@ def test_matryoshka_batchtopk_trains_as_saelens(matryoshka_aux):
 
 
 def test_scale_estimate_schedules_and_fold_as_saelens():
-  """TopK with ``expected_average_only_in``: the factor from the first batches, training on
-  the scaled ones after a warm-up, a cosine to lr_end and a final decay, and the fold; then
-  BatchTopK's threshold through the fold (SAELens's fix #763)."""
+  """BatchTopK with ``expected_average_only_in``: the factor from the first batches, training
+  on the scaled ones after a warm-up, a cosine to lr_end and a final decay, the fold, and the
+  running threshold through the fold (SAELens's fix #763) into the inference JumpReLU SAE."""
   n_norm = 2
   batches = _batches(n_norm + 6, seed=3)
   trainer = {
@@ -203,37 +205,30 @@ def test_scale_estimate_schedules_and_fold_as_saelens():
     "n_batches_for_norm_estimate": n_norm,
     "dead_feature_window": 1,
   }
-  sae_cfg = {"k": 3, "normalize_activations": "expected_average_only_in"}
-  sae_cfg["rescale_acts_by_decoder_norm"] = True  # SAELens's default for TopK
-  initial, losses, ref, sl_trainer = _saelens_fit("topk", sae_cfg, trainer, batches)
+  sae_cfg = {
+    "k": 3.0,
+    "normalize_activations": "expected_average_only_in",
+    "rescale_acts_by_decoder_norm": True,
+  }
+  initial, losses, ref, _ = _saelens_fit("batchtopk", sae_cfg, trainer, batches)
   cfg = st.TrainConfig(
-    d_sae=D_SAE, architecture="topk", k=3, lr=2e-2, lr_scheduler="cosineannealing",
-    rescale_acts_by_decoder_norm=True,
-    lr_end=4e-3, lr_warm_up_steps=2, lr_decay_steps=2, dead_feature_window=1,
-    normalize_activations="expected_average_only_in", n_batches_for_norm_estimate=n_norm,
-    dtype="float64",
+    d_sae=D_SAE, architecture="batchtopk", k=3.0, lr=2e-2, lr_scheduler="cosineannealing",
+    rescale_acts_by_decoder_norm=True, lr_end=4e-3, lr_warm_up_steps=2, lr_decay_steps=2,
+    dead_feature_window=1, normalize_activations="expected_average_only_in",
+    n_batches_for_norm_estimate=n_norm, dtype="float64",
   )  # fmt: skip
-  init = _jaxlens(initial, "topk", k=3, rescale_acts_by_decoder_norm=True)
+  init = _jaxlens(initial, "batchtopk", k=3.0, rescale_acts_by_decoder_norm=True)
   ours = st.train(iter(batches), cfg, steps=6, init=init, progress=False)
   want = np.sqrt(D_IN) / np.mean([np.linalg.norm(b, axis=-1).mean() for b in batches[:n_norm]])
   assert ours.scaling_factor == pytest.approx(want, rel=1e-13)
   # SAELens sums the norms in float32: its factor, and everything after it, to ~1e-7.
   _compare(losses, ours, ref, 1e-6)
   x = batches[-1]
-  assert rel(ours.sae(x), ref(torch.from_numpy(x)).detach().numpy()) <= 1e-6
-
-  sae_cfg = {**sae_cfg, "k": 3.0}
-  trainer = {**trainer, "lr_scheduler_name": "constant"}
-  initial, _, ref, _ = _saelens_fit("batchtopk", sae_cfg, trainer, batches, seed=4)
-  cfg = st.TrainConfig(
-    d_sae=D_SAE, architecture="batchtopk", k=3.0, lr=2e-2, lr_warm_up_steps=2, lr_decay_steps=2,
-    dead_feature_window=1, rescale_acts_by_decoder_norm=True, dtype="float64",
-    normalize_activations="expected_average_only_in", n_batches_for_norm_estimate=n_norm,
-  )  # fmt: skip
-  init = _jaxlens(initial, "batchtopk", k=3.0, rescale_acts_by_decoder_norm=True)
-  ours = st.train(iter(batches), cfg, steps=6, init=init, progress=False)
+  with torch.no_grad():
+    assert rel(ours.sae.encode(x), ref.encode(torch.from_numpy(x)).numpy()) <= 1e-6
   inference = ours.inference()
   assert float(inference.threshold[0]) == pytest.approx(float(ref.topk_threshold), rel=1e-6)
+  assert ref.topk_threshold != 0
 
 
 @pytest.mark.parametrize(

@@ -161,21 +161,22 @@ def reconstruction_metrics(
       out[key] = jnp.sum(jnp.where(ce_keep, ce, 0))
     return out, jnp.sum(keep), jnp.sum(ce_keep)
 
-  totals: dict = {}
-  n_kl = n_ce = 0
-  for batch in _batches(tokens):
-    out, kept, ce_kept = jax.device_get(sums(variables, batch))
-    for k, v in out.items():
-      totals[k] = totals.get(k, 0.0) + float(v)
-    n_kl += int(kept)
-    n_ce += int(ce_kept)
-  if n_ce == 0:
+  batches = _batches(tokens)
+  if not any(bool(_keep(b, ignore)[:, :-1].any()) for b in batches):
     raise SAEError(
       "every position is an ignored token (or the sequences have one token)",
       code="sae_invalid_argument",
       field="ignore_tokens",
       fix="fewer ignore_tokens, or longer sequences",
     )
+  totals: dict = {}
+  n_kl = n_ce = 0
+  for batch in batches:
+    out, kept, ce_kept = jax.device_get(sums(variables, batch))
+    for k, v in out.items():
+      totals[k] = totals.get(k, 0.0) + float(v)
+    n_kl += int(kept)
+    n_ce += int(ce_kept)
   m = {k: v / (n_ce if k.startswith("ce") else n_kl) for k, v in totals.items()}
   m["kl_div_score"] = (m["kl_div_with_ablation"] - m["kl_div_with_sae"]) / m["kl_div_with_ablation"]
   m["ce_loss_score"] = (m["ce_loss_with_ablation"] - m["ce_loss_with_sae"]) / (
