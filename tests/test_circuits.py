@@ -761,3 +761,83 @@ def test_qk_attribution_splits_a_score_into_query_and_key_side_nodes(llama):
   assert e.value.code == "index_out_of_range"
   with pytest.raises(circuits.CircuitError, match="error or token node"):
     circuits.head_loadings(model, variables, TOKENS, tcs, graph, [[graph.n_features, 0]])
+
+
+_GRAPH_PROBE = """<script>
+window.addEventListener("load", () => {
+  const box = (e) => e.getBoundingClientRect();
+  const nodes = [...document.querySelectorAll("circle.node")];
+  const seen = nodes.filter((e) => box(e).width > 0);
+  const y = (kind) => nodes.filter((e) => e.dataset.kind === kind).map((e) => box(e).top);
+  const edges = [...document.querySelectorAll("line.edge")].filter((e) => box(e).width + box(e).height > 0);
+  const out = document.createElement("pre");
+  out.id = "probe";
+  out.textContent = JSON.stringify({
+    nodes: seen.length, edges: edges.length,
+    token_top: Math.min(...y("token")), logit_bottom: Math.max(...y("logit")),
+  });
+  document.body.appendChild(out);
+});
+</script></body>"""
+
+
+def _chromium():
+  import shutil
+
+  return next(
+    (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)),
+    None,
+  )
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no Chromium on this machine")
+def test_graph_html_renders_the_pruned_graph_in_headless_chromium(gpt2, tmp_path):
+  import json
+  import re
+  import subprocess
+
+  graph = gpt2[4]
+  kept = circuits.prune(graph)
+  page = circuits.graph_html(graph, tmp_path / "g.html", pruned=kept, token_strings=list("abcde"))
+  assert (tmp_path / "g.html").read_text() == page and "<script" not in page
+  probe = tmp_path / "probe.html"
+  probe.write_text(page.replace("</body>", _GRAPH_PROBE))
+  out = subprocess.run(
+    [
+      _chromium(),
+      "--headless",
+      "--no-sandbox",
+      "--disable-gpu",
+      "--no-first-run",
+      f"--user-data-dir={tmp_path / 'profile'}",
+      "--virtual-time-budget=10000",
+      "--dump-dom",
+      probe.as_uri(),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=180,
+    check=False,
+  )
+  m = re.search(r'<pre id="probe">(.*?)</pre>', out.stdout, re.DOTALL)
+  assert m, out.stdout[-2000:] + out.stderr[-2000:]
+  got = json.loads(m.group(1))
+  n_edges = int((kept.edge_mask & (graph.adjacency != 0)).sum())
+  assert got["nodes"] == int(kept.node_mask.sum()) and got["edges"] == n_edges > 0
+  assert got["logit_bottom"] < got["token_top"]  # logits drawn above the tokens
+
+
+def test_plot_graph_draws_the_kept_nodes_and_edges(gpt2, tmp_path):
+  graph = gpt2[4]
+  kept = circuits.prune(graph)
+  fig = circuits.plot_graph(graph, tmp_path / "g.png", pruned=kept)
+  ax = fig.axes[0]
+  assert sum(len(c.get_offsets()) for c in ax.collections[1:]) == int(kept.node_mask.sum())
+  assert len(ax.collections[0].get_segments()) == int(
+    (kept.edge_mask & (graph.adjacency != 0)).sum()
+  )
+  assert (tmp_path / "g.png").stat().st_size > 1000
+  with pytest.raises(circuits.CircuitError, match="pruning masks are for a graph of"):
+    circuits.graph_html(
+      graph, pruned=circuits.PruneResult(kept.node_mask[:3], kept.edge_mask, kept.cumulative_scores)
+    )

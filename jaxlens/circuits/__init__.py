@@ -12,6 +12,8 @@
   semantics), as an ordinary jaxlens spec.
 * :func:`head_loadings`, :func:`qk_attribution`: each edge split into the attention heads
   that carry it, and an attention score split over query-side and key-side nodes.
+* :func:`graph_html`, :func:`plot_graph`: the pruned graph as a self-contained HTML page
+  (inline SVG) and as a static matplotlib figure.
 * :func:`save_graph` / :func:`load_graph` (safetensors + JSON), :func:`to_neuronpedia_json`;
   :func:`load_circuit_tracer` reads circuit-tracer's transcoder files.
 
@@ -45,6 +47,10 @@ from jaxlens.circuits._intervene import (
 )
 from jaxlens.circuits._intervene import intervention_spec as intervention_spec
 from jaxlens.circuits._prune import PruneResult as PruneResult
+from jaxlens.circuits._view import GraphLayout as GraphLayout
+from jaxlens.circuits._view import graph_html as graph_html
+from jaxlens.circuits._view import graph_layout as graph_layout
+from jaxlens.circuits._view import plot_graph as plot_graph
 from jaxlens.circuits._prune import find_threshold as find_threshold
 from jaxlens.circuits._prune import graph_scores as graph_scores
 from jaxlens.circuits._prune import prune as prune
@@ -52,6 +58,7 @@ from jaxlens.circuits._prune import prune as prune
 __all__ = [
   "CircuitError",
   "Graph",
+  "GraphLayout",
   "HeadLoadings",
   "Intervened",
   "LocalReplacement",
@@ -65,12 +72,15 @@ __all__ = [
   "feature_intervention_generate",
   "find_threshold",
   "frozen_forward",
+  "graph_html",
+  "graph_layout",
   "graph_scores",
   "head_loadings",
   "intervention_spec",
   "load_circuit_tracer",
   "load_graph",
   "local_replacement",
+  "plot_graph",
   "prune",
   "qk_attribution",
   "record",
