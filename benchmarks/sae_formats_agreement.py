@@ -14,6 +14,9 @@ which this script does not use, so a stand-in module is put in its place)::
   pip install --no-deps --target /tmp/h4/dl dictionary-learning==0.1.0
   PYTHONPATH=/tmp/h4/sp:/tmp/h4/dl python benchmarks/sae_formats_agreement.py
 
+Gemma Scope 2's cross-layer transcoders are checked against circuit-tracer 0.5.0's loader
+through benchmarks/sae_formats_agreement_ct.py, run first in circuit-tracer's environment.
+
 Prints one line per case and exits non-zero if any differs by more than 1e-5 (float32).
 """
 
@@ -461,6 +464,23 @@ def hook_z_case(tmp: Path):
   )
 
 
+def gemma_scope_2_clt_case():
+  """Against circuit-tracer's load_gemma_scope_2_clt, through sae_formats_agreement_ct.py."""
+  exchange = Path("/tmp/ct_gs2/exchange.npz")
+  if not exchange.is_file():
+    print("skip Gemma Scope 2 CLT: run benchmarks/sae_formats_agreement_ct.py in venv-ct first")
+    return
+  data = np.load(exchange)
+  ours = jsae.load_gemma_scope_clt(exchange.parent)
+  report(
+    f"Gemma Scope 2 CLT ({ours.n_layers} layers, circuit-tracer's loader)",
+    ours.encode(data["x"]),
+    data["acts"],
+    ours(data["x"]),
+    data["out"],
+  )
+
+
 def main():
   with tempfile.TemporaryDirectory() as tmp:
     tmp = Path(tmp)
@@ -469,6 +489,7 @@ def main():
     llama_scope_case(tmp)
     gemma_scope_2_cases(tmp)
     hook_z_case(tmp)
+  gemma_scope_2_clt_case()
   print("FAILED: " + ", ".join(FAILED) if FAILED else "all agree")
   return 1 if FAILED else 0
 

@@ -419,6 +419,45 @@ def test_gemma_scope_refusals(tmp_path):
     assert field(info) == ("sae_weights_invalid", "cut.npz")
 
 
+def test_gemma_scope_2_cross_layer_transcoder(tmp_path):
+  n, xs = 3, RNG.normal(size=(3, 4, D)).astype(np.float32)
+  files = []
+  for i in range(n):
+    w_dec = rand(F, n, D)
+    w_dec[:, :i] = 0  # layer i writes to layers i..n-1
+    w = {"w_enc": rand(D, F), "w_dec": w_dec, "b_enc": rand(F), "b_dec": rand(D)}
+    w["threshold"] = np.abs(rand(F, scale=0.2))
+    save_file(w, str(tmp_path / f"layer_{i}_width_16k.safetensors"))
+    files.append(w)
+  clt = jsae.load_gemma_scope_clt(tmp_path)
+  assert isinstance(clt, jsae.CrossLayerTranscoder) and clt.n_layers == n
+  acts = []
+  for i, w in enumerate(files):  # circuit-tracer's encode: x * (x > threshold) per layer
+    pre = xs[i] @ w["w_enc"] + w["b_enc"]
+    acts.append(pre * (pre > w["threshold"]))
+  out = [files[j]["b_dec"] + sum(acts[i] @ files[i]["w_dec"][:, j] for i in range(j + 1))
+         for j in range(n)]  # fmt: skip
+  close(clt.encode(xs), np.stack(acts))
+  close(clt(xs), np.stack(out))
+  # a layer writing to an earlier one, an affine skip, a missing layer: refused
+  bad = dict(files[2], w_dec=rand(F, n, D))
+  save_file(bad, str(tmp_path / "layer_2_width_16k.safetensors"))
+  with pytest.raises(jsae.SAEError) as info:
+    jsae.load_gemma_scope_clt(tmp_path)
+  assert field(info) == ("sae_weights_invalid", "w_dec")
+  save_file(
+    dict(files[2], affine_skip_connection=rand(D, D)),
+    str(tmp_path / "layer_2_width_16k.safetensors"),
+  )
+  with pytest.raises(jsae.SAEError) as info:
+    jsae.load_gemma_scope_clt(tmp_path)
+  assert field(info) == ("sae_architecture_unsupported", "affine_skip_connection")
+  (tmp_path / "layer_1_width_16k.safetensors").unlink()
+  with pytest.raises(jsae.SAEError) as info:
+    jsae.load_gemma_scope_clt(tmp_path)
+  assert field(info) == ("sae_file_missing", "layer_1")
+
+
 # -- connor-rob hook_z, circuit-tracer, sites -------------------------------------------------
 
 

@@ -5,9 +5,10 @@
   ``encode``, ``decode`` and ``__call__`` are pure functions.
 * Files: :func:`load_saelens` / :func:`save_saelens` (SAELens's directory format, both
   ways), :func:`load_gemma_scope` / :func:`save_gemma_scope` (Gemma Scope and Gemma Scope
-  2), :func:`load_sparsify` / :func:`save_sparsify` (EleutherAI sparsify),
-  :func:`load_dictionary_learning`, :func:`load_llama_scope` / :func:`save_llama_scope`,
-  :func:`load_hook_z` (connor-rob's attention SAEs),
+  2), :func:`load_gemma_scope_clt` (its cross-layer transcoders), :func:`load_sparsify` /
+  :func:`save_sparsify` (EleutherAI sparsify), :func:`load_dictionary_learning`,
+  :func:`load_llama_scope` / :func:`save_llama_scope`, :func:`load_hook_z` (connor-rob's
+  attention SAEs),
   :func:`load_circuit_tracer` (as :mod:`jaxlens.circuits` reads them); :func:`zoo_site`.
 * :func:`splice` puts a dictionary at a site of a model (a cross-layer transcoder at every
   layer's MLP, sites ``<mlp>/clt/acts``); its features become the sites
@@ -29,6 +30,7 @@ from jaxlens.sae._files import load_saelens as load_saelens
 from jaxlens.sae._files import save_saelens as save_saelens
 from jaxlens.sae._formats import load_circuit_tracer as load_circuit_tracer
 from jaxlens.sae._formats import load_dictionary_learning as load_dictionary_learning
+from jaxlens.sae._formats import load_gemma_scope_clt as load_gemma_scope_clt
 from jaxlens.sae._formats import load_hook_z as load_hook_z
 from jaxlens.sae._formats import load_llama_scope as load_llama_scope
 from jaxlens.sae._formats import load_sparsify as load_sparsify
@@ -46,6 +48,7 @@ __all__ = [
   "load_circuit_tracer",
   "load_dictionary_learning",
   "load_gemma_scope",
+  "load_gemma_scope_clt",
   "load_hook_z",
   "load_llama_scope",
   "load_saelens",

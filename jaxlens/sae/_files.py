@@ -488,7 +488,7 @@ def load_gemma_scope(path, *, dtype=jnp.float32, apply_b_dec_to_input: bool = Fa
       "a cross-layer transcoder's layer, which writes to several layers",
       code="sae_weights_invalid",
       field="W_dec",
-      fix="a per-layer SAE or transcoder file (jaxlens.sae.CrossLayerTranscoder holds a CLT)",
+      fix="sae.load_gemma_scope_clt(the directory of its per-layer files)",
     )
   for name in ("W_enc", "W_dec", "b_enc", "b_dec", "threshold"):
     if name in tensors:

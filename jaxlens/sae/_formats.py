@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlens.internal import json_loads, require
-from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder
+from jaxlens.sae._dictionaries import SAE, CrossLayerTranscoder, SAEError, Transcoder
 from jaxlens.sae._files import _dtype, _read_tensors, _require_finite, _safetensors
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
   "load_llama_scope",
   "save_llama_scope",
   "save_gemma_scope",
+  "load_gemma_scope_clt",
   "load_hook_z",
   "load_circuit_tracer",
 ]
@@ -816,6 +817,112 @@ def save_gemma_scope(sae, path, *, model_name=None) -> Path:
     "config.json": json.dumps(cfg, indent=2).encode(),
   }
   return _write_dir(Path(path), "params.safetensors", files, "Gemma Scope dictionary")
+
+
+def load_gemma_scope_clt(path, *, dtype=jnp.float32) -> CrossLayerTranscoder:
+  """Reads a Gemma Scope 2 cross-layer transcoder: one ``.safetensors`` file per layer (a
+  directory of files named ``..layer_{i}..``, or a list of them in layer order), each with
+  ``w_enc (d_in, d_sae)``, ``w_dec (d_sae, n_layers, d_out)``, ``b_enc``, ``b_dec (d_out,)``
+  and ``threshold``, as circuit-tracer's ``load_gemma_scope_2_clt`` reads them: layer ``i``'s
+  features write to layers ``i..n-1`` (``w_dec[:, i:]``).
+
+  Returns:
+    A JumpReLU :class:`CrossLayerTranscoder`.
+
+  Raises:
+    SAEError: ``sae_file_missing``, ``sae_weights_invalid`` (a missing or misshapen tensor;
+      a layer whose ``w_dec`` writes to an earlier layer, which no cross-layer transcoder
+      does; a negative threshold), ``sae_architecture_unsupported`` (an
+      ``affine_skip_connection``: jaxlens's cross-layer transcoder has no skip term), each
+      naming the field.
+  """
+  if isinstance(path, (list, tuple)):
+    files = [Path(p) for p in path]
+  else:
+    root = Path(path)
+    found = {}
+    for file in root.glob("*.safetensors") if root.is_dir() else ():
+      match = re.search(r"layer_(\d+)", file.name)
+      if match:
+        found[int(match.group(1))] = file
+    if not found or sorted(found) != list(range(len(found))):
+      gap = min(set(range(len(found) + 1)) - set(found))
+      raise SAEError(
+        f"{root} has no file for layer {gap} (found layers {sorted(found)})",
+        code="sae_file_missing",
+        field=f"layer_{gap}",
+        fix="the directory of one Gemma Scope 2 cross-layer transcoder, or a list of its files",
+      )
+    files = [found[i] for i in range(len(found))]
+  for file in files:
+    if not file.is_file():
+      raise _missing(file, file.name, "the per-layer .safetensors files, in layer order")
+  n = len(files)
+  layers = []
+  for i, file in enumerate(files):
+    t = {k: np.asarray(v, np.float64) for k, v in _read_tensors(file).items()}
+    fix = "the per-layer file of a Gemma Scope 2 cross-layer transcoder"
+    if "affine_skip_connection" in t:
+      raise SAEError(
+        f"{file}: an affine_skip_connection, which jaxlens's CrossLayerTranscoder does not have",
+        code="sae_architecture_unsupported",
+        field="affine_skip_connection",
+        fix="a cross-layer transcoder without the affine skip connection",
+      )
+    if "w_enc" not in t or np.ndim(t["w_enc"]) != 2:
+      _take(t, "w_enc", ("d_in", "d_sae"), file, fix)
+    d_in, d_sae = t["w_enc"].shape
+    if "w_dec" not in t or np.ndim(t["w_dec"]) != 3:
+      _take(t, "w_dec", (d_sae, n, "d_out"), file, fix)
+    d_out = t["w_dec"].shape[-1]
+    w_dec = _take(t, "w_dec", (d_sae, n, d_out), file, fix)
+    if np.any(w_dec[:, :i] != 0):
+      raise SAEError(
+        f"{file}: layer {i}'s w_dec writes to earlier layers ({int((w_dec[:, :i] != 0).sum())} "
+        "nonzero entries)",
+        code="sae_weights_invalid",
+        field="w_dec",
+        fix="a cross-layer transcoder whose layer i writes to layers i..n-1",
+      )
+    threshold = _take(t, "threshold", (d_sae,), file, fix)
+    if (threshold < 0).any():
+      raise SAEError(
+        f"{file}: negative thresholds, which jaxlens's JumpReLU (relu(x) * (x > t)) does not "
+        "reproduce (circuit-tracer computes x * (x > t))",
+        code="sae_weights_invalid",
+        field="threshold",
+        fix="thresholds >= 0, as trained JumpReLU transcoders have",
+      )
+    layers.append(
+      dict(
+        W_enc=_take(t, "w_enc", (d_in, d_sae), file, fix),
+        b_enc=_take(t, "b_enc", (d_sae,), file, fix),
+        W_dec=np.transpose(w_dec[:, i:], (1, 0, 2)),
+        b_dec=_take(t, "b_dec", (d_out,), file, fix),
+        threshold=threshold,
+      )
+    )
+    if (d_in, d_sae, d_out) != (layers[0]["W_enc"].shape + (layers[0]["b_dec"].shape[0],)):
+      raise SAEError(
+        f"{file}: layer {i} is ({d_in}, {d_sae}, {d_out}), layer 0 "
+        f"{layers[0]['W_enc'].shape + layers[0]['b_dec'].shape}",
+        code="sae_weights_invalid",
+        field="w_enc",
+        fix="the files of one cross-layer transcoder",
+      )
+  target = _target(dtype)
+
+  def cast(a):
+    return jnp.asarray(np.asarray(a, np.float64).astype(target))
+
+  return CrossLayerTranscoder(
+    W_enc=cast(np.stack([lay["W_enc"] for lay in layers])),
+    b_enc=cast(np.stack([lay["b_enc"] for lay in layers])),
+    W_dec=tuple(cast(lay["W_dec"]) for lay in layers),
+    b_dec=cast(np.stack([lay["b_dec"] for lay in layers])),
+    threshold=cast(np.stack([lay["threshold"] for lay in layers])),
+    activation="jumprelu",
+  )
 
 
 # -- connor-rob hook_z SAEs --------------------------------------------------------------------
