@@ -453,7 +453,8 @@ def feature_intervention(
     >>> import jax, jax.numpy as jnp
     >>> from jaxlens import circuits, sae
     >>> from jaxlens.models import Llama, LlamaConfig
-    >>> model = Llama(LlamaConfig(vocab_size=29, d_model=8, n_layers=1, n_heads=2, d_mlp=12))
+    >>> config = LlamaConfig(vocab_size=29, d_model=8, n_layers=1, n_heads=2, n_kv_heads=2, d_mlp=12)
+    >>> model = Llama(config)
     >>> tokens = jnp.asarray([1, 4, 9], jnp.int32)
     >>> variables = model.init(jax.random.key(0), tokens[None])
     >>> tcs = [sae.Transcoder.init(jax.random.key(1), d_in=8, d_sae=16)]
