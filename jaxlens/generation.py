@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -303,10 +303,14 @@ def _check_scalars(temperature, seed, stop_tokens, pad_token):
       fix="seed=0",
       received=repr(seed),
     )
-  try:
-    tokens = [*stop_tokens, pad_token]
-  except TypeError:
-    tokens = [stop_tokens]
+  if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable):
+    raise InvalidArgumentError(
+      f"stop_tokens must be a sequence of token ids, got {type(stop_tokens).__name__}",
+      code="invalid_argument",
+      fix="stop_tokens=(eos_id,)",
+      received=repr(stop_tokens)[:80],
+    )
+  tokens = [*stop_tokens, pad_token]
   for t in tokens:
     if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < _INT32[1]:
       raise InvalidArgumentError(

@@ -95,6 +95,18 @@ class StoreError(JaxlensError, OSError):
   """
 
 
+def _as_path(path) -> Path:
+  try:
+    return Path(path)
+  except TypeError:
+    raise StoreError(
+      f"a store path must be a str or os.PathLike, got {type(path).__name__}",
+      code="store_path_invalid",
+      path=repr(path)[:80],
+      fix="path='acts/layer_3' (a directory)",
+    ) from None
+
+
 def _shard(root: Path, i: int) -> Path:
   return root / f"shard_{i:06d}.safetensors"
 
@@ -461,10 +473,24 @@ def collect(
     StoreError: ``store_path_invalid``, ``store_not_empty``, ``store_mismatch``,
       ``store_locked`` (another collection is writing into ``path``), ``disk_full``.
   """
-  root = Path(path)
+  root = _as_path(path)
   selectors = _selectors(sites)
   if num_batches is None and isinstance(batches, Sized):
     num_batches = len(batches)
+  for name, value, allowed in (
+    ("num_batches", num_batches, None),
+    ("max_pending", max_pending, ...),
+  ):
+    if (value is None and allowed is None) or (
+      isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+    ):
+      continue
+    raise InvalidArgumentError(
+      f"{name} must be a positive int{' or None' if allowed is None else ''}, got {value!r}",
+      code="invalid_argument",
+      fix=f"{name}={'None' if allowed is None else 2}",
+      received=repr(value),
+    )
 
   run = _runner(model, tuple(selectors), method, apply_kwargs)
   iterator = iter(batches)
@@ -569,7 +595,7 @@ class ActivationStore:
   """
 
   def __init__(self, path):
-    root = Path(path)
+    root = _as_path(path)
     if not (root / _META).is_file():
       raise StoreError(
         f"{root} is not an activation store (no {_META})",
@@ -707,9 +733,9 @@ class ActivationStore:
   def batch(self, i: int, label: str) -> np.ndarray:
     """The ``i``-th stored batch of a site."""
     self._check(label)
-    if not 0 <= i < self.num_batches:
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self.num_batches:
       raise StoreError(
-        f"batch {i} is out of range: the store holds {self.num_batches}",
+        f"batch {i!r} is not an index of the store's {self.num_batches} batches",
         code="index_out_of_range",
         path=str(self.path),
         fix=f"0 <= i < {self.num_batches}",
@@ -752,13 +778,30 @@ class ActivationStore:
     """
     single = isinstance(labels, str)
     names: list[str] = [labels] if isinstance(labels, str) else list(labels)
+    if not names:
+      raise InvalidArgumentError(
+        "batches needs at least one site label",
+        code="invalid_argument",
+        fix=f"batches({list(self.labels)[:1]!r}, ...)",
+      )
     for name in names:
       self._check(name)
-    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+    if batch_size is not None and (
+      isinstance(batch_size, bool)
+      or not isinstance(batch_size, (int, np.integer))
+      or batch_size < 1
+    ):
       raise InvalidArgumentError(
         f"batch_size must be a positive int, got {batch_size!r}",
         code="invalid_argument",
         fix="batch_size=4096",
+      )
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+      raise InvalidArgumentError(
+        f"seed must be a non-negative int, got {seed!r}",
+        code="invalid_seed",
+        fix="seed=0",
+        received=repr(seed),
       )
     rng = np.random.default_rng(seed)
     order = rng.permutation(self.num_batches) if shuffle else range(self.num_batches)

@@ -4,6 +4,7 @@ checkpoint directories (a real full disk, a real second process), non-finite bat
 arguments of ``jaxlens.train`` and ``jaxlens.sae.train``: each a result or a typed error."""
 
 import contextlib
+import dataclasses
 import os
 import resource
 import signal
@@ -192,6 +193,42 @@ def test_train_iit_refuses_bad_arguments(mlp, kw, match):
     _iit(mlp, kw.pop("batches"), **kw)
 
 
+def _labelled(label):
+  return [{**b, "label": label} for b in _batches(1)]
+
+
+@pytest.mark.parametrize(
+  "call, code, match",
+  [
+    (lambda m: _iit(m, _labelled(jnp.zeros(3, jnp.int32))), "shape_mismatch", r"shape \(4,\)"),
+    (lambda m: _iit(m, _labelled(jnp.zeros(4))), "shape_mismatch", "int class indices"),
+    (lambda m: _iit(m, _labelled(jnp.full(4, 3))), "index_out_of_range", r"in \[0, 3\)"),
+    (lambda m: _iit(m, _labelled(jnp.full(4, -1))), "index_out_of_range", "from -1 to -1"),
+    (lambda m: _iit(m, _batches(1), optimizer="adam"), "invalid_argument", "optax"),
+    (lambda m: _iit(m, _batches(1), readout=lambda out: None), "invalid_argument", "readout"),
+    (
+      lambda m: jt.train_iit(*m, "layers_0", jt.DAS(2), {}, _batches(1)),
+      "invalid_argument",
+      r"params lack \['rotation'\]",
+    ),
+    (lambda m: jt.iia(*m, "layers_0", jt.DAS(2), {}, []), "invalid_argument", "non-empty"),
+    (
+      lambda m: jt.iia(*m, "layers_0", jt.DAS(2), {}, [{"base": 1, "source": 1}]),
+      "invalid_argument",
+      r"lacks \['label'\]",
+    ),
+    (lambda m: jt.LoReFT(1).init(jax.random.key(0), -1), "invalid_argument", "positive int"),
+    (lambda m: _iit(m, _batches(1), checkpoint=5), "checkpoint_path_invalid", "must be a path"),
+  ],
+)
+def test_train_iit_and_iia_refuse_labels_optimisers_readouts_and_params_they_cannot_use(
+  mlp, call, code, match
+):
+  with pytest.raises(jl.JaxlensError, match=match) as info:
+    call(mlp)
+  assert info.value.code == code
+
+
 @pytest.mark.parametrize(
   "kw, code, match",
   [
@@ -203,14 +240,19 @@ def test_train_iit_refuses_bad_arguments(mlp, kw, match):
     ({"pairs": [([1, 2], [2**40])]}, "invalid_argument", r"pairs\[0\] holds a token id"),
     ({"pairs": [([1, -1], [2])]}, "invalid_argument", r"pairs\[0\] holds a token id"),
     ({"steps": 1, "log_every": 1}, None, "unexpected keyword"),
+    ({"pairs": [([[1, 2]], [3])]}, "invalid_argument", "not a flat list"),
+    ({"pad_token": 1.5}, "invalid_argument", "pad_token must be a token id"),
+    ({"pad_token": -1}, "invalid_argument", "pad_token must be a token id"),
+    ({"method": jt.DAS(1)}, "invalid_argument", "DAS interchanges with a source run"),
   ],
 )
 def test_train_reft_refuses_bad_arguments(kw, code, match):
   model = nn.Dense(3)
   kw = {"pairs": [([1, 2], [3])], "steps": 1, **kw}
   error = TypeError if code is None else jl.InvalidArgumentError
+  method = kw.pop("method", jt.LoReFT(1))
   with pytest.raises(error, match=match) as info:
-    jt.train_reft(model, {}, "x", jt.LoReFT(1), {}, kw.pop("pairs"), **kw)
+    jt.train_reft(model, {}, "x", method, {}, kw.pop("pairs"), **kw)
   if code is not None:
     assert info.value.code == code
 
@@ -351,11 +393,33 @@ def test_nonfinite_is_raise_or_skip(mlp, call):
       "sae_batch_invalid",
       "batch 1 has 7 features",
     ),
+    (lambda cfg: st.train(None, cfg, steps=2), "sae_batch_invalid", "iterable of batches"),
+    (lambda cfg: st.train(_rows(2), {"d_sae": 8}, steps=2), "sae_config_invalid", "TrainConfig"),
+    (
+      lambda cfg: st.train(_rows(2), dataclasses.replace(cfg, lr=float("nan")), steps=2),
+      "sae_config_invalid",
+      "lr: nan is not a finite number",
+    ),
+    (
+      lambda cfg: st.train(_rows(2), dataclasses.replace(cfg, grad_clip=0.0), steps=2),
+      "sae_config_invalid",
+      "grad_clip",
+    ),
+    (
+      lambda cfg: st.train(_rows(2), dataclasses.replace(cfg, seed=2**70), steps=2),
+      "sae_config_invalid",
+      r"seed: \d+ is not an int in \[0, 2\*\*32\)",
+    ),
+    (
+      lambda cfg: st.train(_rows(2), cfg, steps=2, checkpoint_dir=3),
+      "checkpoint_path_invalid",
+      "must be a path",
+    ),
   ],
 )
 def test_sae_train_refuses_bad_arguments(call, code, match):
   cfg = st.TrainConfig(d_sae=8, architecture="relu")
-  with pytest.raises(sae.SAEError, match=match) as info:
+  with pytest.raises(jl.JaxlensError, match=match) as info:
     call(cfg)
   assert info.value.code == code
 
@@ -411,6 +475,30 @@ def test_a_shard_missing_or_damaged_in_a_complete_store_is_found_and_recollected
     store.open(path)
 
 
+def test_store_arguments_are_checked_at_the_boundary(dense, tmp_path):
+  model, v = dense
+  s = _collect(dense, tmp_path / "acts")
+
+  def collect(path=tmp_path / "new", **kw):
+    return store.collect(model, v, _data(1), path, sites=["layers_0"], progress=False, **kw)
+
+  cases = [
+    (lambda: collect(max_pending=0), "invalid_argument", "max_pending must be a positive int"),
+    (lambda: collect(num_batches=-1), "invalid_argument", "num_batches must be a positive int"),
+    (lambda: collect(path=5), "store_path_invalid", "must be a str or os.PathLike"),
+    (lambda: store.open(5), "store_path_invalid", "must be a str or os.PathLike"),
+    (lambda: s.batch("0", "layers_0"), "index_out_of_range", "'0' is not an index"),
+    (lambda: next(s.batches([])), "invalid_argument", "at least one site label"),
+    (lambda: next(s.batches("layers_0", batch_size=True)), "invalid_argument", "batch_size"),
+    (lambda: next(s.batches("layers_0", shuffle=True, seed=-1)), "invalid_seed", "seed"),
+  ]
+  for call, code, match in cases:
+    with pytest.raises(jl.JaxlensError, match=match) as info:
+      call()
+    assert info.value.code == code
+  assert not (tmp_path / "new").exists()  # refused before anything was written
+
+
 # --------------------------------------------------------------------------------------------
 # Dictionary files: a damaged Gemma Scope npz, a SAELens cfg.json nested too deep.
 
@@ -463,6 +551,7 @@ def decoder():
     ({"seed": 2**64}, "invalid_seed", r"seed must be an int in \[0, 2\*\*32\)"),
     ({"seed": -1}, "invalid_seed", "seed must be an int"),
     ({"stop_tokens": (2**40,)}, "invalid_argument", "stop_tokens and pad_token"),
+    ({"stop_tokens": 3}, "invalid_argument", "stop_tokens must be a sequence of token ids"),
     ({"pad_token": -3}, "invalid_argument", "stop_tokens and pad_token"),
     ({"temperature": "hot"}, "invalid_argument", "temperature must be a number"),
     ({"max_new_tokens": True}, "invalid_argument", "max_new_tokens must be a positive int"),
@@ -481,8 +570,8 @@ def test_sweeps_refuse_a_metric_that_is_not_a_scalar_and_a_bad_batch_size(decode
   model, variables, tokens = decoder
   run = getattr(jl.sweep, sweep)
   corrupt = tokens.at[:, 0].set(5)
-  for metric in (lambda out: None, lambda out: (out.sum(), out.mean())):
-    match = "metric returned a (NoneType|tuple)|metric returned shape"
+  for metric in (lambda out: None, lambda out: (out.sum(), out.mean()), lambda out: "x"):
+    match = "metric returned a (NoneType|tuple|str)|metric returned shape"
     with pytest.raises(jl.ShapeError, match=match) as info:
       run(model, variables, tokens, corrupt, metric=metric)
     assert info.value.code == "metric_not_scalar"

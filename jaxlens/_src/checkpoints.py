@@ -143,7 +143,16 @@ class Checkpoints:
   def __init__(self, directory, every: int, *, feature="checkpoints", extra="train"):
     self.every = check_every(every)
     self.ocp = require("orbax.checkpoint", feature=feature, extra=extra, package="orbax-checkpoint")
-    self.path = os.path.abspath(os.fspath(directory))
+    try:
+      self.path = os.path.abspath(os.fspath(directory))
+    except TypeError:
+      raise CheckpointError(
+        f"the checkpoint directory must be a path (a str or os.PathLike), got "
+        f"{type(directory).__name__}",
+        code="checkpoint_path_invalid",
+        path=repr(directory)[:80],
+        fix="checkpoint='runs/das' (a directory; it is created)",
+      ) from None
     self.manager = None
     self._lock = None
     self._failed = False

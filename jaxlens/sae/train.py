@@ -1037,6 +1037,53 @@ def _check_init(init, config: TrainConfig, fx, fy):
       )
 
 
+def _check_numbers(config: TrainConfig) -> None:
+  """The numeric fields of ``config`` that a run reads: finite, and in their range (a NaN
+  learning rate or coefficient made NaN weights with finite losses and gradients)."""
+
+  def bad(field, value, why, fix):
+    raise SAEError(
+      f"TrainConfig.{field}: {value!r} {why}", code="sae_config_invalid", field=field, fix=fix
+    )
+
+  def number(value):
+    return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+
+  for field, low, open_low, high, fix in (
+    ("lr", 0.0, True, None, "lr=3e-4"),
+    ("adam_beta1", 0.0, False, 1.0, "adam_beta1=0.9"),
+    ("adam_beta2", 0.0, False, 1.0, "adam_beta2=0.999"),
+    ("l1_coefficient", 0.0, False, None, "l1_coefficient=1.0"),
+    ("l0_coefficient", 0.0, False, None, "l0_coefficient=1.0"),
+    ("aux_loss_coefficient", 0.0, False, None, "aux_loss_coefficient=1.0"),
+    ("jumprelu_bandwidth", 0.0, True, None, "jumprelu_bandwidth=0.05"),
+    ("jumprelu_init_threshold", 0.0, False, None, "jumprelu_init_threshold=0.01"),
+    ("topk_threshold_lr", 0.0, False, 1.0, "topk_threshold_lr=0.01"),
+  ):
+    value = getattr(config, field, 0.5)
+    if not number(value) or not math.isfinite(value):
+      bad(field, value, "is not a finite number", fix)
+    if value < low or (open_low and value == low) or (high is not None and value >= high):
+      where = f"{'(' if open_low else '['}{low}, {high if high is not None else 'inf'})"
+      bad(field, value, f"is outside {where}", fix)
+  if config.grad_clip is not None and not (
+    number(config.grad_clip) and math.isfinite(config.grad_clip) and config.grad_clip > 0
+  ):
+    bad("grad_clip", config.grad_clip, "is not None or a finite number > 0", "grad_clip=1.0")
+  for field in (
+    "dead_feature_window",
+    "lr_warm_up_steps",
+    "lr_decay_steps",
+    "coefficient_warm_up_steps",
+  ):
+    value = getattr(config, field, 0)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+      bad(field, value, "is not an int >= 0", f"{field}=0")
+  seed = config.seed
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+    bad("seed", seed, "is not an int in [0, 2**32)", "seed=0")
+
+
 def train(
   data: Iterable,
   config: TrainConfig,
@@ -1102,6 +1149,14 @@ def train(
       fix='nonfinite="raise"',
     )
   skip = nonfinite == "skip"
+  if not isinstance(config, TrainConfig):
+    raise SAEError(
+      f"config must be a TrainConfig, got {type(config).__name__}",
+      code="sae_config_invalid",
+      field="config",
+      fix='config=TrainConfig(d_sae=4096, architecture="topk", k=32)',
+    )
+  _check_numbers(config)
   for name, value, fix in (
     ("steps", steps, "steps=1000"),
     ("log_every", log_every, "log_every=10"),
@@ -1114,7 +1169,15 @@ def train(
         field=name,
         fix=fix,
       )
-  iterator = iter(data)
+  try:
+    iterator = iter(data)
+  except TypeError:
+    raise SAEError(
+      f"train: data must be an iterable of batches, got {type(data).__name__}",
+      code="sae_batch_invalid",
+      field="data",
+      fix="store.open(path).batches(site, batch_size=4096, flatten=True), or a list of arrays",
+    ) from None
   factor = None
   if config.normalize_activations == "expected_average_only_in":
     factor = _estimate_from(iterator, config)

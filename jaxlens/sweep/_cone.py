@@ -101,7 +101,8 @@ def _cone(model, variables, clean, corrupt, *, metric, layers, positions, site, 
     x = runs.run_from(start, x, packed_positions, mask, past=seq)
     both = jnp.concatenate([runs.logits, runs.unembed(x)], axis=1)
     full = jnp.take(both, gather, axis=1)  # (batch, positions, seq, vocab)
-    values = jax.vmap(metric, in_axes=1)(full)
+    one = metric(full[:, 0])  # (traced and unused: a str or None is refused here, not by vmap)
+    values = jax.vmap(metric, in_axes=1)(full) if isinstance(one, (jax.Array, float)) else one
     if not isinstance(values, jax.Array):
       raise ShapeError(
         f"cone_sweep: metric returned a {type(values).__name__}, expected a scalar array",

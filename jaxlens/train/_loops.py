@@ -522,7 +522,11 @@ def train_iit(
 
   Raises:
     InvalidArgumentError: ``invalid_argument`` (a batch without ``base``, ``source`` or
-      ``label``, no batches, a step count or interval that is not a positive int);
+      ``label``, no batches, a step count or interval that is not a positive int, an
+      optimiser that is not an optax transformation, ``params`` lacking the method's entries,
+      a readout that does not return logits); ``shape_mismatch`` (labels that are not int
+      class indices of the logits' leading shape); ``index_out_of_range`` (labels outside
+      ``[0, classes)``, ``fields["batch"]`` names the batch);
       ``batch_not_finite`` / ``loss_not_finite``: a batch holding NaN or infinity, or a step
       whose loss or gradient is not (``fields["batch"]``, ``fields["step"]``): training stops
       before that step changes the parameters or reaches a checkpoint.
@@ -765,6 +769,7 @@ def train_reft(
     jaxlens.CheckpointError: as :func:`train_iit`.
   """
   _check_pairs(pairs)
+  _check_nonfinite(nonfinite)
   steps = _positive_int(steps, "steps", "steps=200")
   batch_size = _positive_int(batch_size, "batch_size", "batch_size=8")
   _check_seed(seed)

@@ -78,6 +78,13 @@ def _float_dtype(dtype):
 
 def _linear(key, d, k, dtype):
   """torch ``nn.Linear(d, k)``'s default init: U(-1/√d, 1/√d) for the weight and the bias."""
+  if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
+    raise InvalidArgumentError(
+      f"init: d (the site's feature count) must be a positive int, got {d!r}",
+      code="invalid_argument",
+      fix="method.init(key, d) with d the site's last dimension",
+      received=repr(d),
+    )
   kw, kb = jax.random.split(key)
   bound = 1.0 / jnp.sqrt(jnp.asarray(d, dtype))
   w = jax.random.uniform(kw, (k, d), dtype, -bound, bound)
