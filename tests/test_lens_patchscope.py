@@ -45,6 +45,29 @@ def test_grid_equals_one_patched_forward_per_cell(model):
   assert float(jnp.abs(grid[0, 0] - grid[1, 0]).max()) > 1e-3
 
 
+def test_blocks_from_the_target_layer_on_equal_the_full_patched_forward():
+  """A Gemma 2 layout (mixed sliding windows: no scanned form, one cond-gated copy of each
+  block): the grid, which reruns only the blocks from each target layer on and the positions
+  from the patched one on, equals full patched forwards (the generic program), for a read
+  position after the patch and before it."""
+  from jaxlens.lens import _patchscope
+
+  model, variables = build("gemma2")
+  target = jnp.asarray([[7, 8, 9, 10, 11, 12]] * 2, jnp.int32)
+  vectors = lens.residuals(model, variables, SOURCE, layers=[1])[:, :, 2]
+  for read_position in (4, 1):
+    grid = lens.patchscope(
+      model, variables, SOURCE, target[:1], source_position=2, target_position=2,
+      source_layers=[1], read_position=read_position,
+    )  # fmt: skip
+    full = _patchscope._grid(
+      model, variables, target, vectors, jnp.arange(3, dtype=jnp.int32), tgt_layers=(0, 1, 2),
+      tpos=2, rpos=read_position, read=_patchscope._identity,
+    )  # fmt: skip
+    np.testing.assert_allclose(grid, full, rtol=1e-10, atol=1e-10)
+  assert float(jnp.abs(grid[0, 0] - grid[0, 1]).max()) == 0.0  # the read precedes the patch
+
+
 def test_identity_patch_changes_nothing(model):
   model, variables = model
   grid = lens.patchscope(

@@ -16,6 +16,7 @@ from jaxlens import generation
 from jaxlens import intervention as ji
 from jaxlens.lens._logit import check_layers, lens_sites, residuals
 from jaxlens.lens._readout import LensError
+from jaxlens.protocol import Decoder, Scannable
 
 __all__ = ["PatchscopeGeneration", "patchscope", "patchscope_generate"]
 
@@ -121,6 +122,11 @@ def patchscope(
   )
   read = _identity if read is None else read
   layer_ids = jnp.asarray(tgt_layers, jnp.int32)
+  if isinstance(model, Decoder) and rpos >= tpos:
+    return _grid_from_layer(
+      model, variables, target, vectors, layer_ids, tgt_layers=tgt_layers, tpos=tpos, rpos=rpos,
+      read=read,
+    )  # fmt: skip
   return _grid(
     model,
     variables,
@@ -136,6 +142,86 @@ def patchscope(
 
 def _identity(logits):
   return logits
+
+
+def _target_run(model, variables, target, loop: bool):
+  """The target's run, once: its residual stream entering each block and leaving the last
+  ``(L + 1, batch, seq, d)``, and each block's keys and values ``(L, batch, seq, ...)``
+  (``loop``: ``model`` is a scanned form, whose sites stack the layers)."""
+  n = len(model.layer_sites())
+  names = ("resid_pre", "attn/k", "attn/v")
+  if loop:
+    stacked = {k: jl.module(model.stack_site(k)) for k in names}
+    final = jl.module(model.stack_site("resid_post"), layer=n - 1)
+    t = jl.trace(model, variables, target, keep_inputs=False, save=[*stacked.values(), final])
+    read = {k: t[sel].out for k, sel in stacked.items()}
+    last = t[final].out
+  else:
+    at = model.block_site
+    save = [jl.module(at(j, k)) for j in range(n) for k in names]
+    t = jl.trace(
+      model,
+      variables,
+      target,
+      keep_inputs=False,
+      save=[*save, jl.module(at(n - 1, "resid_post"))],
+    )
+    read = {k: jnp.stack([t[at(j, k)].out for j in range(n)]) for k in names}
+    last = t[at(n - 1, "resid_post")].out
+  stream = jnp.concatenate([read["resid_pre"], last[None]])
+  return stream, read["attn/k"], read["attn/v"]
+
+
+@functools.partial(jax.jit, static_argnames=("model", "tgt_layers", "tpos", "rpos", "read"))
+def _grid_from_layer(model, variables, target, vectors, layer_ids, *, tgt_layers, tpos, rpos, read):
+  """The grid of a causal decoder without rerunning what the patch cannot change: the target
+  runs once; a patch at lens layer ``j`` and position ``p`` changes nothing before block ``j``
+  nor before position ``p``, so each cell runs only blocks ``j .. L-1`` on positions ``p ..``,
+  attending to the target run's keys and values before ``p``. The target layers are a
+  ``lax.map`` (each row's block loop starts at its own layer; the scanned form's blocks are one
+  ``fori_loop`` whose start is data), the source vectors of a row a ``vmap``."""
+  n_layers = len(model.layer_sites())
+  form = model.scanned(variables) if isinstance(model, Scannable) else None
+  loop = form is not None
+  if loop:
+    model, variables = form
+  stream, keys, values = _target_run(model, variables, target, loop)
+  seq = target.shape[1]
+  positions = jnp.arange(tpos, seq, dtype=jnp.int32)[None]
+  mask = (jnp.arange(seq, dtype=jnp.int32)[None, :] <= positions[0][:, None])[
+    None, None
+  ]  # (1, 1, n, seq)
+
+  def block(j, x):
+    return model.run_block(
+      variables,
+      j,
+      x,
+      positions,
+      past_keys=keys[j][:, :tpos],
+      past_values=values[j][:, :tpos],
+      mask=mask,
+    )
+
+  def run_from(start, x):
+    if loop:
+      return jax.lax.fori_loop(start, n_layers, block, x)
+    for j in range(n_layers):
+      x = jax.lax.cond(j >= start, lambda x, j=j: block(j, x), lambda x: x, x)
+    return x
+
+  def row(j):
+    x0 = stream[j][:, tpos:]
+
+    def cell(vector):  # (batch, d)
+      x = x0.at[:, 0].set(vector.astype(x0.dtype))
+      x = run_from(j, x)[:, rpos - tpos : rpos - tpos + 1]
+      return read(model.unembed(variables, x)[:, 0])
+
+    return jax.vmap(cell)(vectors)
+
+  del tgt_layers  # part of the cache key only
+  return jnp.swapaxes(jax.lax.map(row, layer_ids), 0, 1)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "tgt_layers", "tpos", "rpos", "read"))
