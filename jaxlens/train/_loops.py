@@ -542,6 +542,8 @@ def train_iit(
   classes = {"n": None}  # the readout's class count, known once the loss is traced
 
   def check_batch(batch, index):
+    if not getattr(batch["label"], "is_fully_addressable", True):
+      return  # split over processes: each checks nothing it cannot read
     labels = np.asarray(batch["label"])
     n = classes["n"]
     if labels.size and (labels.min() < 0 or (n is not None and labels.max() >= n)):
