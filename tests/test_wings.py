@@ -65,6 +65,9 @@ def test_a_run_ending_on_a_checkpoint_step_and_called_again_returns_its_result(m
   assert again.step == 6 and again.losses == []
   for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(again.params)):
     np.testing.assert_array_equal(a, b)
+  # A checkpoint past the steps asked for is not returned as their result.
+  with pytest.raises(jl.CheckpointError, match=r"\[checkpoint_mismatch\].*step 6, past this"):
+    _iit(mlp, _batches(3), steps=4, checkpoint=ckpt, checkpoint_every=3)
   # Another method's parameters (rank 3) do not resume rank 2's checkpoint.
   with pytest.raises(jl.CheckpointError, match=r"\[checkpoint_mismatch\].*another configuration"):
     _iit(mlp, _batches(3), method=jt.LowRankDAS(rank=3), steps=7, checkpoint=ckpt)
@@ -316,6 +319,8 @@ def test_nonfinite_skip_drops_the_bad_batch_as_if_it_were_not_there_and_counts_i
   assert list(dropped.metrics["step"]) == [1, 2, 3, 5, 6]
   again = st.train(_rows(6, bad=3), cfg, steps=6, nonfinite="skip", **kw)
   assert again.skipped == dropped.skipped
+  with pytest.raises(jl.CheckpointError, match=r"\[checkpoint_mismatch\].*past this run's steps=5"):
+    st.train(_rows(6, bad=3), cfg, steps=5, nonfinite="skip", **kw)
 
 
 def test_train_reft_names_the_step_and_pairs_of_a_non_finite_loss_or_skips_them():

@@ -303,6 +303,18 @@ class Checkpoints:
       )
     return state
 
+  def check_within(self, at: int, steps: int) -> None:
+    """``checkpoint_mismatch`` when the checkpoint restored at step ``at`` is past the run's
+    ``steps`` (its result would be another run's, longer than the one asked for)."""
+    if at > steps:
+      raise CheckpointError(
+        f"the checkpoint {os.path.join(self.path, str(at))} is at step {at}, past this run's "
+        f"steps={steps}",
+        code="checkpoint_mismatch",
+        path=self.path,
+        fix=f"steps >= {at} to resume it, or a new checkpoint directory",
+      )
+
   def save(self, step: int, state, meta: dict | None = None, force: bool = False) -> bool:
     """Saves ``state`` and ``meta`` as checkpoint ``step`` when ``step % every == 0`` or
     ``force``, unless checkpoint ``step`` exists. Returns whether it saved."""

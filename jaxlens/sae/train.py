@@ -1249,6 +1249,7 @@ def train(
     restored = None if ckpt is None else _restore(ckpt, state, checkpoint_dir)
     if restored is not None:
       state, consumed, history, was_skipped = restored
+      ckpt.check_within(int(state.step), steps)
       skipped = was_skipped if skip else None
       if mesh is not None:
         state = jax.device_put(state, replicated)

@@ -338,6 +338,7 @@ def _loop(
       if restored is not None:
         trained, opt_state = restored["trained"], restored["opt_state"]
         start = int(restored["step"])
+        ckpt.check_within(start, steps)
         skipped = list(meta.get("skipped", []))
     trained, opt_state = _replicate(trained, mesh), _replicate(opt_state, mesh)
     variables = _replicate(variables, mesh)
