@@ -841,3 +841,28 @@ def test_plot_graph_draws_the_kept_nodes_and_edges(gpt2, tmp_path):
     circuits.graph_html(
       graph, pruned=circuits.PruneResult(kept.node_mask[:3], kept.edge_mask, kept.cumulative_scores)
     )
+
+
+def test_a_memory_budget_that_cannot_hold_the_graph_is_refused_before_the_rows(gpt2):
+  _, model, variables, tcs, graph, lr = gpt2
+  n = graph.adjacency.shape[0]
+  need = circuits.memory_estimate(
+    n_layers=L,
+    seq=graph.n_pos,
+    d_model=D,
+    d_in=D,
+    n_heads=4,
+    n_active=graph.n_features,
+    n_features=graph.n_features,
+    n_logits=graph.n_logits,
+    batch_size=32,
+    itemsize=8,
+  )
+  assert need > 8 * n * n  # at least the square adjacency
+  with pytest.raises(circuits.CircuitError, match="over the memory_budget") as e:
+    circuits.attribute(
+      model, variables, TOKENS, tcs, local=lr, batch_size=32, memory_budget=need // 4
+    )
+  assert e.value.code == "circuit_memory_budget"
+  with pytest.raises(circuits.CircuitError, match="memory_budget must be a positive int"):
+    circuits.attribute(model, variables, TOKENS, tcs, local=lr, memory_budget=0)

@@ -25,6 +25,7 @@ from jaxlens.circuits._attribute import Replacement as Replacement
 from jaxlens.circuits._attribute import LocalReplacement as LocalReplacement
 from jaxlens.circuits._attribute import attribute as attribute
 from jaxlens.circuits._attribute import local_replacement as local_replacement
+from jaxlens.circuits._attribute import memory_estimate as memory_estimate
 from jaxlens.circuits._attribute import replacement as replacement
 from jaxlens.circuits._errors import CircuitError as CircuitError
 from jaxlens.circuits._files import load_circuit_tracer as load_circuit_tracer
@@ -80,6 +81,7 @@ __all__ = [
   "load_circuit_tracer",
   "load_graph",
   "local_replacement",
+  "memory_estimate",
   "plot_graph",
   "prune",
   "qk_attribution",

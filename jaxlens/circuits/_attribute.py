@@ -24,6 +24,7 @@ __all__ = [
   "Replacement",
   "attribute",
   "local_replacement",
+  "memory_estimate",
   "replacement",
 ]
 
@@ -366,6 +367,35 @@ def local_replacement(model, variables, tokens, transcoders, *, zero_bos: bool =
   return LocalReplacement(rec, acts, node_writes, errors, const, tok, run)
 
 
+def memory_estimate(
+  *,
+  n_layers: int,
+  seq: int,
+  d_model: int,
+  d_in: int,
+  n_heads: int,
+  n_active: int,
+  n_features: int,
+  n_logits: int,
+  batch_size: int,
+  itemsize: int,
+  decoder_width: int = 1,
+  n_dec: int = 1,
+) -> int:
+  """Bytes :func:`attribute` holds at its peak, estimated from the graph's sizes: the rows
+  (``(n_features + n_logits, n)``) and the square adjacency built from them, the decoder
+  table and each feature's decoder and encoder vectors, one batch of cotangents and
+  gradients, and the frozen forward's values and residuals (the attention patterns
+  dominate: ``n_layers * n_heads * seq**2``)."""
+  n = n_active + (n_layers + 1) * seq + n_logits
+  rows = (n_features + n_logits) * n
+  adjacency = (n_features + n_logits) * n + n * n
+  decoders = n_layers * seq * decoder_width * d_model + n_active * (n_dec * d_model + d_in)
+  batch = batch_size * (2 * n_layers * seq * (d_in + d_model) + n)
+  forward = 6 * n_layers * (n_heads * seq * seq + 8 * seq * max(d_model, d_in))
+  return int(itemsize * (rows + adjacency + decoders + batch + forward))
+
+
 def attribute(
   model,
   variables,
@@ -381,6 +411,7 @@ def attribute(
   zero_bos: bool = False,
   update_interval: int = 4,
   local: LocalReplacement | None = None,
+  memory_budget: int | None = None,
 ) -> Graph:
   """The attribution graph of ``tokens`` through ``transcoders`` (circuit-tracer's
   ``attribute``).
@@ -412,6 +443,9 @@ def attribute(
     update_interval: batches between re-rankings under a budget.
     local: the :class:`LocalReplacement` of this prompt and transcoders, when it is built
       already (:func:`local_replacement`; ``zero_bos`` is then its own).
+    memory_budget: bytes the graph may take (:func:`memory_estimate`: the dense rows and
+      adjacency, the decoder table, one batch of cotangents and gradients, the forward's
+      residuals); checked once the active features are known, before the rows are computed.
 
   Returns:
     A :class:`Graph`.
@@ -419,10 +453,12 @@ def attribute(
   Raises:
     CircuitError: ``invalid_argument`` (an empty prompt, a budget or batch size that is not a
       positive int), ``index_out_of_range`` (a token outside the vocabulary),
-      ``circuit_transcoder_mismatch``, ``circuit_unsupported_model``.
+      ``circuit_transcoder_mismatch``, ``circuit_unsupported_model``,
+      ``circuit_memory_budget`` (the estimate exceeds ``memory_budget``).
   """
   toks = _check_tokens(model, tokens)
   _positive_int(batch_size, "batch_size")
+  _positive_int(memory_budget, "memory_budget", allow_none=True)
   _positive_int(max_n_logits, "max_n_logits")
   _positive_int(max_feature_nodes, "max_feature_nodes", allow_none=True)
   _positive_int(update_interval, "update_interval")
@@ -562,6 +598,31 @@ def attribute(
   logit_offset = n_active + (n_layers + 1) * seq
   total_nodes = logit_offset + n_logits
   budget = n_active if max_feature_nodes is None else min(max_feature_nodes, n_active)
+  if memory_budget is not None:
+    need = memory_estimate(
+      n_layers=n_layers,
+      seq=seq,
+      d_model=d,
+      d_in=d_in,
+      n_heads=int(rec.patterns[next(iter(rec.patterns))].shape[1]) if rec.patterns else 1,
+      n_active=n_active,
+      n_features=budget,
+      n_logits=n_logits,
+      batch_size=batch_size,
+      itemsize=np_dtype.itemsize,
+      decoder_width=width,
+      n_dec=n_dec,
+    )
+    if need > memory_budget:
+      raise CircuitError(
+        f"the graph of this prompt needs about {need / 2**20:.0f} MiB ({n_active} active "
+        f"features, {total_nodes} nodes), over the memory_budget of "
+        f"{memory_budget / 2**20:.0f} MiB",
+        code="circuit_memory_budget",
+        expected=f"<= {memory_budget} bytes",
+        received=int(need),
+        fix="a shorter prompt, max_feature_nodes=..., or a larger memory_budget",
+      )
   edge = np.zeros((budget + n_logits, total_nodes), np.dtype(dtype))
   row_to_node = np.zeros(budget + n_logits, np.int64)
   for s in range(0, n_logits, batch_size):
