@@ -17,14 +17,25 @@ Architectures and losses (SAELens's definitions, ``sae_lens.saes.*TrainingSAE``)
 * ``"batchtopk"``: TopK's losses with the ``k * rows`` largest activations of the whole
   batch; a running threshold (the mean of each batch's smallest kept activation, at rate
   ``topk_threshold_lr``) makes the inference SAE a JumpReLU one (:meth:`Trained.inference`).
-* ``"jumprelu"``: ``mse + l0_coefficient * mean(L0)``, the L0 and the JumpReLU through a
+* ``"matryoshka_batchtopk"``: BatchTopK's losses plus ``inner_mse_loss_{width}`` for each
+  nested width of ``matryoshka_widths`` but the last (the reconstruction from the features
+  below it); with ``use_matryoshka_aux_loss`` each level has its own AuxK.
+* ``"jumprelu"``: ``mse + l0_coefficient * mean(sparsity)``, the JumpReLU through a
   straight-through estimator (rectangle kernel of width ``jumprelu_bandwidth``) for the
-  threshold, which is clamped at 0 before each step.
+  threshold, which is clamped at 0 before each step; the sparsity is the L0 through the same
+  estimator (``"step"``), ``sum tanh(scale * acts * |W_dec row|)`` (``"tanh"``) or
+  ``2 / target_l0 * (L0 - target_l0)^2`` (``"quadratic"``); optionally Anthropic's
+  pre-activation loss on dead features and the estimators' gradient to the input.
+* ``"gated"``: ``mse + l1_coefficient * mean(sum(relu(gate_pre) * |W_dec row|))`` plus the
+  reconstruction error of ``relu(gate_pre) @ W_dec + b_dec``.
 
 ``mse`` is the squared error summed over the feature axis and averaged over rows. The
 sparsity coefficient warms up linearly over ``coefficient_warm_up_steps``; the learning
-rate warms up over ``lr_warm_up_steps`` and decays linearly to 0 over the last
-``lr_decay_steps``; gradients are clipped to global norm 1 (as SAELens's trainer does).
+rate follows SAELens's schedule (:func:`schedule`: warm-up, constant or cosine to ``lr_end``,
+linear decay to 0); gradients are clipped to global norm 1 as torch's ``clip_grad_norm_``
+does. ``normalize_activations="expected_average_only_in"`` trains on activations scaled by
+:func:`estimate_scaling_factor` and folds the factor into the result
+(:func:`fold_activation_scale`); :func:`fold_decoder_norm` gives unit decoder rows.
 ``b_dec`` starts at the mean of the first batch (``b_dec_init="mean"``).
 """
 
