@@ -302,6 +302,8 @@ def test_refusals_of_the_training_methods():
     ({**mat, "matryoshka_widths": (4, 4)}, "matryoshka_widths"),
     ({**mat, "matryoshka_widths": (16,)}, "matryoshka_widths"),
     ({**mat}, "matryoshka_widths"),
+    ({**jump, "jumprelu_tanh_scale": float("nan")}, "jumprelu_tanh_scale"),
+    ({**jump, "pre_act_loss_coefficient": -1.0}, "pre_act_loss_coefficient"),
     ({"lr_scheduler": "cosineannealingwarmrestarts"}, "lr_scheduler"),
     ({"lr_scheduler": "cosineannealing", "lr_end": 0.0, "lr_decay_steps": 3}, "lr_end"),
     ({"lr_end": -1.0}, "lr_end"),

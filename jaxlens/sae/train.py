@@ -224,6 +224,20 @@ class TrainConfig:
       t = self.target_l0
       if t is None or isinstance(t, bool) or not (0 < t <= self.d_sae):
         bad("target_l0", f"{t!r} must be in (0, d_sae] for the quadratic L0 loss", "target_l0=32")
+    scale = self.jumprelu_tanh_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+      bad("jumprelu_tanh_scale", f"{scale!r} is not a finite number > 0", "jumprelu_tanh_scale=4.0")
+    pre_act = self.pre_act_loss_coefficient
+    if pre_act is not None and (
+      isinstance(pre_act, bool)
+      or not isinstance(pre_act, (int, float))
+      or not 0 <= pre_act < math.inf
+    ):
+      bad(
+        "pre_act_loss_coefficient",
+        f"{pre_act!r} is not None or a finite number >= 0",
+        "pre_act_loss_coefficient=3e-6",
+      )
     if self.normalize_activations not in ("none", "expected_average_only_in"):
       bad(
         "normalize_activations",
