@@ -263,6 +263,15 @@ def sparsity_variance_metrics(
     ``feature_metrics`` has ``feature_density`` (the fraction of kept tokens each feature
     fires on) and ``consistent_activation_heuristic`` (tokens fired on per prompt fired in),
     as ``(d_sae,)`` arrays.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxlens import sae
+    >>> d = sae.SAE.init(jax.random.key(1), 8, 32, activation="topk", k=4)
+    >>> x = jax.random.normal(jax.random.key(2), (2, 5, 8), jnp.float32)
+    >>> metrics, per_feature = sae.sparsity_variance_metrics(d, x)
+    >>> metrics["l0"], per_feature["feature_density"].shape
+    (4.0, (32,))
   """
   _check_sae(dictionary, "sparsity_variance_metrics")
   _check_scale(scaling_factor)
@@ -375,16 +384,7 @@ def evaluate(
     ``sparsity``, ``reconstruction_quality``), ``feature_metrics`` the per-feature arrays of
     :func:`sparsity_variance_metrics` and :func:`weight_metrics`.
 
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jaxlens import sae
-    >>> from jaxlens.models import init_gpt
-    >>> model, variables, tokens = init_gpt(0, n_layers=1, d_model=8, n_heads=2, max_len=6,
-    ...                                     vocab_size=11, batch=2)
-    >>> d = sae.SAE.init(jax.random.key(1), 8, 32, activation="topk", k=4)
-    >>> metrics, per_feature = sae.evaluate(model, variables, tokens, "block_0/mlp", d)
-    >>> sorted(metrics["model_behavior_preservation"]), per_feature["feature_density"].shape
-    (['kl_div_score', 'kl_div_with_ablation', 'kl_div_with_sae'], (32,))
+  (docs/dictionaries.md, "Evaluation", has the table of metrics.)
   """
   _check_sae(dictionary, "evaluate")
   batches = _batches(tokens)
