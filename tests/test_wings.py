@@ -196,6 +196,10 @@ def test_train_iit_refuses_bad_arguments(mlp, kw, match):
     _iit(mlp, kw.pop("batches"), **kw)
 
 
+def _mesh(n=2):
+  return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
 def _labelled(label):
   return [{**b, "label": label} for b in _batches(1)]
 
@@ -222,6 +226,9 @@ def _labelled(label):
     ),
     (lambda m: jt.LoReFT(1).init(jax.random.key(0), -1), "invalid_argument", "positive int"),
     (lambda m: _iit(m, _batches(1), checkpoint=5), "checkpoint_path_invalid", "must be a path"),
+    (lambda m: _iit(m, _batches(1), mesh="data"), "invalid_argument", "jax.sharding.Mesh"),
+    (lambda m: _iit(m, _batches(1), mesh=_mesh(), data_axis="x"), "invalid_argument", "'x' is not"),
+    (lambda m: _iit(m, _batches(1), mesh=_mesh(3)), "shape_mismatch", "4 rows, which do not split"),
   ],
 )
 def test_train_iit_and_iia_refuse_labels_optimisers_readouts_and_params_they_cannot_use(
@@ -419,6 +426,12 @@ def test_nonfinite_is_raise_or_skip(mlp, call):
       lambda cfg: st.train(_rows(2), cfg, steps=2, checkpoint_dir=3),
       "checkpoint_path_invalid",
       "must be a path",
+    ),
+    (lambda cfg: st.train(_rows(2), cfg, steps=2, mesh=_mesh(3)), "sae_batch_invalid", "16 rows"),
+    (
+      lambda cfg: st.train(_rows(2), cfg, steps=2, mesh=_mesh(), data_axis="x"),
+      "sae_config_invalid",
+      "'x' is not an axis",
     ),
   ],
 )

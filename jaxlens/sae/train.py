@@ -1241,7 +1241,24 @@ def train(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    if not isinstance(mesh, jax.sharding.Mesh):
+      raise SAEError(
+        f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}",
+        code="sae_config_invalid",
+        field="mesh",
+        fix='mesh=jax.make_mesh((jax.device_count(),), ("data",))',
+      )
     axis = data_axis or mesh.axis_names[0]
+    if axis not in mesh.axis_names or (jax.process_count() == 1 and rows % mesh.shape[axis]):
+      raise SAEError(
+        f"data_axis={axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}"
+        if axis not in mesh.axis_names
+        else f"a batch's {rows} rows do not split evenly over the mesh's {mesh.shape[axis]} "
+        f"devices along {axis!r}",
+        code="sae_config_invalid" if axis not in mesh.axis_names else "sae_batch_invalid",
+        field="data_axis" if axis not in mesh.axis_names else "data",
+        fix=f"data_axis={mesh.axis_names[0]!r}, and batches of a multiple of the axis's devices",
+      )
     # The step is partitioned by XLA from the batch's sharding (Auto axes): top_k over a
     # batch sharded in an Explicit mesh's types has no sharding rule.
     mesh = jax.sharding.Mesh(

@@ -74,6 +74,41 @@ def _batch_at(batches, step):
   return batches[step % len(batches)]
 
 
+def _check_mesh(mesh, axis):
+  """``mesh`` is a ``jax.sharding.Mesh`` with the axis ``axis`` (or None)."""
+  if mesh is None:
+    return
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise InvalidArgumentError(
+      f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}",
+      code="invalid_argument",
+      fix='mesh=jax.make_mesh((jax.device_count(),), ("data",))',
+    )
+  if axis not in mesh.axis_names:
+    raise InvalidArgumentError(
+      f"data_axis={axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}",
+      code="invalid_argument",
+      fix=f"data_axis={mesh.axis_names[0]!r}",
+    )
+
+
+def _check_rows(tree, mesh, axis, index):
+  """Each array of batch ``index`` splits evenly over the mesh's ``axis``."""
+  if mesh is None:
+    return
+  n = mesh.shape[axis]
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    rows = np.shape(leaf)[0] if np.ndim(leaf) else None
+    if rows is not None and rows % n:
+      raise InvalidArgumentError(
+        f"batch {index}: {jax.tree_util.keystr(path)} has {rows} rows, which do not split "
+        f"evenly over the mesh's {n} devices along {axis!r}",
+        code="shape_mismatch",
+        fix=f"batches of a multiple of {n} rows",
+        batch=index,
+      )
+
+
 def _shard(tree, mesh, axis):
   if mesh is None:
     return tree
@@ -315,6 +350,8 @@ def _loop(
       new = optax.apply_updates(t, updates)
     return new, state, value, _all_finite((value, grads)), _all_finite(batch)
 
+  _check_mesh(mesh, data_axis)
+  _check_rows(_batch_at(batches, 0), mesh, data_axis, 0)
   first = _shard(_batch_at(batches, 0), mesh, data_axis)
   depends = _check_depends(
     lambda p, v, b, s: loss_of(p, jax.lax.stop_gradient(v) if frozen else v, b, s),
@@ -347,6 +384,7 @@ def _loop(
       index = step if callable(batches) else step % len(batches)
       if check_batch is not None:
         check_batch(_batch_at(batches, step), index)
+      _check_rows(_batch_at(batches, step), mesh, data_axis, index)
       batch = _shard(_batch_at(batches, step), mesh, data_axis)
       new_trained, new_state, value, finite, batch_finite = train_step(
         trained, variables, opt_state, batch, jnp.asarray(step)
