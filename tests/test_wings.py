@@ -311,6 +311,8 @@ def test_nonfinite_skip_drops_the_bad_batch_as_if_it_were_not_there_and_counts_i
   assert skipped.skipped == [{"batch": 2, "step": 2, "code": "batch_not_finite"}]
   assert skipped.step == 4 and skipped.losses == without.losses
   assert _iit(mlp, bad, steps=4, **kw).skipped == skipped.skipped  # from the checkpoint
+  kw["nonfinite"] = "raise"  # (the finished run, called in the other mode, keeps the list)
+  assert _iit(mlp, bad, steps=4, **kw).skipped == skipped.skipped
 
   cfg = st.TrainConfig(d_sae=8, architecture="relu", l1_coefficient=0.1, grad_clip=None)
   kw = dict(progress=False, log_every=2, checkpoint_dir=tmp_path / "sae", checkpoint_every=1)
@@ -326,6 +328,7 @@ def test_nonfinite_skip_drops_the_bad_batch_as_if_it_were_not_there_and_counts_i
   assert list(dropped.metrics["step"]) == [1, 2, 3, 5, 6]
   again = st.train(_rows(6, bad=3), cfg, steps=6, nonfinite="skip", **kw)
   assert again.skipped == dropped.skipped
+  assert st.train(_rows(6, bad=3), cfg, steps=6, **kw).skipped == dropped.skipped
   with pytest.raises(jl.CheckpointError, match=r"\[checkpoint_mismatch\].*past this run's steps=5"):
     st.train(_rows(6, bad=3), cfg, steps=5, nonfinite="skip", **kw)
 

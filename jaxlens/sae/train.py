@@ -1278,6 +1278,7 @@ def train(
 
   history: dict[str, list] = {}
   skipped: list | None = [] if skip else None  # (None: a non-finite step raises)
+  earlier: list = []  # the steps an earlier nonfinite="skip" run of the checkpoint skipped
   consumed = 0
   ckpt = None if checkpoint_dir is None else _checkpoints(checkpoint_dir, checkpoint_every)
 
@@ -1292,7 +1293,7 @@ def train(
     if restored is not None:
       state, consumed, history, was_skipped = restored
       ckpt.check_within(int(state.step), steps)
-      skipped = was_skipped if skip else None
+      skipped, earlier = (was_skipped, []) if skip else (None, was_skipped)
       if mesh is not None:
         state = jax.device_put(state, replicated)
     if progress:
@@ -1321,17 +1322,17 @@ def train(
         _flush(pending, history, bar, callback, skipped)
       if ckpt is not None and done % checkpoint_every == 0:
         _flush(pending, history, bar, callback, skipped)
-        _save(ckpt, state, position, history, skipped or [])
+        _save(ckpt, state, position, history, earlier + (skipped or []))
     _flush(pending, history, bar, callback, skipped)
     if ckpt is not None:
-      _save(ckpt, state, position, history, skipped or [])
+      _save(ckpt, state, position, history, earlier + (skipped or []))
   finally:
     if bar is not None:
       bar.close()
     if ckpt is not None:
       ckpt.close()  # releases the directory's lock
   metrics = {k: np.asarray(v) for k, v in history.items()}
-  skipped = skipped or []
+  skipped = earlier + (skipped or [])
   if factor is None:
     return Trained(state.sae, state, metrics, config, skipped=skipped)
   return Trained(
