@@ -50,15 +50,15 @@ def fitted(gpt2):
       variables,
       [*PROMPTS, np.asarray([1, 2, 3], np.int32)],  # the last has no valid position
       skip_first_positions=SKIP,
-      dim_batch=3,  # 8 directions in chunks of 3: a remainder chunk too
+      dim_batch=4,  # 8 directions in two chunks
     )
   return fit
 
 
 def _direct(model, variables, tokens):
-  """The reference's per-prompt matrices of layers 0 and 1 from the full Jacobian of the last
-  block's output with respect to each block output (jax.jacrev, the replaced value as the
-  input), in one compiled program per prompt length."""
+  """The reference's per-prompt matrices of layers 0 and 1 from the full Jacobian (jax.jacrev)
+  of the last block's output with respect to each block output (the block output replaced by
+  the Jacobian's input), in one compiled program."""
   final = model.block_site(2, "resid_post")
 
   @jax.jit
@@ -88,19 +88,23 @@ def test_fit_is_the_reference_estimator(gpt2, fitted):
   model, variables = gpt2
   assert fitted.source_layers == [0, 1]
   assert fitted.n_prompts == 3
-  direct = [_direct(model, variables, jnp.asarray(p)) for p in PROMPTS]
+  # The two 8-token prompts (the fixture's program for that length, one direct Jacobian's).
+  fit = lens.fit_jacobian_lens(
+    model, variables, PROMPTS[:2], skip_first_positions=SKIP, dim_batch=4
+  )
+  direct = [_direct(model, variables, jnp.asarray(p)) for p in PROMPTS[:2]]
   for layer in (0, 1):
     want = np.mean([d[layer] for d in direct], axis=0)
     # float32 storage of a float64 fit
-    np.testing.assert_allclose(fitted.jacobians[layer], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(fit.jacobians[layer], want, rtol=1e-6, atol=1e-6)
     assert np.abs(want).max() > 0.1
 
 
 def test_merge_is_weighted_by_prompt_counts(gpt2, fitted):
   model, variables = gpt2
-  kw = dict(skip_first_positions=SKIP, source_layers=[0, 1])
+  kw = dict(skip_first_positions=SKIP, source_layers=[0, 1], dim_batch=4)
   a = lens.fit_jacobian_lens(model, variables, PROMPTS[:1], **kw)
-  b = lens.fit_jacobian_lens(model, variables, PROMPTS[1:], prompt_batch=2, **kw)
+  b = lens.fit_jacobian_lens(model, variables, PROMPTS[1:], **kw)
   merged = lens.JacobianLens.merge([a, b])
   assert merged.n_prompts == 3 and merged.metadata["n_prompts"] == 3
   for layer in (0, 1):

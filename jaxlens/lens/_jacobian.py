@@ -225,29 +225,58 @@ def _check_block_layers(layers, n: int, what: str = "layers") -> list[int]:
 # ------------------------------------------------------------------------------------- fitting
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sources", "target", "skip", "dim_batch"))
-def _prompt_sums(model, variables, tokens, *, sources, target, skip, dim_batch):
-  """``(len(sources), d, d)``: the sum over the rows of ``tokens`` (prompts of one length) of
-  each prompt's Jacobian, averaged over its valid source positions."""
+@functools.partial(jax.jit, static_argnames=("model", "layers", "skip", "dim_batch"))
+def _prompt_sums(model, variables, tokens, *, layers, skip, dim_batch):
+  """``(len(layers), d, d)``: the sum over the rows of ``tokens`` (prompts of one length) of
+  each prompt's Jacobian, averaged over its valid source positions.
+
+  Only the valid positions ``skip .. seq - 2`` take part in the derivative: a position before
+  ``skip`` influences only itself and later positions, but its own gradient reaches only
+  earlier positions (never a valid one), and the last position's cotangent is zero. The prompt
+  therefore runs once; the differentiated function runs blocks ``min(layers) + 1 ..`` on the
+  valid positions alone, attending to that run's keys and values before ``skip`` as constants
+  (:meth:`jaxlens.protocol.Decoder.run_block`), with a zero added at each source layer's
+  output."""
+  n = layer_count(model)
   b, seq = tokens.shape
-  t_label = jl.label(target)
+  first = layers[0]
+  d, dtype = int(model.config.d_model), jnp.dtype(model.config.dtype)
+  at = model.block_site
+  kv = [(at(j, "attn/k"), at(j, "attn/v")) for j in range(first + 1, n)]
+  start = at(first, "resid_post")
+  t = jl.trace(
+    model,
+    variables,
+    tokens,
+    keep_inputs=False,
+    save=[jl.label(s) for s in (start, *(x for pair in kv for x in pair))],
+  )
+  x0 = jax.lax.stop_gradient(t[start].out[:, skip : seq - 1])
+  past = {
+    j: (jax.lax.stop_gradient(t[k].out[:, :skip]), jax.lax.stop_gradient(t[v].out[:, :skip]))
+    for j, (k, v) in zip(range(first + 1, n), kv)
+  }
+  positions = jnp.arange(skip, seq - 1, dtype=jnp.int32)[None]
+  mask = (jnp.arange(seq - 1, dtype=jnp.int32)[None, :] <= positions[0][:, None])[None, None]
 
   def forward(deltas):
-    spec = [jl.when(jl.label(s), ji.add(delta)) for s, delta in zip(sources, deltas)]
-    t = jl.trace(model, variables, tokens, intervene=spec, save=t_label, keep_inputs=False)
-    return t[target].out
+    added = dict(zip(layers, deltas))
+    x = x0 + added[first]
+    for j in range(first + 1, n):
+      keys, values = past[j]
+      x = model.run_block(variables, j, x, positions, past_keys=keys, past_values=values, mask=mask)
+      if j in added:
+        x = x + added[j]
+    return x
 
-  d, dtype = int(model.config.d_model), jnp.dtype(model.config.dtype)
-  zeros = tuple(jnp.zeros((b, seq, d), dtype) for _ in sources)
+  zeros = tuple(jnp.zeros(x0.shape, dtype) for _ in layers)
   _, vjp = jax.vjp(forward, zeros)
-  pos = jnp.arange(seq)
-  valid = ((pos >= skip) & (pos < seq - 1)).astype(dtype)
-  weight = valid / (seq - 1 - skip)
+  count = seq - 1 - skip
 
   def rows(i):
-    cotangent = jax.nn.one_hot(i, d, dtype=dtype)[None, None, :] * valid[None, :, None]
-    (grads,) = vjp(jnp.broadcast_to(cotangent, (b, seq, d)))
-    return jnp.stack([jnp.einsum("bsd,s->d", g, weight) for g in grads])
+    cotangent = jnp.broadcast_to(jax.nn.one_hot(i, d, dtype=dtype), x0.shape)
+    (grads,) = vjp(cotangent)
+    return jnp.stack([g.sum(axis=(0, 1)) for g in grads]) / count
 
   out = jax.lax.map(rows, jnp.arange(d), batch_size=min(dim_batch, d))  # (d_out, n_src, d_in)
   return jnp.moveaxis(out, 1, 0)
@@ -373,8 +402,6 @@ def fit_jacobian_lens(
       received=[int(r.shape[0]) for r in rows][:8],
       fix="longer prompts, or a smaller skip_first_positions",
     )
-  sources = tuple(_site(model, layer) for layer in layers)
-  target = _site(model, n - 1)
   d = int(model.config.d_model)
   total = np.zeros((len(layers), d, d), np.float64)
   by_length: dict[int, list[np.ndarray]] = {}
@@ -387,8 +414,7 @@ def fit_jacobian_lens(
         model,
         variables,
         tokens,
-        sources=sources,
-        target=target,
+        layers=tuple(layers),
         skip=int(skip_first_positions),
         dim_batch=int(dim_batch),
       )
