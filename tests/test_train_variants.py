@@ -283,3 +283,32 @@ def test_train_iit_and_iia_read_a_batchs_subspaces():
     jt.intervened_output(
       model, variables, "layers_0", jt.BoundlessDAS(), {}, base, source, subspaces=mask
     )
+
+
+def test_sae_mask_trains_with_the_dictionary_frozen_and_pca_refuses_training():
+  """SAEInterchange(learn_mask=True) in train_iit: the mask over the dictionary's features
+  moves, the dictionary (carried in the parameters, an argument of the step) does not.
+  PCAInterchange has nothing to train: train_iit says so before the first step."""
+  from jaxlens import sae as js
+
+  f64 = {"param_dtype": jnp.float64}
+  model = nn.Sequential([nn.Dense(H, **f64), jnp.tanh, nn.Dense(2, **f64)])
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 1, H), jnp.float64))
+  rng = np.random.default_rng(1)
+  base, source = rng.normal(size=(2, B, 1, H))
+  batch = {"base": base, "source": source, "label": (source[:, 0, 0] > 0).astype(np.int32)}
+  dictionary = js.SAE.init(jax.random.key(2), d_in=H, d_sae=10, dtype=jnp.float64)
+  method = jt.SAEInterchange(dictionary, learn_mask=True)
+  params = method.init(jax.random.key(0), H, jnp.float64)
+  kw = {"optimizer": optax.adam(0.1), "progress": False, "steps": 2}
+  result = jt.train_iit(model, variables, "layers_0", method, params, [batch], **kw)
+  assert np.abs(np.asarray(result.params["mask"])).max() > 0.05
+  for a, b in zip(jax.tree.leaves(params["sae"]), jax.tree.leaves(result.params["sae"])):
+    np.testing.assert_array_equal(a, b)
+  # Under a name in train_multi too.
+  ats = [jt.At("layers_0", method, "m")]
+  multi = jt.train_multi(model, variables, ats, {"m": params}, [batch], **kw)
+  np.testing.assert_allclose(multi.losses, result.losses, atol=1e-12)
+  basis = jt.pca_basis(rng.normal(size=(20, H)), 3, jnp.float64)
+  with pytest.raises(jl.GradientContractError, match="would\\s+never train"):
+    jt.train_iit(model, variables, "layers_0", jt.PCAInterchange(2), basis, [batch], **kw)

@@ -185,7 +185,8 @@ def pca_interchange(basis, source, mask):
   """
 
   def fn(x, *, hook):
-    c, mean, std = basis["components"], basis["mean"], basis["std"]
+    # A fixed basis: no gradient reaches it (a loop refuses to "train" it).
+    c, mean, std = (jax.lax.stop_gradient(basis[k]) for k in ("components", "mean", "std"))
     work = _work(x, c)
     _check_mask(mask, x, c.shape[0], hook, "pca_interchange")
     zb = ((x.astype(work) - mean) / std) @ c.T
@@ -206,14 +207,15 @@ def sae_interchange(sae, source, mask, *, keep_error: bool):
   """
 
   def fn(x, *, hook):
-    work = jnp.asarray(sae.W_enc).dtype
-    _check_mask(mask, x, sae.W_enc.shape[1], hook, "sae_interchange")
+    d = jax.lax.stop_gradient(sae)  # the dictionary is fixed
+    work = jnp.asarray(d.W_enc).dtype
+    _check_mask(mask, x, d.W_enc.shape[1], hook, "sae_interchange")
     xw = x.astype(work)
-    fb = sae.encode(xw)
-    fs = sae.encode(_source(source, x, hook, work))
-    out = sae.decode(fb + _per_example(mask, x).astype(work) * (fs - fb), xw)
+    fb = d.encode(xw)
+    fs = d.encode(_source(source, x, hook, work))
+    out = d.decode(fb + _per_example(mask, x).astype(work) * (fs - fb), xw)
     if keep_error:
-      out = out + (xw - sae.decode(fb, xw))
+      out = out + (xw - d.decode(fb, xw))
     return out.astype(x.dtype)
 
   return ji.hook(fn)

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxlens import intervention as trained
 from jaxlens.core import InvalidArgumentError
+from jaxlens.sae import SAE
 from jaxlens.train import _edits
 
 
@@ -287,10 +288,14 @@ class DiReFT:
 
 
 def frozen_leaves(params):
-  """A pytree of booleans, True at the leaves no optimiser should move (rotation bases)."""
+  """A pytree of booleans, True at the leaves no optimiser should move: rotation bases, and
+  a dictionary in the parameters (:class:`SAEInterchange` carries its
+  :class:`jaxlens.sae.SAE` there: an argument of the step, not a constant XLA would fold)."""
 
-  def is_base(path, _):
+  def mark(path, value):
+    if isinstance(value, SAE):
+      return jax.tree.map(lambda _: True, value)
     last = path[-1] if path else None
     return getattr(last, "key", None) == "base"
 
-  return jax.tree_util.tree_map_with_path(is_base, params)
+  return jax.tree_util.tree_map_with_path(mark, params, is_leaf=lambda v: isinstance(v, SAE))

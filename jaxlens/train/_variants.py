@@ -217,7 +217,11 @@ class SAEInterchange:
       )
 
   def init(self, key, d: int, dtype=jnp.float32) -> dict:
-    """``{"mask": zeros(d_sae)}`` when the mask is learned, else ``{}``."""
+    """``{"sae": the dictionary}``, with ``"mask": zeros(d_sae)`` when the mask is learned.
+
+    The dictionary rides in the parameters so the training step takes it as an argument
+    (a closure constant would be folded into the compiled program); :func:`frozen_leaves`
+    marks it, so no optimiser moves it."""
     del key
     if d != self.sae.W_enc.shape[0]:
       raise InvalidArgumentError(
@@ -227,8 +231,8 @@ class SAEInterchange:
         fix="the dictionary trained on this site",
       )
     if self.learn_mask:
-      return {"mask": jnp.zeros((self.sae.W_enc.shape[1],), _float_dtype(dtype))}
-    return {}
+      return {"sae": self.sae, "mask": jnp.zeros((self.sae.W_enc.shape[1],), _float_dtype(dtype))}
+    return {"sae": self.sae}
 
   def edit(self, params, source, temperature=None, subspaces=None):
     del temperature
@@ -240,7 +244,8 @@ class SAEInterchange:
       mask = jax.nn.sigmoid(params["mask"].astype(dtype) / self.mask_temperature)
     else:
       mask = jnp.zeros((n,), dtype).at[jnp.asarray(self.features, jnp.int32)].set(1.0)
-    return _edits.sae_interchange(self.sae, source, mask, keep_error=self.keep_error)
+    sae = params.get("sae", self.sae) if isinstance(params, dict) else self.sae
+    return _edits.sae_interchange(sae, source, mask, keep_error=self.keep_error)
 
 
 @dataclasses.dataclass(frozen=True)
