@@ -2,8 +2,9 @@
 logit lens's top-k in vocabulary chunks against the full logit lens (peak memory).
 
 * patchscope: every source layer x target layer of a decoder, the source's last position
-  written into a target prompt (``jaxlens.lens.patchscope``: one jitted program, a vmap over
-  the patch) against the way the peers run it (nnterp: one traced forward per cell): a jitted
+  written into a target prompt (``jaxlens.lens.patchscope``: one jitted program that runs the
+  target once and each cell only the blocks from its target layer on, at the positions from
+  the patched one on) against the way the peers run it (nnterp: one traced forward per cell): a jitted
   single-patch forward per target layer, called once per cell from Python. Both read the
   target's last-position logits; the script checks that they agree, and times each after its
   compilation (median of ``--repeats``, the two interleaved).

@@ -274,7 +274,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--bench-width", type=int, default=256)
   parser.add_argument("--bench-seq", type=int, default=64)
   parser.add_argument("--bench-prompts", type=int, default=4)
-  parser.add_argument("--dim-batch", type=int, default=128)
+  parser.add_argument("--dim-batch", type=int, default=32)
   args = parser.parse_args(argv)
   result: dict = {"torch": torch.__version__, "jax": jax.__version__}
   import transformer_lens  # noqa: F401
