@@ -22,7 +22,7 @@ SKIP = 2
 PROMPTS = [
   np.asarray([3, 9, 4, 17, 5, 9, 11, 2], np.int32),
   np.asarray([1, 2, 3, 4, 5, 6, 7, 8], np.int32),
-  np.asarray([8, 30, 2, 41, 6, 6, 12], np.int32),
+  np.asarray([8, 30, 2, 41, 6, 6, 12, 40], np.int32),
 ]
 
 
@@ -88,15 +88,11 @@ def test_fit_is_the_reference_estimator(gpt2, fitted):
   model, variables = gpt2
   assert fitted.source_layers == [0, 1]
   assert fitted.n_prompts == 3
-  # The two 8-token prompts (the fixture's program for that length, one direct Jacobian's).
-  fit = lens.fit_jacobian_lens(
-    model, variables, PROMPTS[:2], skip_first_positions=SKIP, dim_batch=4
-  )
-  direct = [_direct(model, variables, jnp.asarray(p)) for p in PROMPTS[:2]]
+  direct = [_direct(model, variables, jnp.asarray(p)) for p in PROMPTS]  # one program
   for layer in (0, 1):
     want = np.mean([d[layer] for d in direct], axis=0)
     # float32 storage of a float64 fit
-    np.testing.assert_allclose(fit.jacobians[layer], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(fitted.jacobians[layer], want, rtol=1e-6, atol=1e-6)
     assert np.abs(want).max() > 0.1
 
 
@@ -160,86 +156,91 @@ def test_artifact_round_trip_and_refusals(gpt2, fitted, tmp_path):
 def test_readout(gpt2, fitted):
   model, variables = gpt2
   tokens = jnp.asarray(PROMPTS[0])[None]
-  logits = lens.jacobian_lens(model, variables, tokens, fitted)
+
+  @jax.jit  # one program: cheaper than the calls one by one
+  def readouts(v):
+    return (
+      lens.jacobian_lens(model, v, tokens, fitted),
+      model.apply(v, tokens),
+      lens.logit_lens(model, v, tokens, layers=[1, 2]),
+      lens.jacobian_lens(model, v, tokens, fitted, layers=[0, 1], use_jacobian=False),
+      lens.residuals(model, v, tokens, layers=[1])[0],
+      lens.jacobian_lens_topk(model, v, tokens, fitted, k=4, chunk=16).ids,
+    )
+
+  logits, out, plain, identity, h, top_ids = readouts(variables)
   assert logits.shape == (3, 1, 8, 50)
-  np.testing.assert_allclose(logits[-1], model.apply(variables, tokens), atol=1e-12)
-  # J = I is the logit lens of the block outputs (lens layer l + 1).
-  eye = lens.JacobianLens({0: np.eye(8), 1: np.eye(8)}, n_prompts=1, d_model=8)
-  plain = lens.logit_lens(model, variables, tokens, layers=[1, 2])
-  got = lens.jacobian_lens(model, variables, tokens, eye, layers=[0, 1])
-  np.testing.assert_allclose(got, plain, atol=1e-12)
-  np.testing.assert_allclose(
-    lens.jacobian_lens(model, variables, tokens, fitted, layers=[0, 1], use_jacobian=False),
-    plain,
-    atol=1e-12,
-  )
+  np.testing.assert_allclose(logits[-1], out, atol=1e-12)
+  # Without the transport it is the logit lens of the block outputs (lens layer l + 1).
+  np.testing.assert_allclose(identity, plain, atol=1e-12)
   # By hand: unembed(J h).
-  h = lens.residuals(model, variables, tokens, layers=[1])[0]
   by_hand = model.unembed(variables, h @ jnp.asarray(fitted.jacobians[0], jnp.float64).T)
   np.testing.assert_allclose(logits[0], by_hand, rtol=1e-5, atol=1e-5)
-  top = lens.jacobian_lens_topk(model, variables, tokens, fitted, k=4, chunk=16)
-  np.testing.assert_array_equal(top.ids, jax.lax.top_k(logits, 4)[1])
+  np.testing.assert_array_equal(top_ids, jax.lax.top_k(logits, 4)[1])
   with pytest.raises(lens.LensError) as e:
     lens.jacobian_lens(model, variables, tokens, lens.JacobianLens({0: np.eye(8)}, 1, 8), layers=1)
   assert e.value.fields["code"] == "index_out_of_range"
-
-
-def _run(model, variables, tokens, rules, layer):
-  site = model.block_site(layer, "resid_post")
-  t = jl.trace(model, variables, tokens, intervene=rules, save=jl.label(site))
-  return t[site].out, t.output
 
 
 def test_edits_and_their_gradients(gpt2, fitted):
   model, variables = gpt2
   tokens = jnp.asarray(PROMPTS[1])[None]
   layer = 1
+  site = model.block_site(layer, "resid_post")
   vecs = lens.jacobian_lens_vectors(model, variables, fitted, [5, 7, 9], layer)
   ro = lens.readout(model, variables)
   np.testing.assert_allclose(
     vecs[0], np.asarray(ro.rows(jnp.asarray(5))) @ fitted.jacobians[layer], rtol=1e-6
   )
-  clean, _ = _run(model, variables, tokens, [], layer)
+
+  def at_site(v, tokens, rules):
+    return jl.trace(model, v, tokens, intervene=rules, save=jl.label(site))[site].out
+
+  # One program per batch of runs (cheaper than one call each).
+  clean, donor = jax.jit(
+    lambda v: (at_site(v, tokens, []), at_site(v, jnp.asarray(PROMPTS[0])[None], []))
+  )(variables)
+  edits = {
+    "ablation": lens.jacobian_ablation(
+      model, variables, fitted, [5, 7, 9], [layer], positions=[-1, 2]
+    ),
+    "steering": lens.jacobian_steering(model, variables, fitted, 5, [layer], alpha=2.0),
+    "swap": lens.jacobian_swap(model, variables, fitted, 5, 7, [layer]),
+    "clamped": lens.jacobian_swap(model, variables, fitted, 5, 7, [layer], clamp_to={layer: donor}),
+  }
+  got = jax.jit(lambda v: {k: at_site(v, tokens, r)[0] for k, r in edits.items()})(variables)
 
   # Ablation: no component left along any of the three vectors, at the chosen positions only.
-  rules = lens.jacobian_ablation(model, variables, fitted, [5, 7, 9], [layer], positions=[-1, 2])
-  h, _ = _run(model, variables, tokens, rules, layer)
-  assert float(jnp.abs(h[0, [2, 7]] @ vecs.T.astype(h.dtype)).max()) < 1e-5
-  np.testing.assert_array_equal(h[0, [0, 1, 3, 4, 5, 6]], clean[0, [0, 1, 3, 4, 5, 6]])
-
+  h = got["ablation"]
+  assert float(jnp.abs(h[jnp.asarray([2, 7])] @ vecs.T.astype(h.dtype)).max()) < 1e-5
+  kept = np.asarray([0, 1, 3, 4, 5, 6])
+  np.testing.assert_array_equal(np.asarray(h)[kept], np.asarray(clean)[0, kept])
   # Steering: h + alpha * lower-median norm * unit vector.
-  rules = lens.jacobian_steering(model, variables, fitted, 5, [layer], alpha=2.0)
-  h, _ = _run(model, variables, tokens, rules, layer)
   norms = np.sort(np.linalg.norm(np.asarray(clean[0]), axis=-1))
   unit = np.asarray(vecs[0]) / np.linalg.norm(vecs[0])
-  np.testing.assert_allclose(h[0], clean[0] + 2.0 * norms[3] * unit, rtol=1e-6, atol=1e-6)
-
-  # Swap: the two lens coordinates exchanged, the rest of the stream untouched.
-  rules = lens.jacobian_swap(model, variables, fitted, 5, 7, [layer])
-  h, _ = _run(model, variables, tokens, rules, layer)
+  np.testing.assert_allclose(
+    got["steering"], clean[0] + 2.0 * norms[3] * unit, rtol=1e-6, atol=1e-6
+  )
+  # Swap: the two lens coordinates exchanged, the rest of the stream untouched; clamped to
+  # another run's coordinates (exchanged), at alpha = 1.
   basis = np.asarray(vecs[:2], np.float64).T
-  coords = lambda x: np.asarray(x[0]) @ np.linalg.pinv(basis).T  # noqa: E731
-  np.testing.assert_allclose(coords(h), coords(clean)[:, ::-1], rtol=1e-5, atol=1e-5)
-  # Clamped to another run's coordinates (exchanged), at alpha = 1.
-  other = jnp.asarray(PROMPTS[0])[None]
-  donor, _ = _run(model, variables, other, [], layer)
-  rules = lens.jacobian_swap(model, variables, fitted, 5, 7, [layer], clamp_to={layer: donor})
-  h, _ = _run(model, variables, tokens, rules, layer)
-  np.testing.assert_allclose(coords(h), coords(donor)[:, ::-1], rtol=1e-5, atol=1e-5)
+  coords = lambda x: np.asarray(x) @ np.linalg.pinv(basis).T  # noqa: E731
+  np.testing.assert_allclose(coords(got["swap"]), coords(clean[0])[:, ::-1], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    coords(got["clamped"]), coords(donor[0])[:, ::-1], rtol=1e-5, atol=1e-5
+  )
 
-  # Gradient: every edit keeps it (keep_grad's structural check passes) and it reaches block 0.
-  for rules in (
-    lens.jacobian_steering(model, variables, fitted, 5, [layer]),
-    lens.jacobian_ablation(model, variables, fitted, [5, 7], [layer]),
-    lens.jacobian_swap(model, variables, fitted, 5, 7, [layer]),
-    lens.jacobian_swap(model, variables, fitted, 5, 7, [layer], clamp_to={layer: donor}),
-  ):
-    kept = [jl.when(sel, ji.keep_grad(edit)) for r in rules for sel, edit in r.rules]
+  # Gradient: every edit keeps it (keep_grad's structural check passes) and it reaches block 0
+  # (the live swap is the clamped one's code with the live coordinates as its target).
+  def grads(v):
+    out = []
+    for name in ("steering", "ablation", "clamped"):
+      kept = [jl.when(sel, ji.keep_grad(edit)) for r in edits[name] for sel, edit in r.rules]
+      loss = lambda v, kept=kept: jl.trace(model, v, tokens, intervene=kept).output.sum()  # noqa: E731
+      out.append(jax.grad(loss)(v)["params"]["blocks_0"])
+    return out
 
-    def loss(v, kept=kept):
-      return jl.trace(model, v, tokens, intervene=kept).output.sum()
-
-    g = jax.grad(loss)(variables)["params"]["blocks_0"]
+  for g in jax.jit(grads)(variables):
     assert float(max(jnp.abs(x).max() for x in jax.tree_util.tree_leaves(g))) > 0
 
   def code(fn):
