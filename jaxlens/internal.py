@@ -18,6 +18,7 @@ from jaxlens._src.errors import reset_warnings as reset_warnings
 from jaxlens._src.gradients import grads_at_sites as grads_at_sites
 from jaxlens._src.jsonfile import loads as json_loads
 from jaxlens._src.optional import require as require
+from jaxlens._src.paths import path_argument as path_argument
 from jaxlens._src.render import CUT as CUT
 from jaxlens._src.render import DOWNSTREAM as DOWNSTREAM
 from jaxlens._src.render import FRONTIER as FRONTIER
@@ -67,6 +68,7 @@ __all__ = [
   "hits",
   "html_page",
   "json_loads",
+  "path_argument",
   "require",
   "reset_warnings",
   "selector_view",

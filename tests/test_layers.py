@@ -37,7 +37,9 @@ FLOORS = {
   # 0: JSON read with its depth bounded (every loader of a JSON file).
   "jsonfile": 0,
   # 1: site infos and selectors; how a door calls a linen or NNX model; named values
-  # (identity modules whose call is a site); optional dependencies; the compilation cache.
+  # (identity modules whose call is a site); optional dependencies; the compilation cache; the
+  # path argument of every loader, checked.
+  "paths": 1,
   "sites": 1,
   "model_calls": 1,
   "named": 1,

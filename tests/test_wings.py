@@ -657,3 +657,45 @@ def test_each_public_name_has_one_home():
   assert not doubled, doubled
   assert jl.Donor is jl.core.Donor and jl.SiteGrads is jl.core.SiteGrads
   assert jl.orthogonal is jl.intervention.orthogonal
+
+
+# --------------------------------------------------------------------------------------------
+# Loaders given something that is not a path.
+
+LOADERS = [
+  ("jaxlens.models", "load_hf", "LoadError"),
+  ("jaxlens.models", "load_gguf", "LoadError"),
+  ("jaxlens.sae", "load_saelens", "SAEError"),
+  ("jaxlens.sae", "load_gemma_scope", "SAEError"),
+  ("jaxlens.sae", "load_sparsify", "SAEError"),
+  ("jaxlens.sae", "load_dictionary_learning", "SAEError"),
+  ("jaxlens.sae", "load_llama_scope", "SAEError"),
+  ("jaxlens.sae", "load_gemma_scope_clt", "SAEError"),
+  ("jaxlens.sae", "load_hook_z", "SAEError"),
+  ("jaxlens.sae", "load_circuit_tracer", "SAEError"),
+  ("jaxlens.circuits", "load_circuit_tracer", "CircuitError"),
+  ("jaxlens.lens", "load_jacobian_lens", "LensError"),
+  ("jaxlens.lens", "load_tuned_lens", "LensError"),
+  ("jaxlens.circuits", "load_graph", "CircuitError"),
+]
+
+
+@pytest.mark.parametrize(
+  ("module", "name", "error"), LOADERS, ids=[f"{m}.{n}" for m, n, _ in LOADERS]
+)
+def test_a_loader_given_no_path_is_a_typed_error(module, name, error):
+  """None, a number or an empty string is the module's own error with ``invalid_argument``
+  (a raw TypeError from ``Path``/``open`` before), raised before the loader's other arguments
+  are read."""
+  import importlib
+
+  loader = getattr(importlib.import_module(module), name)
+  error_class = next(
+    getattr(importlib.import_module(m), error)
+    for m in (module, "jaxlens.models", "jaxlens.circuits")
+    if hasattr(importlib.import_module(m), error)
+  )
+  for bad in (None, 42, ""):
+    with pytest.raises(error_class, match=f"{name}: path must be a str or os.PathLike") as e:
+      loader(bad)
+    assert e.value.code == "invalid_argument" and e.value.fields["received"] == type(bad).__name__

@@ -19,6 +19,7 @@ from jaxlens.circuits._attribute import Graph
 from jaxlens.circuits._errors import CircuitError
 from jaxlens.circuits._prune import prune
 from jaxlens.sae import CrossLayerTranscoder, Transcoder
+from jaxlens.internal import path_argument
 
 __all__ = ["load_circuit_tracer", "load_graph", "save_graph", "to_neuronpedia_json"]
 
@@ -99,6 +100,7 @@ def _corrupt(path, why) -> CircuitError:
   )
 
 
+@path_argument(CircuitError)
 def load_graph(path) -> Graph:
   """Reads a graph :func:`save_graph` wrote.
 
@@ -344,6 +346,7 @@ def _check_threshold(threshold, path):
     )
 
 
+@path_argument(CircuitError)
 def load_circuit_tracer(path, dtype=None):
   """Reads circuit-tracer's transcoder files: a per-layer transcoder's ``.safetensors`` file
   (``W_enc`` ``(d_transcoder, d_model)``, ``W_dec``, ``b_enc``, ``b_dec``, optional ``W_skip``

@@ -33,6 +33,7 @@ from jaxlens.core import JaxlensWarning
 from jaxlens.lens._logit import TopTokens, layer_count, topk_chunked
 from jaxlens.lens._readout import LensError, readout
 from jaxlens.lens._torchfile import read_object, write_object
+from jaxlens.internal import path_argument
 
 __all__ = [
   "JacobianLens",
@@ -470,6 +471,7 @@ def _clean_metadata(value):
   return value
 
 
+@path_argument(LensError)
 def load_jacobian_lens(path, model=None) -> JacobianLens:
   """Reads a Jacobian lens artifact (:func:`save_jacobian_lens`, TransformerLens's
   ``JacobianLens.save``, the reference's files) or a fit checkpoint of the reference

@@ -21,6 +21,7 @@ import optax
 from jaxlens.lens._logit import check_layers, layer_count, residuals
 from jaxlens.lens._readout import LensError, readout
 from jaxlens.lens._torchfile import read_state_dict, write_state_dict
+from jaxlens.internal import path_argument
 
 __all__ = [
   "TrainResult",
@@ -356,6 +357,7 @@ def _mismatch(path, message: str, **fields) -> LensError:
   )
 
 
+@path_argument(LensError)
 def load_tuned_lens(
   path, model, variables, *, model_name: str | None = None, check_hash: bool = True
 ) -> TunedLens:

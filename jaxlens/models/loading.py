@@ -39,6 +39,7 @@ from jaxlens.models.gemma import Gemma3, Gemma3Config
 from jaxlens.models.gpt2 import GPT2, GPT2Config
 from jaxlens.models.gpt_neox import GPTNeoX, GPTNeoXConfig
 from jaxlens.models.llama import Llama, LlamaConfig
+from jaxlens.internal import path_argument
 
 __all__ = [
   "LoadError",
@@ -732,6 +733,7 @@ class _Checkpoint(Mapping):
         return
 
 
+@path_argument(LoadError)
 def load_hf(path, dtype=jnp.float32) -> Pretrained:
   """Loads a Hugging Face-style model from a directory or a zip archive of one.
 
@@ -1147,6 +1149,7 @@ def _minus_one(w):
   return w - 1.0
 
 
+@path_argument(LoadError, chunks=True)
 def load_gguf(
   path, dtype=jnp.float32, tokenizer: bool = True, weights: str = "float32", sha256=None
 ) -> Pretrained:

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxlens.internal import json_loads, require
 from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder
+from jaxlens.internal import path_argument
 
 __all__ = ["load_saelens", "save_saelens", "load_gemma_scope"]
 
@@ -144,6 +145,7 @@ def _pre_6_0(cfg: dict) -> dict:
   return cfg
 
 
+@path_argument(SAEError)
 def load_saelens(path, *, dtype=None):
   """Reads a dictionary saved by SAELens (``sae.save_model(path)``) or :func:`save_saelens`.
 
@@ -392,6 +394,7 @@ def save_saelens(sae, path) -> Path:
   return root
 
 
+@path_argument(SAEError)
 def load_gemma_scope(path, *, dtype=jnp.float32, apply_b_dec_to_input: bool = False):
   """Reads a Gemma Scope or Gemma Scope 2 dictionary: ``params.npz`` or a ``.safetensors``
   file (``params.safetensors``), or the directory holding it.

@@ -24,6 +24,7 @@ import numpy as np
 from jaxlens.internal import json_loads, require
 from jaxlens.sae._dictionaries import SAE, CrossLayerTranscoder, SAEError, Transcoder
 from jaxlens.sae._files import _dtype, _read_tensors, _require_finite, _safetensors
+from jaxlens.internal import path_argument
 
 __all__ = [
   "zoo_site",
@@ -255,6 +256,7 @@ SPARSIFY_CFG = "cfg.json"
 SPARSIFY_WEIGHTS = "sae.safetensors"
 
 
+@path_argument(SAEError)
 def load_sparsify(path, *, dtype=None):
   """Reads a sparsify (``eai-sparsify``) sparse coder: the directory ``SparseCoder.save_to_disk``
   (and its trainer, one per hookpoint) writes, ``cfg.json`` and ``sae.safetensors``.
@@ -484,6 +486,7 @@ def _dl_class(tensors: dict, path: Path) -> str:
   )
 
 
+@path_argument(SAEError)
 def load_dictionary_learning(path, *, dict_class=None, normalize_decoder=True, dtype=jnp.float32):
   """Reads a ``dictionary_learning`` checkpoint: a trainer's directory (``ae.pt`` and the
   ``config.json`` whose ``trainer.dict_class`` names the class) or a ``.pt`` file (a
@@ -616,6 +619,7 @@ def load_dictionary_learning(path, *, dict_class=None, normalize_decoder=True, d
 # -- Llama Scope ------------------------------------------------------------------------------
 
 
+@path_argument(SAEError)
 def load_llama_scope(path, *, dtype=jnp.float32):
   """Reads a Llama Scope SAE: the directory ``Llama3_1-8B-Base-L{layer}{R,A,M,TC}-{n}x`` of
   ``hyperparams.json`` and ``checkpoints/final.safetensors`` (``encoder.weight (d_sae,
@@ -819,6 +823,7 @@ def save_gemma_scope(sae, path, *, model_name=None) -> Path:
   return _write_dir(Path(path), "params.safetensors", files, "Gemma Scope dictionary")
 
 
+@path_argument(SAEError)
 def load_gemma_scope_clt(path, *, dtype=jnp.float32) -> CrossLayerTranscoder:
   """Reads a Gemma Scope 2 cross-layer transcoder: one ``.safetensors`` file per layer (a
   directory of files named ``..layer_{i}..``, or a list of them in layer order), each with
@@ -928,6 +933,7 @@ def load_gemma_scope_clt(path, *, dtype=jnp.float32) -> CrossLayerTranscoder:
 # -- connor-rob hook_z SAEs --------------------------------------------------------------------
 
 
+@path_argument(SAEError)
 def load_hook_z(path, *, dtype=jnp.float32):
   """Reads one of connor-rob's (Kissane, Krzyzanowski et al.) attention-output SAEs: the
   ``.pt`` state dict (``W_enc (d_in, d_sae)``, ``b_enc``, ``W_dec (d_sae, d_in)``,
@@ -975,6 +981,7 @@ def load_hook_z(path, *, dtype=jnp.float32):
 # -- circuit-tracer -----------------------------------------------------------------------------
 
 
+@path_argument(SAEError)
 def load_circuit_tracer(path, dtype=None):
   """circuit-tracer's transcoder files, read by :func:`jaxlens.circuits.load_circuit_tracer`
   (the same function): a per-layer transcoder's ``.safetensors`` file, a list of them, or a
