@@ -399,6 +399,13 @@ def test_nonfinite_is_raise_or_skip(mlp, call):
       "init has 4 features",
     ),
     (
+      lambda cfg: st.train(
+        _rows(2), cfg, steps=2, init=sae.SAE.init(jax.random.key(0), 8, 8, dtype=jnp.float64)
+      ),
+      "sae_config_invalid",
+      "init's weights are float64, the config's dtype float32",
+    ),
+    (
       lambda cfg: st.train([np.ones((4, 8), np.int32)], cfg, steps=2),
       "sae_batch_invalid",
       "batch 0 must be a non-empty float array",

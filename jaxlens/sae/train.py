@@ -1049,6 +1049,15 @@ def _check_init(init, config: TrainConfig, fx, fy):
       field="init",
       fix=f"TrainConfig(d_sae={init.d_sae}, ...)",
     )
+  dtypes = sorted({str(jnp.asarray(leaf).dtype) for leaf in (init.W_enc, init.W_dec)})
+  if dtypes != [str(jnp.dtype(config.dtype))]:
+    # Training would silently run in the init's dtype, not the configuration's.
+    raise SAEError(
+      f"init's weights are {', '.join(dtypes)}, the config's dtype {jnp.dtype(config.dtype)}",
+      code="sae_config_invalid",
+      field="init",
+      fix=f'TrainConfig(dtype="{dtypes[0]}", ...) or an init of dtype {jnp.dtype(config.dtype)}',
+    )
   want = [("d_in", init.d_in, fx.shape[-1])]
   if fy is not None:
     want.append(("d_out", init.d_out, fy.shape[-1]))
