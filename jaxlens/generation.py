@@ -483,6 +483,8 @@ def generate(
     else _as_ids(attention_mask, "attention_mask")
   )
   _check_prompt(prompt, mask, model, max_new_tokens)
+  # Nonzero marks a real token (the documented meaning): positions and the cache read 0/1.
+  mask = (mask != 0).astype(jnp.int32)
   _check_scalars(temperature, seed, stop_tokens, pad_token)
   if not isinstance(model, nn.Module) or model.scope is not None:
     raise InvalidArgumentError(

@@ -120,6 +120,9 @@ def test_steering_on_every_token_equals_the_uncached_steered_forward(llama):
   np.testing.assert_allclose(out.logits, ref_logits, atol=1e-4, rtol=1e-4)
   plain = generate(model, variables, TOKENS, N, attention_mask=MASK)
   assert (out.tokens != plain.tokens).any()  # the steering changed the generation
+  # Any nonzero mask entry marks a real token (the same program: the mask is normalised).
+  twos = generate(model, variables, TOKENS, N, attention_mask=2 * MASK)
+  np.testing.assert_array_equal(twos.logits, plain.logits)
 
 
 def test_prefill_decode_chosen_steps_and_saved_sites(llama):
