@@ -248,6 +248,17 @@ def _salient_logits(logits, unembed, max_n_logits: int, desired_logit_prob: floa
   return top_idx[:cutoff], top_p[:cutoff], vecs[:cutoff]
 
 
+def _check_graph(graph) -> None:
+  """``invalid_argument`` unless ``graph`` is a :class:`Graph`."""
+  if not isinstance(graph, Graph):
+    raise CircuitError(
+      f"graph must be a circuits.Graph, got {type(graph).__name__}",
+      code="invalid_argument",
+      received=type(graph).__name__,
+      fix="graph = circuits.attribute(model, variables, tokens, transcoders)",
+    )
+
+
 def _check_tokens(model, tokens):
   t = np.asarray(tokens)
   if t.ndim == 2 and t.shape[0] == 1:

@@ -31,6 +31,7 @@ import numpy as np
 from jaxlens.circuits._attribute import (
   Graph,
   LocalReplacement,
+  _check_graph,
   _check_tokens,
   _unembedding,
   local_replacement,
@@ -91,13 +92,7 @@ class QKAttribution:
 
 def _setup(model, variables, tokens, transcoders, graph, local):
   toks = _check_tokens(model, tokens)
-  if not isinstance(graph, Graph):
-    raise CircuitError(
-      f"graph must be a circuits.Graph, got {type(graph).__name__}",
-      code="invalid_argument",
-      received=type(graph).__name__,
-      fix="graph = circuits.attribute(model, variables, tokens, transcoders)",
-    )
+  _check_graph(graph)
   if not np.array_equal(np.asarray(graph.input_tokens), np.asarray(toks)):
     raise CircuitError(
       "the graph was built on another prompt",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxlens.circuits._attribute import Graph
+from jaxlens.circuits._attribute import Graph, _check_graph
 from jaxlens.circuits._errors import CircuitError
 from jaxlens.circuits._prune import PruneResult, prune
 from jaxlens.internal import require
@@ -69,13 +69,7 @@ def graph_layout(graph: Graph, pruned: PruneResult | None = None, *, token_strin
   Raises:
     CircuitError: ``invalid_argument`` (not a graph, or masks of another graph's size).
   """
-  if not isinstance(graph, Graph):
-    raise CircuitError(
-      f"graph must be a circuits.Graph, got {type(graph).__name__}",
-      code="invalid_argument",
-      received=type(graph).__name__,
-      fix="graph = circuits.attribute(model, variables, tokens, transcoders)",
-    )
+  _check_graph(graph)
   pruned = prune(graph) if pruned is None else pruned
   n = graph.adjacency.shape[0]
   if np.shape(pruned.node_mask) != (n,) or np.shape(pruned.edge_mask) != (n, n):
