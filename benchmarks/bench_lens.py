@@ -12,9 +12,22 @@ logit lens's top-k in vocabulary chunks against the full logit lens (peak memory
   ``lens.logit_lens`` followed by ``lax.top_k``: XLA's peak temporary memory of each compiled
   program (``compiled.memory_analysis()``), and the largest vocabulary-wide array's size.
 
+* tuned-lens training (``--part tuned``): ``lens.train_tuned_lens`` against the ``tuned-lens``
+  package's (0.2.0) training loop on the same GPT-2-layout model (built by transformers, loaded
+  by ``jaxlens.models.load_hf``), the same token batches and step counts. The package's
+  ``Train.execute`` cannot be imported with the installed torchdata (0.11 has no
+  ``dataloader2``), so its loop body is run as written: the model's forward with the hidden
+  states, the final log-probabilities, then per layer its ``TunedLens`` forward under
+  ``torch.autocast(bfloat16)``, the KL, ``backward``, and the step (``clip_grad_norm_`` at 1,
+  torch SGD with Nesterov momentum, its learning rate and weight decay, the linear schedule).
+  It runs as shipped (bfloat16 autocast) and with the autocast off (float32), each at one
+  torch thread and the default, all interleaved with jaxlens in one process; the fastest of
+  the four is the peer's figure. Wall and CPU time per step; the per-layer KLs of both after
+  the same steps.
+
 Usage::
 
-  python benchmarks/bench_lens.py [--model tiny|smollm2] [--repeats 3]
+  python benchmarks/bench_lens.py [--part patchscope,topk,tuned] [--model tiny|smollm2]
 """
 
 from __future__ import annotations
@@ -127,26 +140,191 @@ def bench_topk_memory(model, variables, tokens, chunk: int) -> dict:
   return out
 
 
+def _gpt2(layers: int, width: int, vocab: int, seq: int):
+  """A GPT-2-layout model from transformers (seed 0) and the same weights in jaxlens."""
+  import tempfile
+
+  import torch
+  import transformers
+
+  torch.manual_seed(0)
+  cfg = transformers.GPT2Config(
+    n_layer=layers,
+    n_embd=width,
+    n_head=max(width // 64, 1),
+    vocab_size=vocab,
+    n_positions=max(seq, 64),
+    use_cache=False,
+  )
+  hf = transformers.GPT2LMHeadModel(cfg).eval()
+  hf.requires_grad_(False)
+  with tempfile.TemporaryDirectory() as tmp:
+    hf.save_pretrained(tmp)
+    lm = jm.load_hf(tmp, dtype=jnp.float32)
+  return hf, lm.model, lm.variables
+
+
+def _tuned_lens_package_trainer(hf, steps: int, autocast: bool):
+  """The ``tuned-lens`` 0.2.0 training loop (``scripts/train_loop.py::Train.execute``, one
+  batch a step, KL loss, token shift 0) on ``hf``: a function of the batches that trains a
+  fresh lens for ``len(batches)`` steps and returns it and the last step's per-layer KL."""
+  import torch as th
+  from transformers import get_linear_schedule_with_warmup
+  from tuned_lens import TunedLens
+  from tuned_lens.utils import shift_labels, shift_preds
+
+  def train(batches):
+    lens = TunedLens.from_model(hf)
+    params = [p for p in lens.parameters() if p.requires_grad]
+    # ingredients.Optimizer.create_optim / create_scheduler at their defaults (SGD, no warmup)
+    opt = th.optim.SGD(params, lr=1.0 * (1 - 0.9), momentum=0.9, nesterov=True, weight_decay=1e-3)
+    scheduler = get_linear_schedule_with_warmup(opt, 0, steps)
+    losses = []
+    for batch in batches:
+      with th.no_grad():
+        output = hf(input_ids=batch, output_hidden_states=True)
+      final_logits = output.logits
+      hidden_states = output.hidden_states[:-1]
+      labels = shift_labels(final_logits.float().log_softmax(dim=-1), 0)
+      losses = []
+      for i, h in enumerate(hidden_states):
+        with th.autocast("cpu", dtype=th.bfloat16, enabled=autocast):
+          logits = shift_preds(lens(h, idx=i), 0)
+          loss = th.sum(labels.exp() * (labels - logits.log_softmax(-1)), dim=-1).mean()
+          losses.append(loss.detach().item())
+        loss.backward()
+      th.nn.utils.clip_grad_norm_(lens.parameters(), 1.0)
+      opt.step()
+      opt.zero_grad(set_to_none=False)
+      scheduler.step()
+    return lens, np.asarray(losses)
+
+  return train
+
+
+def bench_tuned(args) -> dict:
+  import torch
+
+  from benchmarks._torch_peer import cpu_seconds
+
+  hf, model, variables = _gpt2(args.tl_layers, args.tl_width, args.tl_vocab, args.tl_seq)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, args.tl_vocab, (args.tl_steps, args.tl_batch, args.tl_seq), np.int32)
+  torch_batches = [torch.from_numpy(t.astype(np.int64)) for t in tokens]
+  steps = args.tl_steps
+
+  def ours():
+    result = lens.train_tuned_lens(model, variables, list(tokens), steps=steps)
+    return result.lens, result.kl[-1]
+
+  default = torch.get_num_threads()
+  sides = {"jaxlens": (ours, None)}
+  shipped = set()  # bfloat16 autocast without native bfloat16 is ~25x slower: timed once
+  for autocast, label in ((True, "bfloat16 autocast"), (False, "float32")):
+    trainer = _tuned_lens_package_trainer(hf, steps, autocast)
+    for threads in (1, default):
+      name = f"tuned-lens ({label}), {threads} thread{'s' * (threads > 1)}"
+      sides[name] = (lambda tr=trainer: tr(torch_batches), threads)
+      if autocast:
+        shipped.add(name)
+  t0 = time.perf_counter()
+  ours()  # compiles
+  compile_s = time.perf_counter() - t0
+  names = list(sides)
+  walls: dict[str, list[float]] = {n: [] for n in names}
+  cpus: dict[str, list[float]] = {n: [] for n in names}
+  last: dict = {}
+  try:
+    for r in range(args.repeats):  # interleaved, the order rotating and flipping
+      order = names[r % len(names) :] + names[: r % len(names)]
+      for name in order if r % 2 == 0 else order[::-1]:
+        if name in shipped and r >= args.tl_shipped_repeats:
+          continue
+        fn, threads = sides[name]
+        torch.set_num_threads(threads or default)
+        c0, w0 = cpu_seconds(), time.perf_counter()
+        last[name] = jax.block_until_ready(fn())
+        walls[name].append((time.perf_counter() - w0) / steps)
+        cpus[name].append((cpu_seconds() - c0) / steps)
+  finally:
+    torch.set_num_threads(default)
+  out: dict = {
+    "setting": (
+      f"GPT-2 layout, {args.tl_layers} blocks, width {args.tl_width}, vocabulary "
+      f"{args.tl_vocab}, {steps} steps of {args.tl_batch} x {args.tl_seq} tokens, float32 "
+      f"model; tuned-lens's defaults (SGD Nesterov, lr 0.1, weight decay 1e-3, clip 1)"
+    ),
+    "jaxlens_compile_s": compile_s,
+  }
+  for n in names:
+    out[n] = {
+      "step_wall_ms": 1000 * float(np.median(walls[n])),
+      "step_cpu_ms": 1000 * float(np.median(cpus[n])),
+      "wall_ms_all": [round(1000 * w, 1) for w in walls[n]],
+    }
+  best = min(names[1:], key=lambda n: out[n]["step_wall_ms"])
+  out["best_peer"] = best
+  out["speedup_wall"] = out[best]["step_wall_ms"] / out["jaxlens"]["step_wall_ms"]
+  out["speedup_cpu"] = out[best]["step_cpu_ms"] / out["jaxlens"]["step_cpu_ms"]
+  out["speedup_wall_with_compile"] = (steps * out[best]["step_wall_ms"]) / (
+    steps * out["jaxlens"]["step_wall_ms"] + 1000 * compile_s
+  )
+  ours_kl = np.asarray(last["jaxlens"][1])
+  peer_kl = np.asarray(last[names[names.index(best)]][1])
+  out["last_step_kl"] = {"jaxlens": ours_kl.round(4).tolist(), best: peer_kl.round(4).tolist()}
+  out["last_step_kl_max_rel_diff"] = float(np.max(np.abs(ours_kl - peer_kl) / peer_kl))
+  return out
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--part", default="patchscope,topk", help="patchscope, topk, tuned")
   parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--chunk", type=int, default=4096)
+  parser.add_argument("--tl-layers", type=int, default=6)
+  parser.add_argument("--tl-width", type=int, default=256)
+  parser.add_argument("--tl-vocab", type=int, default=16384)
+  parser.add_argument("--tl-batch", type=int, default=4)
+  parser.add_argument("--tl-seq", type=int, default=64)
+  parser.add_argument("--tl-steps", type=int, default=4)
+  parser.add_argument(
+    "--tl-shipped-repeats", type=int, default=1, help="timed runs of the bfloat16 autocast loop"
+  )
   args = parser.parse_args(argv)
-  model, variables, source, target = _model(args.model)
-  result = {"model": args.model, "devices": str(jax.devices())}
-  result["patchscope"] = bench_patchscope(model, variables, source, target, args.repeats)
-  result["topk"] = bench_topk_memory(model, variables, target, args.chunk)
-  p, t = result["patchscope"], result["topk"]
-  print(
-    f"patchscope, {p['cells']} cells: grid {p['grid_s'] * 1e3:.1f} ms, loop of one forward "
-    f"per cell {p['loop_s'] * 1e3:.1f} ms: {p['speedup']:.1f}x (max |diff| {p['max_abs_diff']:.1e})"
-  )
-  print(
-    f"logit-lens top-k, XLA temporary memory: full {t['full_temp_bytes'] / 2**20:.1f} MiB, "
-    f"chunked {t['chunked_temp_bytes'] / 2**20:.1f} MiB (the (layers, positions, vocab) logits "
-    f"alone: {t['full_logits_bytes'] / 2**20:.1f} MiB; same ids: {t['same_ids']})"
-  )
+  parts = set(args.part.split(","))
+  result: dict = {"model": args.model, "devices": str(jax.devices())}
+  if parts & {"patchscope", "topk"}:
+    model, variables, source, target = _model(args.model)
+  if "patchscope" in parts:
+    result["patchscope"] = bench_patchscope(model, variables, source, target, args.repeats)
+    p = result["patchscope"]
+    print(
+      f"patchscope, {p['cells']} cells: grid {p['grid_s'] * 1e3:.1f} ms, loop of one forward "
+      f"per cell {p['loop_s'] * 1e3:.1f} ms: {p['speedup']:.1f}x "
+      f"(max |diff| {p['max_abs_diff']:.1e})"
+    )
+  if "topk" in parts:
+    result["topk"] = t = bench_topk_memory(model, variables, target, args.chunk)
+    print(
+      f"logit-lens top-k, XLA temporary memory: full {t['full_temp_bytes'] / 2**20:.1f} MiB, "
+      f"chunked {t['chunked_temp_bytes'] / 2**20:.1f} MiB (the (layers, positions, vocab) "
+      f"logits alone: {t['full_logits_bytes'] / 2**20:.1f} MiB; same ids: {t['same_ids']})"
+    )
+  if "tuned" in parts:
+    result["tuned"] = t = bench_tuned(args)
+    print(t["setting"])
+    for name in [n for n in t if isinstance(t[n], dict) and "step_wall_ms" in t[n]]:
+      print(
+        f"  {name}: {t[name]['step_wall_ms']:.0f} ms a step, {t[name]['step_cpu_ms']:.0f} ms "
+        f"of CPU ({t[name]['wall_ms_all']})"
+      )
+    print(
+      f"tuned-lens training: {t['speedup_wall']:.2f}x wall, {t['speedup_cpu']:.2f}x CPU against "
+      f"{t['best_peer']} ({t['speedup_wall_with_compile']:.2f}x wall with jaxlens's "
+      f"{t['jaxlens_compile_s']:.1f} s compilation); last step's per-layer KL within "
+      f"{t['last_step_kl_max_rel_diff']:.1e} relative"
+    )
   return result
 
 

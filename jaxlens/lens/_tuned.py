@@ -5,6 +5,7 @@ package's (``params.pt`` and ``config.json``), read and written without torch.""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -121,6 +122,31 @@ def _kl(final_logits, logits, mask):
   return jnp.sum(kl * m, axis=(1, 2)) / jnp.maximum(jnp.sum(m), 1)
 
 
+def _final_distribution(model, variables, final_residual, mask):
+  """The model's final distribution (in float32 at least), ``sum(p * log p)`` per token, and
+  each token's weight in the mean over real tokens, ``mask / sum(mask)``."""
+  logits = model.unembed(variables, final_residual)
+  sdt = jnp.float32 if jnp.dtype(logits.dtype).itemsize < 4 else logits.dtype
+  p_log = jax.nn.log_softmax(logits.astype(sdt), -1)
+  p = jnp.exp(p_log)
+  m = mask.astype(sdt)
+  return p, jnp.sum(p * p_log, -1), m / jnp.maximum(jnp.sum(m), 1)
+
+
+def _kl_and_grad(model, variables, h, p, p_entropy, weight):
+  """One layer's mean KL(final || lens) and its gradient with respect to the translated
+  residual ``h``, in one pass: the gradient of the KL with respect to the lens's logits ``z``
+  is ``weight * (q - p)``, pulled back through the final norm and unembedding. Two products
+  with the unembedding (forward and pullback), where differentiating the KL through a
+  checkpoint takes three. Per token, ``KL = sum(p log p) - sum(p z) + logsumexp(z)``."""
+  logits, pullback = jax.vjp(lambda x: model.unembed(variables, x), h)
+  z = logits.astype(p.dtype)
+  lse = jax.nn.logsumexp(z, -1)
+  kl = jnp.sum((p_entropy - jnp.sum(p * z, -1) + lse) * weight)
+  (grad,) = pullback(((jnp.exp(z - lse[..., None]) - p) * weight[..., None]).astype(logits.dtype))
+  return kl, grad
+
+
 def kl_to_final(model, variables, tokens, lens: TunedLens | None = None, *, attention_mask=None):
   """Per layer, the mean KL divergence from the model's final distribution to the lens's
   (the tuned lens, or the logit lens when ``lens`` is None), ``(n_layers + 1,)``; the last is
@@ -151,6 +177,7 @@ def _clip_like_torch(max_norm: float) -> optax.GradientTransformation:
   return optax.stateless(clip)
 
 
+@functools.lru_cache(maxsize=64)  # the same optimiser object: train_tuned_lens's step is reused
 def tuned_lens_optimizer(
   steps: int,
   *,
@@ -174,6 +201,23 @@ def tuned_lens_optimizer(
     optax.add_decayed_weights(weight_decay),
     optax.sgd(schedule, momentum=momentum, nesterov=True),
   )
+
+
+@functools.partial(jax.jit, static_argnames=("model", "opt"))
+def _train_step(model, opt, variables, lens, state, tokens, mask):
+  """One step of every layer's translator (the model's variables an argument, not constants);
+  one compiled program per model, optimiser and batch shape."""
+  sites = check_layers(model, None)
+  res = residuals(model, variables, tokens, layers=sites, attention_mask=mask)
+  res = jax.lax.stop_gradient(res)
+  p, p_entropy, weight = _final_distribution(model, variables, res[-1], mask)
+  h, translate_vjp = jax.vjp(lambda lens: lens.translate(res[:-1], sites[:-1]), lens)
+  # One layer at a time (lax.map): the peak is a few (batch, seq, vocab) arrays, not one per
+  # layer; each layer's gradient comes with its KL, so nothing is recomputed or kept.
+  kl, g = jax.lax.map(lambda x: _kl_and_grad(model, variables, x, p, p_entropy, weight), h)
+  (grads,) = translate_vjp(g)
+  updates, state = opt.update(grads, state, lens)
+  return optax.apply_updates(lens, updates), state, kl
 
 
 class TrainResult(NamedTuple):
@@ -232,28 +276,6 @@ def train_tuned_lens(
   _check_lens(model, lens)
   opt = tuned_lens_optimizer(steps) if optimizer is None else optimizer
   state = opt.init(lens)
-  sites = check_layers(model, None)
-
-  @jax.jit
-  def step(variables, lens, state, tokens, mask):  # the variables an argument, not constants
-    res = residuals(model, variables, tokens, layers=sites, attention_mask=mask)
-    res = jax.lax.stop_gradient(res)
-    final = jax.lax.stop_gradient(model.unembed(variables, res[-1]))
-
-    # One layer's logits at a time (a loop over layers, recomputed in the backward pass):
-    # the peak is one (batch, seq, vocab) array, not one per layer.
-    @jax.checkpoint
-    def layer_kl(h):
-      return _kl(final[None], model.unembed(variables, h)[None], mask)[0]
-
-    def loss(lens):
-      h = lens.translate(res[:-1], sites[:-1])
-      kl = jax.lax.map(layer_kl, h)
-      return jnp.sum(kl), kl
-
-    (_, kl), grads = jax.value_and_grad(loss, has_aux=True)(lens)
-    updates, state = opt.update(grads, state, lens)
-    return optax.apply_updates(lens, updates), state, kl
 
   history = []
   it = iter(batches)
@@ -281,7 +303,7 @@ def train_tuned_lens(
 
       rows = NamedSharding(mesh, PartitionSpec(data_axis))
       tokens, mask = jax.device_put(tokens, rows), jax.device_put(mask, rows)
-    lens, state, kl = step(variables, lens, state, tokens, mask)
+    lens, state, kl = _train_step(model, opt, variables, lens, state, tokens, mask)
     if not bool(jnp.all(jnp.isfinite(kl))):
       raise LensError(
         f"batch {i}: the KL is not finite (NaN or infinity in the model's values on it)",
