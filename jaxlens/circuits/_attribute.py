@@ -4,7 +4,9 @@ model (:mod:`jaxlens.circuits._freeze`)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +55,7 @@ class Replacement:
   W_skip: tuple
   encoders: tuple
   cross_layer: bool
+  source: Any = None  # the transcoders it was built from (arguments of the cached programs)
 
   def skip(self, layer: int, x):
     w = self.W_skip[layer]
@@ -111,13 +114,17 @@ def replacement(model, transcoders) -> Replacement:
       (None,) * n,
       tuple(lambda x, i=i: clt.encode_layer(i, x) for i in range(n)),
       True,
+      clt,
     )
-  if not isinstance(transcoders, Sequence) or not all(
-    isinstance(t, Transcoder) for t in transcoders
+  if (
+    not isinstance(transcoders, Sequence)
+    or not all(t is None or isinstance(t, Transcoder) for t in transcoders)
+    or all(t is None for t in transcoders)
   ):
     raise CircuitError(
-      "transcoders must be a sequence of jaxlens.sae.Transcoder (one per layer) or a "
-      f"jaxlens.sae.CrossLayerTranscoder, got {type(transcoders).__name__}",
+      "transcoders must be a sequence of jaxlens.sae.Transcoder (one per layer, None for a "
+      "layer without one, at least one given) or a jaxlens.sae.CrossLayerTranscoder, got "
+      f"{type(transcoders).__name__}",
       code="invalid_argument",
       received=type(transcoders).__name__,
       fix="[sae.Transcoder.init(...) for each layer] or sae.CrossLayerTranscoder.init(...)",
@@ -130,6 +137,8 @@ def replacement(model, transcoders) -> Replacement:
       fix="one transcoder per layer, in layer order",
     )
   for i, t in enumerate(transcoders):
+    if t is None:
+      continue
     if t.d_in != d or t.d_out != d:
       raise _mismatch(
         f"transcoder {i} reads {t.d_in} and writes {t.d_out} features, the model's width is {d}",
@@ -147,6 +156,7 @@ def replacement(model, transcoders) -> Replacement:
         received=(t.normalize_activations, t.activation),
         fix="normalize_activations='none' and a relu or jumprelu activation",
       )
+  transcoders = _fill_missing(transcoders)
   return Replacement(
     n,
     tuple(t.W_enc for t in transcoders),
@@ -156,7 +166,23 @@ def replacement(model, transcoders) -> Replacement:
     tuple(t.W_skip for t in transcoders),
     tuple(t.encode for t in transcoders),
     False,
+    tuple(transcoders),
   )
+
+
+def _fill_missing(transcoders):
+  """``transcoders`` with each ``None`` (a layer without a transcoder) made a transcoder of
+  the others' width whose features never fire (``relu(0 x - 1)``) and that writes nothing: the
+  layer's whole MLP output is its error node."""
+  given = next(t for t in transcoders if t is not None)
+  silent = Transcoder(
+    W_enc=jnp.zeros_like(given.W_enc),
+    b_enc=jnp.full_like(given.b_enc, -1.0),
+    W_dec=jnp.zeros_like(given.W_dec),
+    b_dec=jnp.zeros_like(given.b_dec),
+    activation="relu",
+  )
+  return [silent if t is None else t for t in transcoders]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,29 +247,33 @@ class Graph:
     return w
 
 
-def _token_targets(logits, unembed, ids):
+@functools.partial(jax.jit, static_argnames=("model",))
+def _id_targets(model, variables, logits, ids):
+  TRACES["targets"] += 1
+  unembed, _ = _unembedding(model, variables)
+  return jax.nn.softmax(logits)[ids], unembed(ids) - unembed(None)
+
+
+def _token_targets(model, variables, logits, ids):
   """circuit-tracer's targets from token ids: their probabilities and demeaned rows."""
-
-  @jax.jit
-  def rows(logits, ids):
-    return jax.nn.softmax(logits)[ids], unembed(ids) - unembed(None)
-
-  p, vecs = rows(logits, jnp.asarray(ids))
+  p, vecs = _id_targets(model, variables, logits, jnp.asarray(ids))
   return np.asarray(ids), np.asarray(p), np.asarray(vecs)
 
 
-def _salient_logits(logits, unembed, max_n_logits: int, desired_logit_prob: float):
+@functools.partial(jax.jit, static_argnames=("model", "k"))
+def _top_targets(model, variables, logits, k):
+  TRACES["targets"] += 1
+  unembed, _ = _unembedding(model, variables)
+  top_p, top_idx = jax.lax.top_k(jax.nn.softmax(logits), k)
+  return top_p, top_idx, unembed(top_idx) - unembed(None)
+
+
+def _salient_logits(model, variables, logits, max_n_logits: int, desired_logit_prob: float):
   """circuit-tracer's ``compute_salient_logits``: the fewest top tokens whose probability
   reaches ``desired_logit_prob`` (at most ``max_n_logits``), their probabilities and their
   unembedding rows minus the mean row."""
-
-  @jax.jit
-  def top(logits):
-    probs = jax.nn.softmax(logits)
-    top_p, top_idx = jax.lax.top_k(probs, min(max_n_logits, probs.shape[-1]))
-    return top_p, top_idx, unembed(top_idx) - unembed(None)
-
-  top_p, top_idx, vecs = (np.asarray(a) for a in top(logits))
+  k = min(max_n_logits, logits.shape[-1])
+  top_p, top_idx, vecs = (np.asarray(a) for a in _top_targets(model, variables, logits, k))
   cutoff = int(np.searchsorted(np.cumsum(top_p), desired_logit_prob)) + 1
   return top_idx[:cutoff], top_p[:cutoff], vecs[:cutoff]
 
@@ -344,6 +374,39 @@ class LocalReplacement:
   run: Any
 
 
+# Traces of the cached programs, by name (tests count recompilations with it).
+TRACES: collections.Counter = collections.Counter()
+
+
+def _prepare(model, variables, toks, rep, zero_bos):
+  """The model's run and the graph's nodes: ``(recording, acts, node_writes, errors, const,
+  tok)``."""
+  n_layers, seq = rep.n_layers, toks.shape[0]
+  rec = record(model, variables, toks[None])
+  dtype = rec.resid0.dtype
+  acts = [rep.encoders[i](rec.mlp_in[i][0]).astype(dtype) for i in range(n_layers)]
+  if zero_bos:
+    acts = [a.at[0].set(0) for a in acts]
+  skips = jnp.stack([rep.skip(i, rec.mlp_in[i][0]) for i in range(n_layers)]).astype(dtype)
+  node_writes = rep.decode_writes(acts).astype(dtype)
+  mlp_out = jnp.stack([rec.mlp_out[i][0] for i in range(n_layers)])
+  bdec = jnp.stack([jnp.broadcast_to(b, (seq, b.shape[-1])) for b in rep.b_dec]).astype(dtype)
+  errors = mlp_out - node_writes - bdec - skips
+  if zero_bos:
+    errors = errors.at[:, 0].set(0)
+  const = mlp_out - node_writes - errors - skips
+  tok = rec.resid0[0] - (0 if rec.pos is None else rec.pos[0])
+  return rec, jnp.stack(acts), node_writes, errors, const, tok
+
+
+@functools.partial(jax.jit, static_argnames=("model", "zero_bos"))
+def _prepare_cached(model, variables, toks, transcoders, zero_bos):
+  # One program per model, shapes and transcoder layout: the weights, prompt and
+  # transcoders are arguments, so another prompt of the same length reuses it.
+  TRACES["prepare"] += 1
+  return _prepare(model, variables, toks, replacement(model, transcoders), zero_bos)
+
+
 def local_replacement(model, variables, tokens, transcoders, *, zero_bos: bool = False):
   """The :class:`LocalReplacement` of ``model`` on ``tokens`` (``(seq,)`` or ``(1, seq)``)
   with ``transcoders`` (a :class:`Replacement`, a list of per-layer transcoders or a
@@ -354,28 +417,53 @@ def local_replacement(model, variables, tokens, transcoders, *, zero_bos: bool =
   """
   toks = _check_tokens(model, tokens)
   rep = transcoders if isinstance(transcoders, Replacement) else replacement(model, transcoders)
-  n_layers, seq = rep.n_layers, int(toks.shape[0])
-
-  def prepare(variables, toks):
-    rec = record(model, variables, toks[None])
-    dtype = rec.resid0.dtype
-    acts = [rep.encoders[i](rec.mlp_in[i][0]).astype(dtype) for i in range(n_layers)]
-    if zero_bos:
-      acts = [a.at[0].set(0) for a in acts]
-    skips = jnp.stack([rep.skip(i, rec.mlp_in[i][0]) for i in range(n_layers)]).astype(dtype)
-    node_writes = rep.decode_writes(acts).astype(dtype)
-    mlp_out = jnp.stack([rec.mlp_out[i][0] for i in range(n_layers)])
-    bdec = jnp.stack([jnp.broadcast_to(b, (seq, b.shape[-1])) for b in rep.b_dec]).astype(dtype)
-    errors = mlp_out - node_writes - bdec - skips
-    if zero_bos:
-      errors = errors.at[:, 0].set(0)
-    const = mlp_out - node_writes - errors - skips
-    tok = rec.resid0[0] - (0 if rec.pos is None else rec.pos[0])
-    return rec, jnp.stack(acts), node_writes, errors, const, tok
-
-  rec, acts, node_writes, errors, const, tok = jax.jit(prepare)(variables, toks)
+  if rep.source is not None:
+    out = _prepare_cached(model, variables, toks, rep.source, bool(zero_bos))
+  else:  # a Replacement built by hand: its functions are constants of the program
+    out = jax.jit(lambda v, t: _prepare(model, v, t, rep, bool(zero_bos)))(variables, toks)
+  rec, acts, node_writes, errors, const, tok = out
   run = jax.jit(frozen_forward(model, variables, toks[None], rec, rep.skip, const))
   return LocalReplacement(rec, acts, node_writes, errors, const, tok, run)
+
+
+def _rows(model, rep, variables, toks, rec, const, tok, node_writes, errors, padded, slots, cot):
+  """Rows of the graph, one per cotangent: ``cot = (layer, position, v_in, v_final)``, each
+  batched; a row is ``[features (padded), errors, tokens]``. The frozen forward is linearised
+  once and its VJP vmapped over the batch."""
+  li, pi, v_in, v_final = cot
+  n_layers, (seq, d), d_in, dtype = rep.n_layers, tok.shape, v_in.shape[-1], tok.dtype
+  run = frozen_forward(model, variables, toks[None], rec, rep.skip, const)
+  _, vjp = jax.vjp(run, tok, node_writes + errors)
+
+  def one(li, pi, vi, vf):
+    ci = jnp.zeros((n_layers, seq, d_in), dtype).at[li, pi].set(vi)
+    cf = jnp.zeros((seq, d), dtype).at[seq - 1].set(vf)
+    g_tok, g_w = vjp((ci, cf))
+    # The decoders as one batched matmul: each (target layer, position) holds the decoder
+    # vectors written there, padded to the fullest one; a feature's edge is the sum of its
+    # slots (one per layer it writes to; the last entry is a zero).
+    per_slot = jnp.einsum("kd,kgd->kg", g_w.reshape(-1, d), padded).reshape(-1)
+    feat = jnp.concatenate([per_slot, jnp.zeros(1, per_slot.dtype)])[slots].sum(-1)
+    err = jnp.einsum("lsd,lsd->ls", g_w, errors).reshape(-1)
+    tk = jnp.einsum("sd,sd->s", g_tok, tok)
+    return jnp.concatenate([feat, err, tk])
+
+  return jax.vmap(one)(li, pi, v_in, v_final)
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _rows_cached(model, transcoders, *args):
+  TRACES["rows"] += 1
+  return _rows(model, replacement(model, transcoders), *args)
+
+
+def _bucket(n: int, floor: int = 64) -> int:
+  """``n`` rounded up to one of a few sizes per octave (the padded active-feature count, so
+  that prompts whose counts differ a little share a compiled program)."""
+  if n <= floor:
+    return floor
+  step = max(floor, 1 << max(int(n - 1).bit_length() - 4, 0))
+  return -(-n // step) * step
 
 
 def memory_estimate(
@@ -392,6 +480,7 @@ def memory_estimate(
   itemsize: int,
   decoder_width: int = 1,
   n_dec: int = 1,
+  row_top_k: int | None = None,
 ) -> int:
   """Bytes :func:`attribute` holds at its peak, estimated from the graph's sizes: the rows
   (``(n_features + n_logits, n)``) and the square adjacency built from them, the decoder
@@ -399,12 +488,17 @@ def memory_estimate(
   gradients, and the frozen forward's values and residuals (the attention patterns
   dominate: ``n_layers * n_heads * seq**2``)."""
   n = n_active + (n_layers + 1) * seq + n_logits
-  rows = (n_features + n_logits) * n
-  adjacency = (n_features + n_logits) * n + n * n
-  decoders = n_layers * seq * decoder_width * d_model + n_active * (n_dec * d_model + d_in)
-  batch = batch_size * (2 * n_layers * seq * (d_in + d_model) + n)
+  n_rows = n_features + n_logits
+  if row_top_k is not None:  # the kept entries, listed then assembled (int64 coordinates)
+    graph = n_rows * min(row_top_k, n) * (2 * itemsize + 28) // itemsize
+  elif n_features == n_active:  # the adjacency, written in place
+    graph = (n_features + (n_layers + 1) * seq + n_logits) ** 2
+  else:  # the budget's dense rows, their kept columns, and the adjacency
+    graph = 2 * n_rows * n + n * n
+  decoders = n_layers * seq * decoder_width * d_model + n_active * (2 * n_dec * d_model + d_in)
+  batch = batch_size * (2 * n_layers * seq * (d_in + d_model) + 3 * n)
   forward = 6 * n_layers * (n_heads * seq * seq + 8 * seq * max(d_model, d_in))
-  return int(itemsize * (rows + adjacency + decoders + batch + forward))
+  return int(itemsize * (graph + decoders + batch + forward))
 
 
 def attribute(
@@ -423,6 +517,9 @@ def attribute(
   update_interval: int = 4,
   local: LocalReplacement | None = None,
   memory_budget: int | None = None,
+  row_top_k: int | None = None,
+  row_threshold: float | None = None,
+  mesh=None,
 ) -> Graph:
   """The attribution graph of ``tokens`` through ``transcoders`` (circuit-tracer's
   ``attribute``).
@@ -457,13 +554,25 @@ def attribute(
     memory_budget: bytes the graph may take (:func:`memory_estimate`: the dense rows and
       adjacency, the decoder table, one batch of cotangents and gradients, the forward's
       residuals); checked once the active features are known, before the rows are computed.
+    row_top_k: keep only each row's ``row_top_k`` entries of largest magnitude (the
+      adjacency is then a ``scipy.sparse.csr_array`` of the kept entries).
+    row_threshold: keep only the entries of each row at least ``row_threshold`` times the
+      row's largest magnitude (a fraction in ``[0, 1]``; ``0`` keeps every nonzero entry),
+      sparse as with ``row_top_k``; both may be given. The kept entries equal the dense
+      graph's; the dropped ones are zero in it (see docs/circuits.md for what this changes in
+      pruning and the scores).
+    mesh: a ``jax.sharding.Mesh``: each batch of rows is spread over its devices (the batch
+      rounded up to a multiple of their number), the model and the frozen values replicated;
+      the graph equals the one-device graph.
 
   Returns:
-    A :class:`Graph`.
+    A :class:`Graph` (its adjacency dense, or sparse with ``row_top_k`` or
+    ``row_threshold``).
 
   Raises:
-    CircuitError: ``invalid_argument`` (an empty prompt, a budget or batch size that is not a
-      positive int), ``index_out_of_range`` (a token outside the vocabulary),
+    CircuitError: ``invalid_argument`` (an empty prompt, a budget, batch size or
+      ``row_top_k`` that is not a positive int, a ``row_threshold`` outside ``[0, 1]``, a
+      ``mesh`` that is not a ``jax.sharding.Mesh``), ``index_out_of_range`` (a token outside the vocabulary),
       ``circuit_transcoder_mismatch``, ``circuit_unsupported_model``,
       ``circuit_memory_budget`` (the estimate exceeds ``memory_budget``).
   """
@@ -473,6 +582,25 @@ def attribute(
   _positive_int(max_n_logits, "max_n_logits")
   _positive_int(max_feature_nodes, "max_feature_nodes", allow_none=True)
   _positive_int(update_interval, "update_interval")
+  _positive_int(row_top_k, "row_top_k", allow_none=True)
+  if row_threshold is not None and (
+    isinstance(row_threshold, bool)
+    or not isinstance(row_threshold, (int, float, np.floating))
+    or not 0.0 <= float(row_threshold) <= 1.0
+  ):
+    raise CircuitError(
+      f"row_threshold must be a fraction in [0, 1], got {row_threshold!r}",
+      code="invalid_argument",
+      received=repr(row_threshold),
+      fix="row_threshold=1e-3 (entries under 1e-3 of the row's largest are dropped)",
+    )
+  if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+    raise CircuitError(
+      f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}",
+      code="invalid_argument",
+      received=type(mesh).__name__,
+      fix="mesh=jax.make_mesh((len(jax.devices()),), ('rows',))",
+    )
   rep = replacement(model, transcoders)
   n_layers, seq = rep.n_layers, int(toks.shape[0])
   if directions is not None and (
@@ -522,12 +650,12 @@ def attribute(
 
   # Targets: logits.
   if target_tokens is not None:
-    unembed, _ = _unembedding(model, variables)
-    logit_idx, logit_p, logit_vecs = _token_targets(rec.logits[0, -1], unembed, target_tokens)
+    logit_idx, logit_p, logit_vecs = _token_targets(
+      model, variables, rec.logits[0, -1], target_tokens
+    )
   elif directions is None:
-    unembed, _ = _unembedding(model, variables)
     logit_idx, logit_p, logit_vecs = _salient_logits(
-      rec.logits[0, -1], unembed, max_n_logits, desired_logit_prob
+      model, variables, rec.logits[0, -1], max_n_logits, desired_logit_prob
     )
   else:
     logit_vecs = jnp.asarray(directions)
@@ -536,15 +664,13 @@ def attribute(
   logit_vecs = jnp.asarray(logit_vecs, dtype)
   n_logits = len(logit_idx)
 
-  # One VJP of the replacement model.
-  _, vjp = jax.vjp(lr.run, tok, node_writes + errors)
-
   # The sources' writes: features (decoder vectors times activation), errors, tokens.
   n_dec = max(w.shape[0] for w in rep.W_dec)
   d = tok.shape[-1]
+  d_in = rec.mlp_in[0].shape[-1]
   np_dtype = np.dtype(dtype)
   dec = np.zeros((n_active, n_dec, d), np_dtype)
-  enc = np.zeros((n_active, rec.mlp_in[0].shape[-1]), np_dtype)
+  enc = np.zeros((n_active, d_in), np_dtype)
   for i in range(n_layers):
     sel = np.flatnonzero(active[:, 0] == i) if n_active else np.zeros(0, int)
     if sel.size:
@@ -553,58 +679,66 @@ def attribute(
       enc[sel] = np.asarray(rep.W_enc[i])[:, active[sel, 2]].T
   dec *= values.astype(np_dtype)[:, None, None]
   later = (active[:, :1] if n_active else np.zeros((0, 1), int)) + np.arange(n_dec)[None]
-  # The contraction with the decoders as one batched matmul: each (target layer, position)
-  # holds the decoder vectors written there, padded to the fullest one; a feature's edge is
-  # the sum of its slots (one per layer it writes to).
+  # Each (target layer, position) holds the decoder vectors written there, padded to the
+  # fullest one; sizes rounded up (_bucket) so another prompt of the same length reuses the
+  # compiled row program.
   valid = later < n_layers
   feature, j = np.nonzero(valid)
   key = later[feature, j] * seq + active[feature, 1]
   counts = np.bincount(key, minlength=n_layers * seq)
-  width = max(int(counts.max()) if len(key) else 0, 1)
+  width = _bucket(max(int(counts.max()) if len(key) else 0, 1), 8)
   order = np.argsort(key, kind="stable")
   first = np.concatenate([[0], np.cumsum(counts)[:-1]])
   slot = np.empty(len(key), int)
   slot[order] = np.arange(len(key)) - first[key[order]]
   padded = np.zeros((n_layers * seq, width, d), np_dtype)
   padded[key, slot] = dec[feature, j]
-  slots = np.full((n_active, n_dec), n_layers * seq * width)  # the last entry: a zero
+  n_pad = _bucket(n_active)
+  slots = np.full((n_pad, n_dec), n_layers * seq * width, np.int32)  # the last entry: a zero
   slots[feature, j] = key * width + slot
-  padded_j, slots_j = jnp.asarray(padded), jnp.asarray(slots)
-  d_in = rec.mlp_in[0].shape[-1]
+  del dec
 
-  @jax.jit
-  def rows(vjp, li, pi, v_in, v_final):
-    def one(li, pi, vi, vf):
-      ci = jnp.zeros((n_layers, seq, d_in), dtype).at[li, pi].set(vi)
-      cf = jnp.zeros((seq, d), dtype).at[seq - 1].set(vf)
-      g_tok, g_w = vjp((ci, cf))
-      per_slot = jnp.einsum("kd,kgd->kg", g_w.reshape(-1, d), padded_j).reshape(-1)
-      feat = jnp.concatenate([per_slot, jnp.zeros(1, per_slot.dtype)])[slots_j].sum(-1)
-      err = jnp.einsum("lsd,lsd->ls", g_w, errors).reshape(-1)
-      tk = jnp.einsum("sd,sd->s", g_tok, tok)
-      return jnp.concatenate([feat, err, tk])
+  sparse = row_top_k is not None or row_threshold is not None
+  devices = 1 if mesh is None else int(mesh.size)
+  rows_per_call = -(-batch_size // devices) * devices
+  consts = (variables, toks, rec, lr.const, tok, node_writes, errors, padded, slots)
+  if rep.source is not None:
+    program, source = functools.partial(_rows_cached, model), rep.source
+  else:  # a Replacement built by hand: its functions are constants of the program
+    program, source = jax.jit(lambda _, *a: _rows(model, rep, *a)), None
+  if mesh is None:
+    consts = jax.tree.map(jnp.asarray, consts)
+    spread = None
+  else:
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-    return jax.vmap(one)(li, pi, v_in, v_final)
+    # Sharding propagation decides the layout (an Explicit mesh would type every scatter).
+    mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+    consts, source = jax.device_put((consts, source), NamedSharding(mesh, PartitionSpec()))
+    spread = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
 
   def batch(li, pi, v_in, v_final):
-    # Padded to batch_size rows: one compiled program for every batch.
+    # Padded to rows_per_call rows: one compiled program for every batch.
     k = len(li)
-    pad = batch_size - k
+    pad = rows_per_call - k
 
-    def grow(a):
-      a = np.asarray(a)
+    def grow(a, dt):
+      a = np.asarray(a, dt)
       return np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
 
-    out = rows(vjp, grow(li), grow(pi), grow(v_in), grow(v_final))
-    return np.asarray(out)[:k]
+    cot = (grow(li, np.int32), grow(pi, np.int32), grow(v_in, np_dtype), grow(v_final, np_dtype))
+    if spread is not None:
+      cot = jax.device_put(cot, spread)
+    out = np.asarray(program(source, *consts, cot))[:k]
+    # [features (padded to n_pad), errors, tokens] -> [features, errors, tokens]
+    return np.concatenate([out[:, :n_active], out[:, n_pad:]], axis=1)
 
   def logit_rows(vecs):
     k = len(vecs)
-    return batch(np.zeros(k, np.int32), np.zeros(k, np.int32), np.zeros((k, d_in), np_dtype), vecs)
+    return batch(np.zeros(k), np.zeros(k), np.zeros((k, d_in)), vecs)
 
   def feature_rows(idx):
-    k = len(idx)
-    return batch(active[idx, 0], active[idx, 1], enc[idx], np.zeros((k, d), np_dtype))
+    return batch(active[idx, 0], active[idx, 1], enc[idx], np.zeros((len(idx), d)))
 
   logit_offset = n_active + (n_layers + 1) * seq
   total_nodes = logit_offset + n_logits
@@ -619,10 +753,11 @@ def attribute(
       n_active=n_active,
       n_features=budget,
       n_logits=n_logits,
-      batch_size=batch_size,
+      batch_size=rows_per_call,
       itemsize=np_dtype.itemsize,
       decoder_width=width,
       n_dec=n_dec,
+      row_top_k=row_top_k,
     )
     if need > memory_budget:
       raise CircuitError(
@@ -632,42 +767,72 @@ def attribute(
         code="circuit_memory_budget",
         expected=f"<= {memory_budget} bytes",
         received=int(need),
-        fix="a shorter prompt, max_feature_nodes=..., or a larger memory_budget",
+        fix="a shorter prompt, max_feature_nodes=..., row_top_k=..., or a larger memory_budget",
       )
-  edge = np.zeros((budget + n_logits, total_nodes), np.dtype(dtype))
+  n = budget + (n_layers + 1) * seq + n_logits
+  exact = budget == n_active
+  # Where the rows go: a dense (n, n) adjacency written in place (every feature kept), the
+  # dense rows of a budget (columns chosen at the end), or the kept entries of each row.
+  if sparse:
+    kept: list = []
+  elif exact:
+    full = np.zeros((n, n), np_dtype)
+  else:
+    edge = np.zeros((budget + n_logits, total_nodes), np_dtype)
   row_to_node = np.zeros(budget + n_logits, np.int64)
-  for s in range(0, n_logits, batch_size):
-    vecs = np.asarray(logit_vecs[s : s + batch_size])
-    edge[s : s + len(vecs), :logit_offset] = logit_rows(vecs)
-    row_to_node[s : s + len(vecs)] = np.arange(s, s + len(vecs)) + logit_offset
+
+  def store(st, rows, nodes):
+    row_to_node[st : st + len(rows)] = nodes
+    if sparse:
+      kept.extend(_kept_entries(rows, row_top_k, row_threshold))
+    elif exact:  # a feature's row is its node; a logit's is among the last
+      at = np.where(nodes >= logit_offset, nodes - logit_offset + n - n_logits, nodes)
+      full[at, :logit_offset] = rows
+    else:
+      edge[st : st + len(rows), :logit_offset] = rows
+
+  for s in range(0, n_logits, rows_per_call):
+    vecs = np.asarray(logit_vecs[s : s + rows_per_call])
+    store(s, logit_rows(vecs), np.arange(s, s + len(vecs)) + logit_offset)
   st = n_logits
   visited = np.zeros(n_active, bool)
   n_visited = 0
   while n_visited < budget:
-    if budget == n_active:
+    if exact:
       pending = np.arange(n_active)
     else:
-      influence = partial_influences(edge[:st], logit_p, row_to_node[:st])
+      so_far = _csr(kept, total_nodes, np_dtype) if sparse else edge[:st]
+      influence = partial_influences(so_far, logit_p, row_to_node[:st])
       rank = np.argsort(-influence[:n_active], kind="stable")
-      size = min(update_interval * batch_size, budget - n_visited)
+      size = min(update_interval * rows_per_call, budget - n_visited)
       pending = rank[~visited[rank]][:size]
-    for s in range(0, len(pending), batch_size):
-      idx = pending[s : s + batch_size]
+    for s in range(0, len(pending), rows_per_call):
+      idx = pending[s : s + rows_per_call]
       n_visited += len(idx)
-      edge[st : st + len(idx), :logit_offset] = feature_rows(idx)
-      row_to_node[st : st + len(idx)] = idx
+      store(st, feature_rows(idx), idx)
       visited[idx] = True
       st += len(idx)
   selected = np.flatnonzero(visited)
-  if budget < n_active:
+  if sparse:
+    # Rows in node order, columns renumbered to the kept features.
+    columns = np.full(total_nodes, -1, np.int64)
+    columns[selected] = np.arange(budget)
+    columns[n_active:] = np.arange(budget, n)
+    is_logit = row_to_node >= logit_offset
+    target = np.where(
+      is_logit, row_to_node - logit_offset + n - n_logits, np.searchsorted(selected, row_to_node)
+    )
+    adjacency = _csr(kept, n, np_dtype, rows=target, columns=columns)
+  elif exact:
+    adjacency = full
+  else:
     edge = edge[:, np.concatenate([selected, np.arange(n_active, total_nodes)])]
-  edge = edge[np.argsort(row_to_node, kind="stable")]
-  n = edge.shape[1]
-  full = np.zeros((n, n), edge.dtype)
-  full[:budget] = edge[:budget]
-  full[n - n_logits :] = edge[budget:]
+    edge = edge[np.argsort(row_to_node, kind="stable")]
+    adjacency = np.zeros((n, n), edge.dtype)
+    adjacency[:budget] = edge[:budget]
+    adjacency[n - n_logits :] = edge[budget:]
   return Graph(
-    adjacency=full,
+    adjacency=adjacency,
     input_tokens=np.asarray(toks),
     active_features=active,
     activation_values=values,
@@ -676,3 +841,34 @@ def attribute(
     logit_probabilities=np.asarray(logit_p, np.dtype(dtype)),
     n_layers=n_layers,
   )
+
+
+def _kept_entries(rows, top_k, threshold):
+  """Per row, ``(columns, values)`` of the entries kept: nonzero, at least ``threshold`` times
+  the row's largest magnitude, and among its ``top_k`` largest magnitudes."""
+  out = []
+  mag = np.abs(rows)
+  for row, m in zip(rows, mag):
+    floor = 0.0 if threshold is None else threshold * m.max(initial=0.0)
+    cols = np.flatnonzero((m > 0) & (m >= floor))
+    if top_k is not None and len(cols) > top_k:
+      cols = cols[np.argpartition(-m[cols], top_k - 1)[:top_k]]
+      cols.sort()
+    out.append((cols.astype(np.int32), row[cols]))
+  return out
+
+
+def _csr(kept, n_cols, dtype, *, rows=None, columns=None):
+  """The kept entries as a ``scipy.sparse.csr_array``: ``kept[i]`` is the entries of row
+  ``rows[i]`` (default ``i``) with columns renumbered by ``columns`` (``-1``: dropped)."""
+  from scipy import sparse
+
+  n_rows = len(kept) if rows is None else n_cols
+  rows = np.arange(len(kept)) if rows is None else rows
+  r = np.repeat(rows, [len(c) for c, _ in kept]).astype(np.int64)
+  c = np.concatenate([c for c, _ in kept]).astype(np.int64) if kept else np.zeros(0, np.int64)
+  v = np.concatenate([v for _, v in kept]).astype(dtype) if kept else np.zeros(0, dtype)
+  if columns is not None:
+    c = columns[c]
+    r, c, v = r[c >= 0], c[c >= 0], v[c >= 0]
+  return sparse.csr_array((v, (r, c)), shape=(n_rows, n_cols))

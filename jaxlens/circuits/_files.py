@@ -17,14 +17,20 @@ import numpy as np
 
 from jaxlens.circuits._attribute import Graph
 from jaxlens.circuits._errors import CircuitError
-from jaxlens.circuits._prune import prune
+from jaxlens.circuits._prune import entries, is_sparse, prune
 from jaxlens.sae import CrossLayerTranscoder, Transcoder
 from jaxlens.internal import path_argument
 
-__all__ = ["load_circuit_tracer", "load_graph", "save_graph", "to_neuronpedia_json"]
+__all__ = [
+  "load_circuit_tracer",
+  "load_graph",
+  "save_graph",
+  "save_transcoders",
+  "to_neuronpedia_json",
+]
 
 FORMAT = "jaxlens.circuits.graph"
-VERSION = 1
+VERSION = 2  # 2: a sparse adjacency (CSR: adjacency_data, _indices, _indptr)
 _ARRAYS = (
   "adjacency",
   "input_tokens",
@@ -57,11 +63,22 @@ def save_graph(graph: Graph, path, *, overwrite: bool = False) -> pathlib.Path:
         received=str(path),
         fix="a new path, or overwrite=True over a saved graph",
       )
-  tensors = {name: np.ascontiguousarray(getattr(graph, name)) for name in _ARRAYS}
+  sparse = is_sparse(graph.adjacency)
+  tensors = {
+    name: np.ascontiguousarray(getattr(graph, name))
+    for name in _ARRAYS
+    if not (sparse and name == "adjacency")
+  }
+  if sparse:  # the kept entries, CSR
+    csr = graph.adjacency.tocsr()
+    tensors["adjacency_data"] = np.ascontiguousarray(csr.data)
+    tensors["adjacency_indices"] = np.ascontiguousarray(csr.indices.astype(np.int64))
+    tensors["adjacency_indptr"] = np.ascontiguousarray(csr.indptr.astype(np.int64))
   data = save(tensors)
   meta = {
     "format": FORMAT,
-    "version": VERSION,
+    # version 2 only for a sparse adjacency, so that dense files stay readable by version 1
+    "version": VERSION if sparse else 1,
     "n_layers": int(graph.n_layers),
     "sha256": hashlib.sha256(data).hexdigest(),
   }
@@ -144,11 +161,33 @@ def load_graph(path) -> Graph:
     arrays = load(data)
   except Exception as error:  # safetensors raises its own SafetensorError
     raise _corrupt(path, f"graph.safetensors does not read ({error})") from error
-  missing = [name for name in _ARRAYS if name not in arrays]
+  csr = ("adjacency_data", "adjacency_indices", "adjacency_indptr")
+  sparse = "adjacency" not in arrays and all(name in arrays for name in csr)
+  missing = [
+    name for name in _ARRAYS if name not in arrays and not (sparse and name == "adjacency")
+  ]
   if missing:
     raise _corrupt(path, f"graph.safetensors lacks {missing}")
-  graph = Graph(**{name: arrays[name] for name in _ARRAYS}, n_layers=n_layers)
-  n = graph.n_features + graph.n_errors + graph.n_pos + graph.n_logits
+  fields = {name: arrays[name] for name in _ARRAYS if name != "adjacency"}
+  n = len(fields["selected_features"]) + (n_layers + 1) * len(fields["input_tokens"])
+  n += len(fields["logit_tokens"])
+  if sparse:
+    from scipy import sparse as sp
+
+    data, indices, indptr = (arrays[name] for name in csr)
+    if (
+      indptr.shape != (n + 1,)
+      or indices.shape != data.shape
+      or indptr[0] != 0
+      or indptr[-1] != len(data)
+      or np.any(np.diff(indptr) < 0)
+      or (len(indices) and (indices.min() < 0 or indices.max() >= n))
+    ):
+      raise _corrupt(path, f"the sparse adjacency's arrays do not make an ({n}, {n}) matrix")
+    adjacency = sp.csr_array((data, indices, indptr), shape=(n, n))
+  else:
+    adjacency = arrays["adjacency"]
+  graph = Graph(adjacency=adjacency, **fields, n_layers=n_layers)
   if graph.adjacency.shape != (n, n):
     raise _corrupt(path, f"the adjacency is {graph.adjacency.shape}, its nodes make {n}")
   return graph
@@ -240,14 +279,15 @@ def to_neuronpedia_json(
       base["clerp"] = f'Output "{text(vocab)}" (p={p:.3f})'
     node["influence"] = None if i >= sl["logits"].start else float(cumulative[i])
     nodes[i] = {**base, **node}
-  dst, src = np.nonzero(edge_mask)
+  dst, src = edge_mask.nonzero() if is_sparse(edge_mask) else np.nonzero(edge_mask)
+  weights = entries(graph.adjacency, dst, src)
   links = [
     {
       "source": nodes[int(s)]["node_id"],
       "target": nodes[int(d)]["node_id"],
-      "weight": float(graph.adjacency[d, s]),
+      "weight": float(w),
     }
-    for d, s in zip(dst, src)
+    for d, s, w in zip(dst, src, weights)
     if int(s) in nodes and int(d) in nodes
   ]
   connected = {link["source"] for link in links} | {link["target"] for link in links}
@@ -346,18 +386,167 @@ def _check_threshold(threshold, path):
     )
 
 
-@path_argument(CircuitError)
+TRANSCODERS = "jaxlens.circuits.transcoders"
+
+
+def save_transcoders(transcoders, path, *, overwrite: bool = False) -> pathlib.Path:
+  """Writes per-layer transcoders to the directory ``path``: ``layer_{i}.safetensors`` per
+  layer, in circuit-tracer's format (``SingleLayerTranscoder``'s tensors: ``W_enc``
+  ``(d_transcoder, d_model)``, ``W_dec``, ``b_enc``, ``b_dec``, ``W_skip``,
+  ``activation_function.threshold``), and ``transcoders.json`` (the layer count and each
+  layer's file, ``null`` for a layer given as ``None``). Written beside the target and
+  renamed into place, as :func:`save_graph` does. :func:`load_circuit_tracer` reads it back.
+
+  Args:
+    transcoders: one ReLU or JumpReLU :class:`jaxlens.sae.Transcoder` per layer, or ``None``.
+    path: the directory.
+    overwrite: replace a directory this function wrote.
+
+  Returns:
+    ``path``.
+
+  Raises:
+    CircuitError: ``invalid_argument`` (not a sequence of transcoders and ``None``, or a
+      transcoder whose activation circuit-tracer's format cannot hold), ``circuit_file_exists``,
+      ``circuit_save_failed``.
+
+  Example:
+    >>> import jax, tempfile
+    >>> from jaxlens import circuits, sae
+    >>> t = sae.Transcoder.init(jax.random.key(0), d_in=8, d_sae=16, skip=True)
+    >>> path = circuits.save_transcoders([t, None], tempfile.mkdtemp() + "/tc")
+    >>> [type(x).__name__ for x in circuits.load_circuit_tracer(path)]
+    ['Transcoder', 'NoneType']
+  """
+  from safetensors.numpy import save
+
+  if (
+    isinstance(transcoders, (str, bytes, Transcoder))
+    or not hasattr(transcoders, "__len__")
+    or not all(t is None or type(t) is Transcoder for t in transcoders)
+    or all(t is None for t in transcoders)
+  ):
+    raise CircuitError(
+      "save_transcoders takes a sequence of jaxlens.sae.Transcoder (None for a layer without "
+      f"one, at least one given), got {type(transcoders).__name__}",
+      code="invalid_argument",
+      received=type(transcoders).__name__,
+      fix="save_transcoders([transcoder_0, transcoder_1, ...], path)",
+    )
+  files: dict = {}
+  for i, t in enumerate(transcoders):
+    if t is None:
+      continue
+    if t.activation not in ("relu", "jumprelu") or t.normalize_activations != "none":
+      raise CircuitError(
+        f"transcoder {i} has activation {t.activation!r} and normalize_activations="
+        f"{t.normalize_activations!r}; circuit-tracer's files hold ReLU and JumpReLU "
+        "transcoders without a run-time normalisation",
+        code="invalid_argument",
+        received=(t.activation, t.normalize_activations),
+        fix="Trained.inference() of a BatchTopK transcoder (JumpReLU), or a ReLU one",
+      )
+    tensors = {
+      "W_enc": np.asarray(t.W_enc).T,
+      "W_dec": np.asarray(t.W_dec),
+      "b_enc": np.asarray(t.b_enc),
+      "b_dec": np.asarray(t.b_dec),
+    }
+    if t.W_skip is not None:
+      tensors["W_skip"] = np.asarray(t.W_skip)
+    if t.activation == "jumprelu":
+      tensors["activation_function.threshold"] = np.asarray(t.threshold)
+    files[f"layer_{i}.safetensors"] = save({k: np.ascontiguousarray(v) for k, v in tensors.items()})
+  meta = {
+    "format": TRANSCODERS,
+    "version": VERSION,
+    "n_layers": len(transcoders),
+    "files": [
+      f"layer_{i}.safetensors" if t is not None else None for i, t in enumerate(transcoders)
+    ],
+  }
+  path = pathlib.Path(path)
+  index = path / "transcoders.json"
+  if path.exists() and (not index.is_file() or not overwrite):
+    raise CircuitError(
+      f"{path} exists" + ("" if index.is_file() else " and is not a set of transcoders"),
+      code="circuit_file_exists",
+      received=str(path),
+      fix="a new path, or overwrite=True over saved transcoders",
+    )
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+      for name, data in files.items():
+        (tmp / name).write_bytes(data)
+      (tmp / "transcoders.json").write_text(json.dumps(meta, indent=1))
+      if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old)
+      else:
+        os.replace(tmp, path)
+    finally:
+      if tmp.exists():
+        shutil.rmtree(tmp)
+  except OSError as error:
+    raise CircuitError(
+      f"saving the transcoders to {path} failed: {error}",
+      code="circuit_save_failed",
+      received=str(path),
+      fix="a writable path with room for the transcoders",
+    ) from error
+  return path
+
+
+def _load_transcoder_set(path, dtype):
+  """The list :func:`save_transcoders` wrote to ``path`` (``None`` where a layer has none)."""
+  try:
+    meta = json.loads((path / "transcoders.json").read_text())
+    files = meta["files"]
+    ok = meta.get("format") == TRANSCODERS and isinstance(files, list)
+    ok = ok and len(files) == meta["n_layers"] and any(f is not None for f in files)
+    ok = ok and all(f is None or (isinstance(f, str) and "/" not in f) for f in files)
+  except (OSError, ValueError, KeyError, TypeError) as error:
+    raise CircuitError(
+      f"{path / 'transcoders.json'} is not readable: {error}",
+      code="circuit_file_corrupt",
+      received=str(path),
+      fix="save the transcoders again (circuits.save_transcoders)",
+    ) from None
+  if not ok:
+    raise CircuitError(
+      f"{path / 'transcoders.json'} is not an index of per-layer transcoders",
+      code="circuit_file_corrupt",
+      received=str(path),
+      fix="save the transcoders again (circuits.save_transcoders)",
+    )
+  if meta.get("version", VERSION) > VERSION:
+    raise CircuitError(
+      f"{path} is format version {meta['version']}; this jaxlens reads up to {VERSION}",
+      code="circuit_file_version",
+      received=meta["version"],
+      expected=VERSION,
+      fix="a newer jaxlens",
+    )
+  return [None if f is None else load_circuit_tracer(path / f, dtype) for f in files]
+
+
+@path_argument(CircuitError, chunks=True)  # a list of per-layer files is a path too
 def load_circuit_tracer(path, dtype=None):
   """Reads circuit-tracer's transcoder files: a per-layer transcoder's ``.safetensors`` file
   (``W_enc`` ``(d_transcoder, d_model)``, ``W_dec``, ``b_enc``, ``b_dec``, optional ``W_skip``
-  and ``activation_function.threshold``), a list of them (one per layer), or a cross-layer
+  and ``activation_function.threshold``), a list of them (one per layer), a directory
+  :func:`save_transcoders` wrote (``transcoders.json`` and those files), or a cross-layer
   transcoder's directory (``W_enc_{i}.safetensors`` with ``W_enc_{i}``, ``b_enc_{i}``,
   ``b_dec_{i}``, optional ``threshold_{i}``, and ``W_dec_{i}.safetensors`` with ``W_dec_{i}``
   ``(d_transcoder, n_layers - i, d_model)``).
 
   Returns:
-    A :class:`jaxlens.sae.Transcoder` (ReLU, or JumpReLU with a threshold), a list of them,
-    or a :class:`jaxlens.sae.CrossLayerTranscoder`.
+    A :class:`jaxlens.sae.Transcoder` (ReLU, or JumpReLU with a threshold), a list of them
+    (``None`` for a layer saved without one), or a :class:`jaxlens.sae.CrossLayerTranscoder`.
 
   Raises:
     CircuitError: ``circuit_file_missing``, ``circuit_file_corrupt`` (unreadable, a tensor
@@ -370,6 +559,8 @@ def load_circuit_tracer(path, dtype=None):
   if isinstance(path, (list, tuple)):
     return [load_circuit_tracer(p, dtype) for p in path]
   path = pathlib.Path(path)
+  if path.is_dir() and (path / "transcoders.json").is_file():
+    return _load_transcoder_set(path, dtype)
   if path.is_dir():
     n = 0
     while (path / f"W_enc_{n}.safetensors").is_file():

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxlens.circuits._attribute import Graph, _check_graph
 from jaxlens.circuits._errors import CircuitError
-from jaxlens.circuits._prune import PruneResult, prune
+from jaxlens.circuits._prune import PruneResult, block, is_sparse, prune
 from jaxlens.internal import require
 
 __all__ = ["GraphLayout", "graph_html", "graph_layout", "plot_graph"]
@@ -56,6 +56,10 @@ def _token_text(token_strings, i, token_id):
   return str(token_strings[i])
 
 
+def _shape(a):
+  return tuple(a.shape) if is_sparse(a) else np.shape(a)
+
+
 def graph_layout(graph: Graph, pruned: PruneResult | None = None, *, token_strings=None):
   """The :class:`GraphLayout` of ``graph``'s kept nodes and edges.
 
@@ -72,7 +76,7 @@ def graph_layout(graph: Graph, pruned: PruneResult | None = None, *, token_strin
   _check_graph(graph)
   pruned = prune(graph) if pruned is None else pruned
   n = graph.adjacency.shape[0]
-  if np.shape(pruned.node_mask) != (n,) or np.shape(pruned.edge_mask) != (n, n):
+  if np.shape(pruned.node_mask) != (n,) or _shape(pruned.edge_mask) != (n, n):
     raise CircuitError(
       f"the pruning masks are for a graph of {np.shape(pruned.node_mask)} nodes, this one has {n}",
       code="invalid_argument",
@@ -121,8 +125,8 @@ def graph_layout(graph: Graph, pruned: PruneResult | None = None, *, token_strin
   logits = np.flatnonzero(row == n_layers)
   if len(logits) > 1:  # the logits read the last position; spread over the width
     x[logits] = np.linspace(0, seq - 1, len(logits))
-  sub = np.ix_(nodes, nodes)
-  t, s = np.nonzero(np.asarray(pruned.edge_mask)[sub] & (graph.adjacency[sub] != 0))
+  weights = block(graph.adjacency, nodes)
+  t, s = np.nonzero(block(pruned.edge_mask, nodes) & (weights != 0))
   return GraphLayout(
     nodes=nodes,
     kinds=kinds,
@@ -130,7 +134,7 @@ def graph_layout(graph: Graph, pruned: PruneResult | None = None, *, token_strin
     x=x,
     y=row,
     edges=np.stack([t, s], 1) if len(t) else np.zeros((0, 2), int),
-    weights=graph.adjacency[nodes[t], nodes[s]],
+    weights=weights[t, s],
   )
 
 
