@@ -858,3 +858,112 @@ def test_a_memory_budget_that_cannot_hold_the_graph_is_refused_before_the_rows(g
   assert e.value.code == "circuit_memory_budget"
   with pytest.raises(circuits.CircuitError, match="memory_budget must be a positive int"):
     circuits.attribute(model, variables, TOKENS, tcs, local=lr, memory_budget=0)
+
+
+# Sparse rows, rows over a mesh, and the compiled programs reused.
+
+
+def _sparse(case, **kw):
+  _, model, variables, tcs, _, lr = case
+  return circuits.attribute(model, variables, TOKENS, tcs, batch_size=32, local=lr, **kw)
+
+
+def test_sparse_rows_hold_the_dense_graphs_entries_and_prune_alike(case):
+  family, model, variables, tcs, graph, lr = case
+  before = dict(circuits._attribute.TRACES)
+  dense = np.asarray(graph.adjacency)
+  every = _sparse(case, row_threshold=0.0)  # drops only the zeros
+  assert every.adjacency.nnz == np.count_nonzero(dense)
+  assert (every.adjacency.toarray() == dense).all()
+  kept, kept_sparse = circuits.prune(graph), circuits.prune(every)
+  assert (kept.node_mask == kept_sparse.node_mask).all()
+  assert (kept.edge_mask == kept_sparse.edge_mask.toarray()).all()
+  np.testing.assert_allclose(circuits.graph_scores(every), circuits.graph_scores(graph), rtol=1e-12)
+  np.testing.assert_allclose(kept_sparse.cumulative_scores, kept.cumulative_scores, rtol=1e-12)
+  # top-k: each row's k entries of largest magnitude, with the dense values
+  k = 5
+  top = _sparse(case, row_top_k=k).adjacency
+  mag = np.abs(dense)
+  for r in range(dense.shape[0]):
+    cols = top.indices[top.indptr[r] : top.indptr[r + 1]]
+    assert len(cols) == min(k, np.count_nonzero(dense[r]))
+    assert (top.data[top.indptr[r] : top.indptr[r + 1]] == dense[r, cols]).all()
+    if len(cols):
+      assert np.delete(mag[r], cols).max(initial=0.0) <= mag[r, cols].min()
+  # a threshold relative to the row's largest magnitude
+  low = _sparse(case, row_threshold=0.25).adjacency.toarray()
+  assert (low == np.where(mag >= 0.25 * mag.max(1, keepdims=True), dense, 0)).all()
+  assert dict(circuits._attribute.TRACES) == before  # three more graphs, no new program
+
+
+def test_a_sparse_graph_under_a_node_budget_saves_views_and_refuses_damage(gpt2, tmp_path):
+  _, model, variables, tcs, graph, lr = gpt2
+  dense = circuits.attribute(model, variables, TOKENS, tcs, local=lr, max_feature_nodes=9)
+  sparse = circuits.attribute(
+    model, variables, TOKENS, tcs, local=lr, max_feature_nodes=9, row_threshold=0.0
+  )
+  assert (sparse.selected_features == dense.selected_features).all()
+  assert (sparse.adjacency.toarray() == dense.adjacency).all()
+  every = _sparse(gpt2, row_threshold=0.0)
+  layout, layout_sparse = circuits.graph_layout(graph), circuits.graph_layout(every)
+  assert (layout.nodes == layout_sparse.nodes).all()
+  assert (layout.edges == layout_sparse.edges).all() and len(layout.edges)
+  assert (layout.weights == layout_sparse.weights).all()
+  links = circuits.to_neuronpedia_json(every)["links"]
+  assert links == circuits.to_neuronpedia_json(graph)["links"]
+  path = circuits.save_graph(every, tmp_path / "sparse")
+  back = circuits.load_graph(path)
+  assert (
+    back.adjacency != every.adjacency
+  ).nnz == 0 and back.adjacency.shape == graph.adjacency.shape
+  from safetensors.numpy import load_file, save_file
+
+  arrays = load_file(str(path / "graph.safetensors"))
+  arrays["adjacency_indptr"] = arrays["adjacency_indptr"][:-1]
+  save_file(arrays, str(path / "graph.safetensors"))
+  with pytest.raises(circuits.CircuitError) as e:
+    circuits.load_graph(path)
+  assert e.value.code == "circuit_file_corrupt"
+
+
+def test_rows_over_a_mesh_equal_the_one_device_graph(gpt2):
+  _, model, variables, tcs, graph, lr = gpt2
+  assert len(jax.devices()) == 8  # tests/conftest.py's host devices
+  mesh = jax.make_mesh((8,), ("rows",))
+  # 12 rows a batch: 16 a call, two on each device
+  spread = circuits.attribute(model, variables, TOKENS, tcs, local=lr, batch_size=12, mesh=mesh)
+  scale = np.abs(graph.adjacency).max()
+  np.testing.assert_allclose(spread.adjacency, graph.adjacency, rtol=0, atol=1e-13 * scale)
+  top = circuits.attribute(
+    model, variables, TOKENS, tcs, local=lr, batch_size=12, mesh=mesh, row_top_k=4
+  )
+  assert (top.adjacency.toarray() == _sparse(gpt2, row_top_k=4).adjacency.toarray()).all()
+
+
+def test_another_prompt_of_the_same_length_reuses_the_compiled_programs(llama):
+  _, model, variables, tcs, graph, lr = llama
+  other = jnp.asarray([2, 8, 4, 6, 11], jnp.int32)
+  before = dict(circuits._attribute.TRACES)
+  second = circuits.attribute(model, variables, other, tcs, batch_size=32)
+  assert len(second.active_features) != len(graph.active_features)  # another graph
+  assert dict(circuits._attribute.TRACES) == before
+  first = circuits.feature_intervention(model, variables, TOKENS, tcs, [(0, 1, 3, 2.0)])
+  count = circuits._attribute.TRACES["feature_intervention"]
+  again = circuits.feature_intervention(
+    model, variables, other, tcs, [(0, 2, 7, circuits.Scale(0.5))]
+  )
+  assert circuits._attribute.TRACES["feature_intervention"] == count
+  assert not np.allclose(first.logits, again.logits)
+
+
+def test_bad_sparse_and_mesh_options_are_refused(gpt2):
+  _, model, variables, tcs, graph, lr = gpt2
+  for kw, match in (
+    ({"row_top_k": 0}, "row_top_k must be a positive int"),
+    ({"row_threshold": 1.5}, "row_threshold must be a fraction"),
+    ({"row_threshold": True}, "row_threshold must be a fraction"),
+    ({"mesh": "rows"}, "mesh must be a jax.sharding.Mesh"),
+  ):
+    with pytest.raises(circuits.CircuitError, match=match) as e:
+      circuits.attribute(model, variables, TOKENS, tcs, local=lr, **kw)
+    assert e.value.code == "invalid_argument"

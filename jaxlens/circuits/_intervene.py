@@ -21,13 +21,20 @@ does. The model's own MLPs stay in place.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxlens as jl
-from jaxlens.circuits._attribute import Replacement, _check_tokens, replacement
+from jaxlens.circuits._attribute import (
+  TRACES,
+  Replacement,
+  _check_tokens,
+  _fill_missing,
+  replacement,
+)
 from jaxlens.circuits._errors import CircuitError
 from jaxlens.sae import CrossLayerTranscoder
 
@@ -50,7 +57,6 @@ class Scale:
   factor: float
 
 
-@dataclasses.dataclass(frozen=True)
 class Intervened:
   """What :func:`feature_intervention` returns.
 
@@ -59,12 +65,26 @@ class Intervened:
     activations: ``(L, seq, d_sae)``: each layer's transcoder activations of its MLP input in
       the edited run (pre-activations with ``apply_activation_function=False``; the first
       position's zero with ``zero_bos``).
-    spec: the jaxlens spec that made the edit (``spec.bind(model)(variables, tokens[None])``).
+    spec: the jaxlens spec that made the edit (``spec.bind(model)(variables, tokens[None])``),
+      built when first read.
   """
 
-  logits: Any
-  activations: Any
-  spec: Any
+  def __init__(self, logits, activations, spec):
+    self.logits = logits
+    self.activations = activations
+    self._spec = spec  # the spec, or a function that builds it
+
+  @property
+  def spec(self):
+    if not isinstance(self._spec, jl.Spec):
+      self._spec = self._spec()
+    return self._spec
+
+  def __repr__(self) -> str:
+    return (
+      f"Intervened(logits={getattr(self.logits, 'shape', None)}, "
+      f"activations={getattr(self.activations, 'shape', None)})"
+    )
 
 
 def _is_norm(path: str) -> bool:
@@ -203,7 +223,7 @@ def _pre_fns(transcoders):
       (lambda x, i=i: x.astype(clt.W_enc.dtype) @ clt.W_enc[i] + clt.b_enc[i])
       for i in range(clt.n_layers)
     ]
-  return [t.hidden_pre for t in transcoders]
+  return [t.hidden_pre for t in _fill_missing(transcoders)]  # None: features that never fire
 
 
 def _dec(rep: Replacement, source: int, target: int):
@@ -363,17 +383,29 @@ def _spec(
   items = _check(interventions, rep, d_sae)
   layers = _layers(constrained_layers, n)
   dtype = jnp.result_type(rep.W_dec[0])
+  if open_ended:
+    tables = _tables(items, 1, d_sae, dtype, open_ended_only=True)
+  else:
+    tables = _tables(items, seq, d_sae, dtype)
+  return _spec_of_tables(
+    model, variables, toks, rep, tables, layers, freeze_attention, zero_bos, open_ended, patterns
+  )
+
+
+def _spec_of_tables(
+  model, variables, toks, rep, tables, layers, freeze_attention, zero_bos, open_ended, patterns
+):
+  n = rep.n_layers
+  dtype = jnp.result_type(rep.W_dec[0])
   t, input_labels, norm_labels = _record(model, variables, toks, n)
   rules = []
   if open_ended:
-    tables = _tables(items, 1, d_sae, dtype, open_ended_only=True)
     targets = sorted({j for i in tables for j in range(i, n) if _dec(rep, i, j) is not None})
     for j in targets:
       hook = _delta_hook(rep, j, tables, input_labels, False, False)
       rules.append(jl.when(jl.module(f"blocks_{j}/mlp_out"), jl.hook(hook)))
     return _joined(rules), t
-  tables = _tables(items, seq, d_sae, dtype)
-  if (freeze_attention or layers is not None) and items:
+  if (freeze_attention or layers is not None) and tables:
     for i in range(n):
       label = f"blocks_{i}/attn/pattern"
       held = t[label].out if patterns is None else patterns[label]
@@ -464,16 +496,59 @@ def feature_intervention(
   """
   toks = _check_tokens(model, tokens)
   rep = replacement(model, transcoders)
-  rules, t = _spec(
+  d_sae = int(rep.W_enc[0].shape[-1])
+  items = _check(interventions, rep, d_sae)
+  layers = _layers(constrained_layers, rep.n_layers)
+  tables = _tables(items, int(toks.shape[0]), d_sae, jnp.result_type(rep.W_dec[0]))
+  logits, acts = _intervened(
     model,
     variables,
     toks,
-    transcoders,
-    interventions,
-    constrained_layers=constrained_layers,
-    freeze_attention=freeze_attention,
-    zero_bos=zero_bos,
-    open_ended=False,
+    rep.source,
+    tables,
+    layers=None if layers is None else tuple(layers),
+    freeze_attention=bool(freeze_attention),
+    zero_bos=bool(zero_bos),
+    apply_activation_function=bool(apply_activation_function),
+  )
+
+  def spec():
+    args = (layers, bool(freeze_attention), bool(zero_bos), False, None)
+    return _spec_of_tables(model, variables, toks, rep, tables, *args)[0]
+
+  return Intervened(logits, acts, spec)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "model",
+    "layers",
+    "freeze_attention",
+    "zero_bos",
+    "apply_activation_function",
+  ),
+)
+def _intervened(
+  model,
+  variables,
+  toks,
+  transcoders,
+  tables,
+  *,
+  layers,
+  freeze_attention,
+  zero_bos,
+  apply_activation_function,
+):
+  # One program per model, shapes, intervened layers and options: the weights, prompt,
+  # transcoders and intervention values are arguments, so another prompt of the same length
+  # or other values reuse it.
+  TRACES["feature_intervention"] += 1
+  rep = replacement(model, transcoders)
+  layers = None if layers is None else list(layers)
+  rules, t = _spec_of_tables(
+    model, variables, toks, rep, tables, layers, freeze_attention, zero_bos, False, None
   )
   input_labels = [_input_label(set(t.labels), i) for i in range(rep.n_layers)]
   run = jl.trace(
@@ -485,7 +560,7 @@ def feature_intervention(
   )
   values = {lbl: run[lbl].out for lbl in input_labels}
   acts = _activations(transcoders, rep, values, input_labels, apply_activation_function, zero_bos)
-  return Intervened(run.output[0], acts, rules)
+  return run.output[0], acts
 
 
 def feature_intervention_generate(
