@@ -11,9 +11,10 @@ patchscopes and a tuned lens trained offline on a CPU.
    identity prompt ("cat -> cat; 1135 -> 1135; hello -> hello; ? ->") at every layer in one
    compiled program, and a few tokens generated from the patched identity prompt.
 4. A tuned lens trained with tuned-lens's optimiser on text that ships with Python
-   (``pydoc_data.topics``, as examples/sae_smollm2.py), its per-layer KL to the final
-   distribution on held-out text against the logit lens's, drawn as curves; saved in
-   tuned-lens's files.
+   (``pydoc_data.topics``, as examples/sae_smollm2.py; each row begins with the tokenizer's
+   ``<bos>`` where it has one, as Gemma's), its per-layer KL to the final distribution on
+   held-out text against the logit lens's, drawn as curves; saved in tuned-lens's files
+   under ``--out`` (with ``report.json``).
 
 The numbers it prints are the ones quoted in docs/lenses.md.
 """
@@ -21,6 +22,7 @@ The numbers it prints are the ones quoted in docs/lenses.md.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import tempfile
 import time
@@ -38,10 +40,23 @@ IDENTITY = "cat -> cat; 1135 -> 1135; hello -> hello; ? ->"
 
 
 def _sequences(lm, seq: int, n: int, skip: int = 0):
+  """``n`` rows of ``seq`` tokens of the Python help topics, after the first ``skip`` rows;
+  each row starts with the tokenizer's own prefix (Gemma's ``<bos>``; SmolLM2 has none), as
+  the model expects at the start of a text."""
   text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-  ids = np.asarray(lm.tokenizer.encode(text).ids, np.int32)
-  rows = ids[: (len(ids) // seq) * seq].reshape(-1, seq)
-  return jnp.asarray(rows[skip : skip + n])
+  prefix = np.asarray(lm.tokenizer.encode("").ids, np.int32)
+  ids = np.asarray(lm.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+  body = seq - len(prefix)
+  rows = ids[: (len(ids) // body) * body].reshape(-1, body)[skip : skip + n]
+  return jnp.asarray(np.concatenate([np.broadcast_to(prefix, (len(rows), len(prefix))), rows], 1))
+
+
+def _token(lm, text: str) -> int:
+  """The id of ``text`` as one token, without the tokenizer's prefix."""
+  ids = lm.tokenizer.encode(text, add_special_tokens=False).ids
+  if len(ids) != 1:
+    raise ValueError(f"{text!r} is {len(ids)} tokens for this tokenizer, not one")
+  return ids[0]
 
 
 def main(argv=None) -> dict:
@@ -84,7 +99,7 @@ def main(argv=None) -> dict:
   )
 
   # 2. Direct logit attribution of " Paris" - " Rome".
-  paris, rome = lm.tokenizer.encode(" Paris").ids[0], lm.tokenizer.encode(" Rome").ids[0]
+  paris, rome = _token(lm, " Paris"), _token(lm, " Rome")
   dla = jax.jit(lambda v, t: lens.direct_logit_attribution(model, v, t, paris, minus=rome))(
     variables, tokens
   )
@@ -136,10 +151,17 @@ def main(argv=None) -> dict:
   t0 = time.perf_counter()
   result = lens.train_tuned_lens(model, variables, batches, steps=args.steps)
   report["train_seconds"] = time.perf_counter() - t0
+  report["train_kl_first_last"] = [
+    float(result.kl[0].mean()),
+    float(result.kl[-1].mean()),
+  ]
   both = jax.jit(
     lambda v, t, tl: (lens.kl_to_final(model, v, t, tl), lens.kl_to_final(model, v, t, None))
   )
-  tuned, logit = (np.asarray(a) for a in both(variables, held, result.lens))
+  # Row by row (every row has seq real tokens, so the mean of the rows' means is the mean):
+  # a row's (seq, vocab) logits at a time, whatever the vocabulary.
+  per_row = [both(variables, held[i : i + 1], result.lens) for i in range(len(held))]
+  tuned, logit = (np.mean([np.asarray(r[j]) for r in per_row], 0) for j in (0, 1))
   report["kl_tuned"], report["kl_logit"] = tuned.tolist(), logit.tolist()
   report["tuned_below_logit"] = bool(np.all(tuned[:-1] < logit[:-1]))
   plot.lens_kl({"logit lens": logit, "tuned lens": tuned}, title=args.model, path=out / "kl.png")
@@ -151,7 +173,8 @@ def main(argv=None) -> dict:
   for i in range(n):
     print(f"  layer {i:2d}: {logit[i]:7.3f} -> {tuned[i]:7.3f}")
   print(f"tuned lens below the logit lens at every layer: {report['tuned_below_logit']}")
-  print(f"figures and the lens in {out}")
+  (out / "report.json").write_text(json.dumps(report, indent=1))
+  print(f"figures, the lens and report.json in {out}")
   return report
 
 

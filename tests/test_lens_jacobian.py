@@ -105,6 +105,15 @@ def test_merge_is_weighted_by_prompt_counts(gpt2, fitted):
   assert merged.n_prompts == 3 and merged.metadata["n_prompts"] == 3
   for layer in (0, 1):
     np.testing.assert_allclose(merged.jacobians[layer], fitted.jacobians[layer], atol=1e-6)
+  # prompts of 8 and 6 tokens padded to one length in one batch: each is its own estimate
+  # (the 6-token prompt's equals its fit at its exact length)
+  short = PROMPTS[1][:6]
+  mixed = lens.fit_jacobian_lens(model, variables, [PROMPTS[0], short], prompt_batch=2, **kw)
+  alone = lens.fit_jacobian_lens(model, variables, [short], length_bucket=1, **kw)
+  both = lens.JacobianLens.merge([a, alone])
+  for layer in (0, 1):
+    np.testing.assert_allclose(mixed.jacobians[layer], both.jacobians[layer], atol=1e-6)
+    assert np.abs(alone.jacobians[layer] - a.jacobians[layer]).max() > 1e-2
   other = lens.JacobianLens(a.jacobians, 1, 8, {**a.metadata, "skip_first_positions": 3})
   with pytest.raises(lens.LensError) as e:
     lens.JacobianLens.merge([a, other])

@@ -227,9 +227,12 @@ def _check_block_layers(layers, n: int, what: str = "layers") -> list[int]:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "layers", "skip", "dim_batch"))
-def _prompt_sums(model, variables, tokens, *, layers, skip, dim_batch):
-  """``(len(layers), d, d)``: the sum over the rows of ``tokens`` (prompts of one length) of
-  each prompt's Jacobian, averaged over its valid source positions.
+def _prompt_sums(model, variables, tokens, lengths, *, layers, skip, dim_batch):
+  """``(len(layers), d, d)``: the sum over the rows of ``tokens`` of each prompt's Jacobian,
+  averaged over its valid source positions. Row ``r`` holds a prompt of ``lengths[r]`` tokens
+  padded at the end to the rows' common length: causal attention keeps the padding out of the
+  prompt's positions, and the padding's positions get no cotangent and no weight, so one
+  compiled program serves every length up to the rows'.
 
   Only the valid positions ``skip .. seq - 2`` take part in the derivative: a position before
   ``skip`` influences only itself and later positions, but its own gradient reaches only
@@ -259,6 +262,8 @@ def _prompt_sums(model, variables, tokens, *, layers, skip, dim_batch):
   }
   positions = jnp.arange(skip, seq - 1, dtype=jnp.int32)[None]
   mask = (jnp.arange(seq - 1, dtype=jnp.int32)[None, :] <= positions[0][:, None])[None, None]
+  valid = positions <= (lengths[:, None] - 2)  # (b, positions): the prompt's, not padding
+  weight = valid.astype(dtype) / (lengths[:, None] - 1 - skip).astype(dtype)
 
   def forward(deltas):
     added = dict(zip(layers, deltas))
@@ -272,12 +277,11 @@ def _prompt_sums(model, variables, tokens, *, layers, skip, dim_batch):
 
   zeros = tuple(jnp.zeros(x0.shape, dtype) for _ in layers)
   _, vjp = jax.vjp(forward, zeros)
-  count = seq - 1 - skip
 
   def rows(i):
-    cotangent = jnp.broadcast_to(jax.nn.one_hot(i, d, dtype=dtype), x0.shape)
+    cotangent = valid[..., None].astype(dtype) * jax.nn.one_hot(i, d, dtype=dtype)
     (grads,) = vjp(cotangent)
-    return jnp.stack([g.sum(axis=(0, 1)) for g in grads]) / count
+    return jnp.stack([jnp.einsum("bp,bpd->d", weight, g) for g in grads])
 
   out = jax.lax.map(rows, jnp.arange(d), batch_size=min(dim_batch, d))  # (d_out, n_src, d_in)
   return jnp.moveaxis(out, 1, 0)
@@ -310,6 +314,7 @@ def fit_jacobian_lens(
   max_seq_len: int = 128,
   dim_batch: int = 32,
   prompt_batch: int = 1,
+  length_bucket: int = 16,
   metadata: Mapping[str, Any] | None = None,
 ) -> JacobianLens:
   """Fits a Jacobian lens: per source layer, the average Jacobian of the last block's output
@@ -319,8 +324,9 @@ def fit_jacobian_lens(
   source layer at once, and a ``jax.vmap`` of it over the one-hot directions (``dim_batch`` at
   a time, a ``lax.map`` over the chunks) gives the matrices' rows, averaged over the prompt's
   valid source positions (all but the first ``skip_first_positions`` and the last). Prompts
-  count equally. Prompts of one length share one compiled program; ``prompt_batch`` of them
-  run together.
+  count equally. Each prompt is padded at the end to a multiple of ``length_bucket`` tokens
+  (the padding takes no part in the estimate: attention is causal), so prompts of many
+  lengths share a few compiled programs; ``prompt_batch`` prompts of one bucket run together.
 
   Args:
     model: a decoder of :mod:`jaxlens.models`.
@@ -334,7 +340,9 @@ def fit_jacobian_lens(
     max_seq_len: the longest prompt used.
     dim_batch: directions per vectorised VJP (the result is the same; on a CPU, chunks whose
       working set stays in cache are fastest: 32 beat 128 by 2x at width 128).
-    prompt_batch: prompts of one length run together.
+    prompt_batch: prompts of one bucket run together.
+    length_bucket: prompts are padded to a multiple of it (at most ``max_seq_len`` and the
+      model's ``max_len``); 1 compiles a program per prompt length.
     metadata: extra provenance kept in the lens (JSON-like values).
 
   Returns:
@@ -363,6 +371,7 @@ def fit_jacobian_lens(
     ("max_seq_len", max_seq_len, 2),
     ("dim_batch", dim_batch, 1),
     ("prompt_batch", prompt_batch, 1),
+    ("length_bucket", length_bucket, 1),
   ):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
       raise LensError(
@@ -406,16 +415,23 @@ def fit_jacobian_lens(
     )
   d = int(model.config.d_model)
   total = np.zeros((len(layers), d, d), np.float64)
+  longest = min(max_seq_len, getattr(model.config, "max_len", None) or max_seq_len)
   by_length: dict[int, list[np.ndarray]] = {}
   for r in kept:
-    by_length.setdefault(int(r.shape[0]), []).append(r)
-  for group in by_length.values():
+    n_tokens = int(r.shape[0])
+    padded = max(n_tokens, min(-(-n_tokens // length_bucket) * length_bucket, longest))
+    by_length.setdefault(padded, []).append(r)
+  for padded, group in by_length.items():
     for start in range(0, len(group), prompt_batch):
-      tokens = jnp.asarray(np.stack(group[start : start + prompt_batch]))
+      chunk = group[start : start + prompt_batch]
+      tokens = np.zeros((len(chunk), padded), np.int32)
+      for row, r in zip(tokens, chunk):
+        row[: r.shape[0]] = r
       sums = _prompt_sums(
         model,
         variables,
-        tokens,
+        jnp.asarray(tokens),
+        jnp.asarray([r.shape[0] for r in chunk], jnp.int32),
         layers=tuple(layers),
         skip=int(skip_first_positions),
         dim_batch=int(dim_batch),
