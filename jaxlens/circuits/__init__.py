@@ -15,7 +15,8 @@
 * :func:`graph_html`, :func:`plot_graph`: the pruned graph as a self-contained HTML page
   (inline SVG) and as a static matplotlib figure.
 * :func:`save_graph` / :func:`load_graph` (safetensors + JSON), :func:`to_neuronpedia_json`;
-  :func:`load_circuit_tracer` reads circuit-tracer's transcoder files.
+  :func:`load_circuit_tracer` reads circuit-tracer's transcoder files,
+  :func:`save_transcoders` writes per-layer ones.
 
 See docs/circuits.md.
 """
@@ -31,6 +32,7 @@ from jaxlens.circuits._errors import CircuitError as CircuitError
 from jaxlens.circuits._files import load_circuit_tracer as load_circuit_tracer
 from jaxlens.circuits._files import load_graph as load_graph
 from jaxlens.circuits._files import save_graph as save_graph
+from jaxlens.circuits._files import save_transcoders as save_transcoders
 from jaxlens.circuits._files import to_neuronpedia_json as to_neuronpedia_json
 from jaxlens.circuits._freeze import Recording as Recording
 from jaxlens.circuits._freeze import frozen_forward as frozen_forward
@@ -88,6 +90,7 @@ __all__ = [
   "record",
   "replacement",
   "save_graph",
+  "save_transcoders",
   "stop_gradient_freeze",
   "to_neuronpedia_json",
 ]
