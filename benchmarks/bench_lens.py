@@ -25,9 +25,15 @@ logit lens's top-k in vocabulary chunks against the full logit lens (peak memory
   the four is the peer's figure. Wall and CPU time per step; the per-layer KLs of both after
   the same steps.
 
+* Jacobian-lens fit over prompts of many lengths (``--part jacobian``): ``fit_jacobian_lens``
+  with its default ``length_bucket=16`` (prompts padded at the end, a program per bucket)
+  against ``length_bucket=1`` (a program per prompt length), both from a cold start (their
+  compilations included) and again warm; wall and CPU time, and the largest difference
+  between the two fits' matrices.
+
 Usage::
 
-  python benchmarks/bench_lens.py [--part patchscope,topk,tuned] [--model tiny|smollm2]
+  python benchmarks/bench_lens.py [--part patchscope,topk,tuned,jacobian] [--model tiny|smollm2]
 """
 
 from __future__ import annotations
@@ -276,6 +282,36 @@ def bench_tuned(args) -> dict:
   return out
 
 
+def bench_jacobian_lengths(args) -> dict:
+  from benchmarks._torch_peer import cpu_seconds
+
+  _, model, variables = _gpt2(args.jl_layers, args.jl_width, 2048, 64)
+  rng = np.random.default_rng(1)
+  lengths = list(range(args.jl_min_len, args.jl_min_len + args.jl_prompts))
+  prompts = [rng.integers(0, 2048, n).astype(np.int32) for n in lengths]
+  out: dict = {
+    "setting": (
+      f"GPT-2 layout, {args.jl_layers} blocks, width {args.jl_width}, {len(prompts)} prompts "
+      f"of {lengths[0]}..{lengths[-1]} tokens, skip 16, float32"
+    )
+  }
+  fits = {}
+  for bucket in (16, 1):  # the bucketed run first: its padded shapes are not the exact ones
+    for phase in ("cold", "warm"):
+      c0, w0 = cpu_seconds(), time.perf_counter()
+      fits[bucket] = lens.fit_jacobian_lens(model, variables, prompts, length_bucket=bucket)
+      out[f"bucket_{bucket}_{phase}"] = {
+        "wall_s": time.perf_counter() - w0,
+        "cpu_s": cpu_seconds() - c0,
+      }
+  out["programs"] = {16: len({-(-n // 16) * 16 for n in lengths}), 1: len(lengths)}
+  out["max_abs_diff"] = max(
+    float(np.abs(fits[16].jacobians[k] - fits[1].jacobians[k]).max()) for k in fits[1].jacobians
+  )
+  out["max_abs"] = max(float(np.abs(m).max()) for m in fits[1].jacobians.values())
+  return out
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--part", default="patchscope,topk", help="patchscope, topk, tuned")
@@ -291,6 +327,10 @@ def main(argv=None) -> dict:
   parser.add_argument(
     "--tl-shipped-repeats", type=int, default=1, help="timed runs of the bfloat16 autocast loop"
   )
+  parser.add_argument("--jl-layers", type=int, default=4)
+  parser.add_argument("--jl-width", type=int, default=128)
+  parser.add_argument("--jl-prompts", type=int, default=16)
+  parser.add_argument("--jl-min-len", type=int, default=40)
   args = parser.parse_args(argv)
   parts = set(args.part.split(","))
   result: dict = {"model": args.model, "devices": str(jax.devices())}
@@ -324,6 +364,18 @@ def main(argv=None) -> dict:
       f"{t['best_peer']} ({t['speedup_wall_with_compile']:.2f}x wall with jaxlens's "
       f"{t['jaxlens_compile_s']:.1f} s compilation); last step's per-layer KL within "
       f"{t['last_step_kl_max_rel_diff']:.1e} relative"
+    )
+  if "jacobian" in parts:
+    result["jacobian"] = j = bench_jacobian_lengths(args)
+    print(j["setting"])
+    for k in ("bucket_16_cold", "bucket_16_warm", "bucket_1_cold", "bucket_1_warm"):
+      print(f"  {k}: {j[k]['wall_s']:.1f} s wall, {j[k]['cpu_s']:.1f} s CPU")
+    print(
+      f"Jacobian fit over {args.jl_prompts} prompt lengths: {j['programs'][16]} programs "
+      f"(length_bucket=16) against {j['programs'][1]} (length_bucket=1): cold "
+      f"{j['bucket_1_cold']['wall_s'] / j['bucket_16_cold']['wall_s']:.1f}x wall; warm "
+      f"{j['bucket_1_warm']['wall_s'] / j['bucket_16_warm']['wall_s']:.2f}x; matrices within "
+      f"{j['max_abs_diff']:.1e} (largest entry {j['max_abs']:.2f})"
     )
   return result
 

@@ -127,6 +127,31 @@ def test_gemma3_long_context():
   assert second < 0.3 * first
 
 
+def test_lenses_smollm2_rows_for_gemma():
+  # --model gemma3's own code path on a tiny tokenizer that prepends <bos> as Gemma's does:
+  # every training row starts with it, and a target word is one token without it.
+  from types import SimpleNamespace
+
+  from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+  words = ["<bos>", "<unk>", "the", "of", "a", "Paris"]
+  tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.post_processor = processors.TemplateProcessing(
+    single="<bos> $A", special_tokens=[("<bos>", 0)]
+  )
+  spec = importlib.util.spec_from_file_location("lenses_rows", EXAMPLES / "lenses_smollm2.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  lm = SimpleNamespace(tokenizer=tok)
+  rows = np.asarray(module._sequences(lm, 8, 3, skip=1))
+  assert rows.shape == (3, 8) and list(rows[:, 0]) == [0, 0, 0]
+  assert not (rows[:, 1:] == 0).any() and len(set(map(tuple, rows))) == 3
+  assert module._token(lm, " Paris") == 5
+  with pytest.raises(ValueError, match="2 tokens"):
+    module._token(lm, "the Paris")
+
+
 @needs_smollm2
 def test_lenses_smollm2(tmp_path):
   # One training step of one 8-token sequence and a 3 x 3 patchscope grid (layers 0, 15, 30):
@@ -138,3 +163,22 @@ def test_lenses_smollm2(tmp_path):
   assert report["final_top"] == " Paris" and report["layers"] == 30
   assert len(report["patchscope_diagonal"]) == 3 and len(report["kl_tuned"]) == 31
   assert math.isfinite(report["dla_logit_diff"]) and report["dla_logit_diff"] > 0
+
+
+@needs_smollm2
+def test_circuits_smollm2(tmp_path):
+  # Transcoders on layers 0 and 1 only (the 28 others are error nodes), 20 steps of 64 rows
+  # from 4 sequences, a 5-token prompt and a budget of 16 feature nodes: every step runs (the
+  # example asserts that each edge equals the constrained intervention's change); the full
+  # run's figures are in docs/circuits.md.
+  argv = "--layers 0,1 --features 32 --k 4 --steps 20 --batch 64 --sequences 4 --held 1".split()
+  argv += ["--top", "1", "--max-feature-nodes", "16", "--graph-batch", "32"]
+  argv += ["--prompt", "The capital of France is", "--out", str(tmp_path)]
+  report = run("circuits_smollm2", argv)
+  for name in ("graph.html", "graph.png", "graph/graph.json", "transcoders/layer_1.safetensors"):
+    assert (tmp_path / name).is_file(), name
+  assert not (tmp_path / "transcoders/layer_2.safetensors").exists()
+  assert report["layers"] == [0, 1] and 0 < report["n_features"] <= 16
+  assert 0.0 <= report["replacement_score"] <= 1.0 and 0.0 <= report["completeness_score"] <= 1.0
+  (row,) = report["interventions"]
+  assert row["feature"][0] in (0, 1) and math.isfinite(row["measured_model"])

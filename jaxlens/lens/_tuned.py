@@ -141,9 +141,12 @@ def _kl_and_grad(model, variables, h, p, p_entropy, weight):
   checkpoint takes three. Per token, ``KL = sum(p log p) - sum(p z) + logsumexp(z)``."""
   logits, pullback = jax.vjp(lambda x: model.unembed(variables, x), h)
   z = logits.astype(p.dtype)
-  lse = jax.nn.logsumexp(z, -1)
+  top = jax.lax.stop_gradient(jnp.max(z, -1, keepdims=True))
+  e = jnp.exp(z - top)  # one exponential a logit: q and logsumexp(z) both from it
+  total = jnp.sum(e, -1, keepdims=True)
+  lse = (top + jnp.log(total))[..., 0]
   kl = jnp.sum((p_entropy - jnp.sum(p * z, -1) + lse) * weight)
-  (grad,) = pullback(((jnp.exp(z - lse[..., None]) - p) * weight[..., None]).astype(logits.dtype))
+  (grad,) = pullback(((e / total - p) * weight[..., None]).astype(logits.dtype))
   return kl, grad
 
 
