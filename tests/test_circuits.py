@@ -967,3 +967,13 @@ def test_bad_sparse_and_mesh_options_are_refused(gpt2):
     with pytest.raises(circuits.CircuitError, match=match) as e:
       circuits.attribute(model, variables, TOKENS, tcs, local=lr, **kw)
     assert e.value.code == "invalid_argument"
+
+
+def test_rows_split_by_layer_give_the_same_graph():
+  # the cross-layer transcoder: a feature writes to every later layer
+  family, model, variables, tcs, graph, lr = _build("gemma")
+  split = circuits.attribute(
+    model, variables, TOKENS, tcs, batch_size=32, local=lr, split_layers=True
+  )
+  scale = np.abs(graph.adjacency).max()
+  np.testing.assert_allclose(split.adjacency, graph.adjacency, rtol=0, atol=1e-13 * scale)

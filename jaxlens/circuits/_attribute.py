@@ -426,35 +426,56 @@ def local_replacement(model, variables, tokens, transcoders, *, zero_bos: bool =
   return LocalReplacement(rec, acts, node_writes, errors, const, tok, run)
 
 
-def _rows(model, rep, variables, toks, rec, const, tok, node_writes, errors, padded, slots, cot):
+def _rows(
+  model, rep, upto, variables, toks, rec, const, tok, node_writes, errors, padded, slots, cot
+):
   """Rows of the graph, one per cotangent: ``cot = (layer, position, v_in, v_final)``, each
   batched; a row is ``[features (padded), errors, tokens]``. The frozen forward is linearised
-  once and its VJP vmapped over the batch."""
+  once and its VJP vmapped over the batch.
+
+  ``upto < n_layers``: every row's target is a feature of layer ``upto``, so the forward stops
+  at that layer's MLP input and only the sources of earlier layers are contracted (later
+  ones are zero: nothing they write reaches it); ``upto == n_layers``: any row.
+  """
   li, pi, v_in, v_final = cot
   n_layers, (seq, d), d_in, dtype = rep.n_layers, tok.shape, v_in.shape[-1], tok.dtype
   run = frozen_forward(model, variables, toks[None], rec, rep.skip, const)
-  _, vjp = jax.vjp(run, tok, node_writes + errors)
+  if upto < n_layers:
+    _, vjp = jax.vjp(lambda t, w: run(t, w)[0][: upto + 1], tok, node_writes + errors)
 
-  def one(li, pi, vi, vf):
-    ci = jnp.zeros((n_layers, seq, d_in), dtype).at[li, pi].set(vi)
-    cf = jnp.zeros((seq, d), dtype).at[seq - 1].set(vf)
-    g_tok, g_w = vjp((ci, cf))
-    # The decoders as one batched matmul: each (target layer, position) holds the decoder
-    # vectors written there, padded to the fullest one; a feature's edge is the sum of its
-    # slots (one per layer it writes to; the last entry is a zero).
-    per_slot = jnp.einsum("kd,kgd->kg", g_w.reshape(-1, d), padded).reshape(-1)
-    feat = jnp.concatenate([per_slot, jnp.zeros(1, per_slot.dtype)])[slots].sum(-1)
-    err = jnp.einsum("lsd,lsd->ls", g_w, errors).reshape(-1)
-    tk = jnp.einsum("sd,sd->s", g_tok, tok)
-    return jnp.concatenate([feat, err, tk])
+    def one(li, pi, vi, vf):
+      return vjp(jnp.zeros((upto + 1, seq, d_in), dtype).at[li, pi].set(vi))
 
-  return jax.vmap(one)(li, pi, v_in, v_final)
+  else:
+    _, vjp = jax.vjp(run, tok, node_writes + errors)
+
+    def one(li, pi, vi, vf):
+      ci = jnp.zeros((n_layers, seq, d_in), dtype).at[li, pi].set(vi)
+      cf = jnp.zeros((seq, d), dtype).at[seq - 1].set(vf)
+      return vjp((ci, cf))
+
+  g_tok, g_w = jax.vmap(one)(li, pi, v_in, v_final)
+  batch, width = li.shape[0], padded.shape[1]
+  g_w = g_w[:, :upto]  # the sources that reach the targets
+  # The decoders as one batched matmul: each (target layer, position) holds the decoder
+  # vectors written there, padded to the fullest one; a feature's edge is the sum of its
+  # slots (one per layer it writes to; the last entry is a zero).
+  per_slot = jnp.einsum("bkd,kgd->bkg", g_w.reshape(batch, -1, d), padded[: upto * seq])
+  rest = (n_layers - upto) * seq
+  per_slot = jnp.concatenate(
+    [per_slot.reshape(batch, -1), jnp.zeros((batch, rest * width + 1), dtype)], axis=1
+  )
+  feat = per_slot[:, slots].sum(-1)
+  err = jnp.einsum("blsd,lsd->bls", g_w, errors[:upto]).reshape(batch, -1)
+  err = jnp.concatenate([err, jnp.zeros((batch, rest), dtype)], axis=1)
+  tk = jnp.einsum("bsd,sd->bs", g_tok, tok)
+  return jnp.concatenate([feat, err, tk], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def _rows_cached(model, transcoders, *args):
+@functools.partial(jax.jit, static_argnames=("model", "upto"))
+def _rows_cached(model, upto, transcoders, *args):
   TRACES["rows"] += 1
-  return _rows(model, replacement(model, transcoders), *args)
+  return _rows(model, replacement(model, transcoders), upto, *args)
 
 
 def _bucket(n: int, floor: int = 64) -> int:
@@ -520,6 +541,7 @@ def attribute(
   row_top_k: int | None = None,
   row_threshold: float | None = None,
   mesh=None,
+  split_layers: bool | None = None,
 ) -> Graph:
   """The attribution graph of ``tokens`` through ``transcoders`` (circuit-tracer's
   ``attribute``).
@@ -564,6 +586,10 @@ def attribute(
     mesh: a ``jax.sharding.Mesh``: each batch of rows is spread over its devices (the batch
       rounded up to a multiple of their number), the model and the frozen values replicated;
       the graph equals the one-device graph.
+    split_layers: run the feature rows layer by layer, each through a program that stops at
+      the targets' layer and contracts only the earlier layers' sources (about half the work
+      at 4 layers, for ``n_layers`` more compiled programs); ``None``: when there are at
+      least 16 batches of feature rows. The graph is the same.
 
   Returns:
     A :class:`Graph` (its adjacency dense, or sparse with ``row_top_k`` or
@@ -702,10 +728,19 @@ def attribute(
   devices = 1 if mesh is None else int(mesh.size)
   rows_per_call = -(-batch_size // devices) * devices
   consts = (variables, toks, rec, lr.const, tok, node_writes, errors, padded, slots)
+  if split_layers is None:  # worth its n_layers more programs from 16 batches of features
+    split_layers = n_active >= 16 * rows_per_call
   if rep.source is not None:
     program, source = functools.partial(_rows_cached, model), rep.source
   else:  # a Replacement built by hand: its functions are constants of the program
-    program, source = jax.jit(lambda _, *a: _rows(model, rep, *a)), None
+    hand = {}
+
+    def program(upto, _, *a):
+      if upto not in hand:
+        hand[upto] = jax.jit(functools.partial(_rows, model, rep, upto))
+      return hand[upto](*a)
+
+    source = None
   if mesh is None:
     consts = jax.tree.map(jnp.asarray, consts)
     spread = None
@@ -717,8 +752,8 @@ def attribute(
     consts, source = jax.device_put((consts, source), NamedSharding(mesh, PartitionSpec()))
     spread = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
 
-  def batch(li, pi, v_in, v_final):
-    # Padded to rows_per_call rows: one compiled program for every batch.
+  def batch(li, pi, v_in, v_final, upto=n_layers):
+    # Padded to rows_per_call rows: one compiled program for every batch (of a layer).
     k = len(li)
     pad = rows_per_call - k
 
@@ -729,7 +764,7 @@ def attribute(
     cot = (grow(li, np.int32), grow(pi, np.int32), grow(v_in, np_dtype), grow(v_final, np_dtype))
     if spread is not None:
       cot = jax.device_put(cot, spread)
-    out = np.asarray(program(source, *consts, cot))[:k]
+    out = np.asarray(program(upto, source, *consts, cot))[:k]
     # [features (padded to n_pad), errors, tokens] -> [features, errors, tokens]
     return np.concatenate([out[:, :n_active], out[:, n_pad:]], axis=1)
 
@@ -738,7 +773,9 @@ def attribute(
     return batch(np.zeros(k), np.zeros(k), np.zeros((k, d_in)), vecs)
 
   def feature_rows(idx):
-    return batch(active[idx, 0], active[idx, 1], enc[idx], np.zeros((len(idx), d)))
+    # idx: features of one layer when split_layers
+    upto = int(active[idx[0], 0]) if split_layers else n_layers
+    return batch(active[idx, 0], active[idx, 1], enc[idx], np.zeros((len(idx), d)), upto)
 
   logit_offset = n_active + (n_layers + 1) * seq
   total_nodes = logit_offset + n_logits
@@ -806,12 +843,19 @@ def attribute(
       rank = np.argsort(-influence[:n_active], kind="stable")
       size = min(update_interval * rows_per_call, budget - n_visited)
       pending = rank[~visited[rank]][:size]
-    for s in range(0, len(pending), rows_per_call):
-      idx = pending[s : s + rows_per_call]
-      n_visited += len(idx)
-      store(st, feature_rows(idx), idx)
-      visited[idx] = True
-      st += len(idx)
+    if split_layers:  # the batches of each layer, in layer order
+      pending = pending[np.argsort(active[pending, 0], kind="stable")]
+      ends = np.flatnonzero(np.diff(active[pending, 0])) + 1
+      groups = np.split(pending, ends)
+    else:
+      groups = [pending]
+    for group in groups:
+      for s in range(0, len(group), rows_per_call):
+        idx = group[s : s + rows_per_call]
+        n_visited += len(idx)
+        store(st, feature_rows(idx), idx)
+        visited[idx] = True
+        st += len(idx)
   selected = np.flatnonzero(visited)
   if sparse:
     # Rows in node order, columns renumbered to the kept features.
