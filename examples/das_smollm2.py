@@ -1,13 +1,15 @@
 """Low-rank DAS on SmolLM2-135M-Instruct: where "The capital of X is" keeps X.
 
-``PYTHONPATH=. python examples/das_smollm2.py``
+``PYTHONPATH=. python examples/das_smollm2.py [--steps 30] [--layers N]``
 
 Four prompts "The capital of {France, Italy, Germany, Spain} is" (5 tokens each; the country is
 token 3). Interchange intervention training aligns a rank-4 subspace of the residual stream after
 block 4 at the country's position: the base prompt runs with that subspace taken from the source
 prompt, and the label is the source's capital. All 16 (base, source) pairs are the training batch
 and the evaluation (a demonstration that the loop runs on the shipped model offline, not a
-held-out finding).
+held-out finding). ``--layers N`` runs the model cut after its first N blocks
+(``Pretrained.first_layers``): the same loop at a fraction of the compile time, whose labels are
+then read through the logit lens of block N - 1.
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ CAPITALS = [" Paris", " Rome", " Berlin", " Madrid"]
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=30)
+  parser.add_argument(
+    "--layers", type=int, default=None, help="keep only the first N blocks (N > 4: a quick run)"
+  )
   args = parser.parse_args(argv)
   lm = jm.smollm2()
+  if args.layers is not None:
+    lm = lm.first_layers(args.layers)
   tokens = jnp.stack([lm.encode(f"The capital of {c} is")[0] for c in COUNTRIES])
   answers = jnp.asarray([lm.encode(c)[0, 0] for c in CAPITALS])
   base, source = np.repeat(np.arange(4), 4), np.tile(np.arange(4), 4)

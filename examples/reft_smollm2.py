@@ -1,14 +1,16 @@
 """LoReFT of rank 4 on SmolLM2-135M-Instruct: learn a fixed answer format from 32 examples.
 
 ``PYTHONPATH=. python examples/reft_smollm2.py [--steps 60] [--batch 8] [--held 12]
-[--out reft_smollm2.json]``
+[--out reft_smollm2.json] [--layers N]``
 
 The base model answers "What is 3 + 4?" in its own words. 32 (question, answer) pairs whose
 answers all read "The answer is N." train a rank-4 LoReFT at one layer's residual stream with
 the model frozen (its weights are checked unchanged, bit for bit); the trained intervention is
 then saved as a spec, loaded back, and applied while jl.generate decodes 12 held-out questions
 with the KV cache. The script prints (and writes as JSON) the training time, the losses, the
-fraction of held-out generations in the format, and how many are also right.
+fraction of held-out generations in the format, and how many are also right. ``--layers N``
+runs the model cut after its first N blocks (``Pretrained.first_layers``): the same loop at a
+fraction of the compile time, a quick check that it runs rather than a result.
 """
 
 from __future__ import annotations
@@ -68,9 +70,14 @@ def main(argv=None):
   parser.add_argument("--batch", type=int, default=8, help="training examples a step")
   parser.add_argument("--held", type=int, default=12, help="held-out questions generated")
   parser.add_argument("--out", default=None, help="a JSON file, or a directory to write one in")
+  parser.add_argument(
+    "--layers", type=int, default=None, help="keep only the first N blocks (N > 10: a quick run)"
+  )
   args = parser.parse_args(argv)
 
   lm = jm.smollm2()
+  if args.layers is not None:
+    lm = lm.first_layers(args.layers)
   before = _digest(lm.variables)
   rng = np.random.default_rng(0)
   train_q, test_q = _questions(rng, 32), _questions(rng, args.held)

@@ -91,7 +91,9 @@ def test_look_and_collect(tmp_path):
 
 @needs_smollm2
 def test_sae_smollm2(tmp_path):
-  argv = "--steps 20 --batch 64 --sequences 24 --held 8".split() + ["--out", str(tmp_path)]
+  # The model cut after block 3, the SAE's site (Pretrained.first_layers): the same steps.
+  argv = "--steps 20 --batch 64 --sequences 24 --held 8 --layers 4".split()
+  argv += ["--out", str(tmp_path)]
   report = run("sae_smollm2", argv)
   assert (tmp_path / "features.html").is_file() and (tmp_path / "features.png").is_file()
   assert report["rows"] == 16 * 63  # 16 training sequences of 64 tokens, position 0 left out
@@ -100,14 +102,15 @@ def test_sae_smollm2(tmp_path):
 
 @needs_smollm2
 def test_das_smollm2():
-  report = run("das_smollm2", ["--steps", "2"])
+  report = run("das_smollm2", ["--steps", "2", "--layers", "5"])  # cut after the site's block
   assert report["steps"] == 2 and 0.0 <= report["iia"] <= 1.0
   assert math.isfinite(report["loss_first"]) and math.isfinite(report["loss_last"])
 
 
 @needs_smollm2
 def test_reft_smollm2(tmp_path):
-  argv = ["--steps", "2", "--batch", "2", "--held", "3", "--out", str(tmp_path / "reft.json")]
+  argv = ["--steps", "2", "--batch", "2", "--held", "3", "--layers", "11"]  # cut after the site
+  argv += ["--out", str(tmp_path / "reft.json")]
   report = run("reft_smollm2", argv)
   assert report["weights_unchanged"] and (tmp_path / "reft.json").is_file()
   assert math.isfinite(report["loss_first"]) and math.isfinite(report["loss_last"])

@@ -40,6 +40,7 @@ from jaxlens.models.gpt2 import GPT2, GPT2Config
 from jaxlens.models.gpt_neox import GPTNeoX, GPTNeoXConfig
 from jaxlens.models.llama import Llama, LlamaConfig
 from jaxlens.internal import path_argument
+from jaxlens.core import InvalidArgumentError
 
 __all__ = [
   "LoadError",
@@ -85,6 +86,47 @@ class Pretrained:
   def tokens(self, text: str) -> list[str]:
     """The token strings of ``text`` (labels for plots)."""
     return list(self.tokenizer.encode(text).tokens)
+
+  def first_layers(self, n: int) -> Pretrained:
+    """The model cut after its first ``n`` blocks: the same embedding, blocks ``0 .. n-1``,
+    final norm and unembedding (TransformerLens's ``first_n_layers``), so the logits are the
+    logit lens of ``blocks_{n-1}/resid_post``. The variables are the loaded arrays, not copies.
+
+    For a quick run of code written for the whole model (an example at small settings, a
+    smoke test), or to study the first layers at a fraction of the compile and run time.
+
+    Raises:
+      InvalidArgumentError: ``invalid_argument`` when ``n`` is not an int in
+        ``1 .. config.n_layers`` (or the model has no ``n_layers`` blocks to cut).
+    """
+    layers = getattr(self.config, "n_layers", None)
+    if not isinstance(layers, int) or getattr(self.config, "scan_layers", False):
+      raise InvalidArgumentError(
+        f"{type(self.model).__name__} has no blocks_{{i}} layers to cut",
+        code="invalid_argument",
+        fix="first_layers serves the zoo's layered models (blocks_0 .. blocks_{n-1})",
+      )
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= layers:
+      raise InvalidArgumentError(
+        f"first_layers({n!r}): the model has {layers} layers",
+        code="invalid_argument",
+        expected=f"an int in 1 .. {layers}",
+        received=repr(n),
+      )
+    n = int(n)
+    changes: dict[str, Any] = {"n_layers": n}
+    if getattr(self.config, "layer_types", None) is not None:
+      changes["layer_types"] = tuple(self.config.layer_types[:n])
+    config = dataclasses.replace(self.config, **changes)
+    dropped = {f"blocks_{i}" for i in range(n, layers)}
+
+    def cut(tree):
+      if not isinstance(tree, Mapping):
+        return tree
+      return {k: cut(v) for k, v in tree.items() if k not in dropped}
+
+    variables = {c: cut(tree) for c, tree in self.variables.items()}
+    return Pretrained(self.model.clone(config=config), variables, self.tokenizer, config)
 
 
 # ---------------------------------------------------------------------------------- configs
