@@ -17,7 +17,14 @@ be (``params[...]["kernel"]``), so sites, edits, traces and ``jax.jit`` see the 
 dequantisation happens in :class:`Dense` / :class:`Embed` right before each product, under
 ``jit``: XLA writes one layer's float32 weight at a time (a few MiB, which stays in the CPU's
 cache) instead of reading four bytes a weight from memory. ``weights="bfloat16"`` needs no class:
-bfloat16 arrays in a float32 model are cast by flax's own ``Dense``.
+bfloat16 arrays are multiplied by :func:`times_wide`, in a float32 or a bfloat16 model.
+
+XLA on CPU has no bfloat16 matrix product: it widens a bfloat16 operand to float32 and multiplies
+in float32. Left to itself, it widens every weight whole, ahead of its product (and, in a loop
+such as ``jl.generate``'s, once before the loop): a float32 copy of every weight, twice the
+bfloat16 weights' memory. :func:`times_wide` computes the same product (the same float32 values,
+the same float32 products) a chunk of output columns at a time, so only one chunk's float32 copy
+(about ``WIDEN_BYTES``) exists at once.
 
 Matrices are stored as ``(rows, cols)`` with ``cols`` the contracted axis: a kernel ``(in, out)``
 is kept transposed (``(out, in)``, as GGUF and torch store it), an embedding table as is.
@@ -39,6 +46,7 @@ from jaxlens.models._params import StoredParams
 
 __all__ = [
   "WEIGHTS",
+  "WIDEN_BYTES",
   "Blocks",
   "Dense",
   "Embed",
@@ -48,6 +56,7 @@ __all__ = [
   "dequantize",
   "gguf_params",
   "is_compact",
+  "times_wide",
 ]
 
 WEIGHTS = ("float32", "bfloat16", "int8", "gguf")
@@ -150,6 +159,84 @@ def times_transpose(m, x, dtype):
   return y
 
 
+# The float32 bytes of one chunk of a bfloat16 matrix that times_wide widens at once: small enough
+# to stay in the CPU's cache between its widening and its product.
+WIDEN_BYTES = 2**22
+
+
+def widens(matrix, dtype) -> bool:
+  """Whether a product of ``matrix`` computed in ``dtype`` goes through :func:`times_wide`: a
+  bfloat16 matrix multiplied in bfloat16 or float32 (a float64 product, or a float32 matrix, is
+  left to XLA as it is)."""
+  return jnp.dtype(matrix.dtype) == jnp.bfloat16 and jnp.dtype(dtype) in (
+    jnp.dtype(jnp.bfloat16),
+    jnp.dtype(jnp.float32),
+  )
+
+
+def _pinned(matrix, after):
+  """``matrix`` as a value XLA sees depending on ``after``: an operation on it can be neither
+  hoisted out of a loop nor scheduled before ``after`` exists (removed before the program runs:
+  no copy)."""
+  return jax.lax.optimization_barrier((matrix, after))[0]
+
+
+def times_wide(x, matrix, contract: int, dtype, precision=None):
+  """``x`` times a bfloat16 ``matrix`` as XLA computes it (``x`` in ``dtype``, both widened to
+  float32, a float32 product, the result rounded to ``dtype``), widened a chunk at a time.
+
+  The product of ``jax.lax.dot_general`` on the two operands cast to ``dtype``: each output is
+  the same float32 dot product of the same float32 values, rounded to ``dtype`` once. (XLA's
+  summation order inside a product depends on the product's shape, so an output can differ from
+  the whole matrix's product in its last float32 bit, as XLA's product of one row differs between
+  a batch of one and a batch of two; on Llama-3.2-1B's shapes the two agree bit for bit.) XLA on
+  CPU widens a whole bfloat16 operand
+  before its product and hoists the widening of a weight out of any loop it sits in; here the
+  matrix is split into chunks of output columns of about ``WIDEN_BYTES`` of float32 each,
+  multiplied one after the other in a ``lax.fori_loop``, and each chunk's widening is pinned to
+  its own iteration (:func:`_pinned`), so one chunk's float32 copy is alive at a time.
+
+  Args:
+    x: ``(..., k)`` activations, any float dtype (cast to ``dtype`` first, as ``promote_dtype``
+      does).
+    matrix: a bfloat16 ``(k, n)`` kernel (``contract=0``) or ``(n, k)`` table (``contract=1``,
+      a tied unembedding).
+    contract: the axis of ``matrix`` contracted with ``x``'s last.
+    dtype: the product's dtype, bfloat16 or float32.
+    precision: ``dot_general``'s (none matters on CPU).
+
+  Returns:
+    ``(..., n)`` in ``dtype``.
+  """
+  x = jnp.asarray(x).astype(dtype).astype(jnp.float32)
+  axis = 1 - contract  # the matrix's output axis
+  k, n = matrix.shape[contract], matrix.shape[axis]
+  per = max(16, WIDEN_BYTES // (4 * max(k, 1)) // 16 * 16)  # whole vectors of columns
+  dims = (((x.ndim - 1,), (contract,)), ((), ()))
+
+  def product(m, start, size):
+    part = m if size == n else jax.lax.dynamic_slice_in_dim(m, start, size, axis=axis)
+    y = jax.lax.dot_general(x, part.astype(jnp.float32), dims, precision=precision)
+    return y.astype(dtype)
+
+  if n <= per:
+    return product(_pinned(matrix, x), 0, n)
+  chunks = n // per
+
+  def body(j, y):
+    start = j * per
+    return jax.lax.dynamic_update_slice_in_dim(
+      y, product(_pinned(matrix, j), start, per), start, axis=-1
+    )
+
+  y = jax.lax.fori_loop(0, chunks, body, jnp.zeros(x.shape[:-1] + (n,), dtype))
+  if chunks * per < n:
+    start = chunks * per
+    tail = product(_pinned(matrix, y), start, n - start)
+    y = jax.lax.dynamic_update_slice_in_dim(y, tail, start, axis=-1)
+  return y
+
+
 def is_compact(x) -> bool:
   """Whether ``x`` is a compact matrix (:class:`Int8Rows` or :class:`Blocks`)."""
   return isinstance(x, _COMPACT)
@@ -187,10 +274,14 @@ class Dense(StoredParams, nn.Dense):
       kernel = self.param(
         "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
       )
-      inputs, kernel = promote_dtype(inputs, kernel, dtype=self.dtype)
-      y = jax.lax.dot_general(
-        inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision
-      )
+      dtype = self.dtype or jnp.result_type(inputs, kernel)
+      if widens(kernel, dtype):
+        y = times_wide(inputs, kernel, 0, dtype, self.precision)
+      else:
+        inputs, kernel = promote_dtype(inputs, kernel, dtype=self.dtype)
+        y = jax.lax.dot_general(
+          inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision
+        )
     if self.use_bias:
       bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
       y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
@@ -224,7 +315,12 @@ class Embed(StoredParams, nn.Module):
       raise ValueError("Input type must be an integer or unsigned integer.")
     if is_compact(self.embedding):
       return self.embedding.rows(inputs, self.dtype or jnp.float32)
-    (embedding,) = promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
+    embedding = self.embedding
+    if jnp.dtype(embedding.dtype) == jnp.bfloat16:
+      # The gather widens only the rows it reads, unless XLA widens the table whole, which it
+      # does ahead of a loop (jl.generate's) that the table is invariant in.
+      embedding = _pinned(embedding, inputs)
+    (embedding,) = promote_dtype(embedding, dtype=self.dtype, inexact=False)
     return jnp.take(embedding, inputs, axis=0)
 
   def attend(self, query):
@@ -233,6 +329,9 @@ class Embed(StoredParams, nn.Module):
       dtype = self.dtype or jnp.result_type(query)
       (query,) = promote_dtype(query, dtype=dtype)
       return times_transpose(self.embedding, query, dtype)
+    dtype = self.dtype or jnp.result_type(query, self.embedding)
+    if widens(self.embedding, dtype):
+      return times_wide(query, self.embedding, 1, dtype)
     query, embedding = promote_dtype(query, self.embedding, dtype=self.dtype)
     return _times_rows(query, embedding)
 
