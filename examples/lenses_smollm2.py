@@ -140,7 +140,7 @@ def main(argv=None) -> dict:
     layer: lm.decode(np.asarray(gen.tokens[i, i, 0])) for i, layer in enumerate(layers)
   }
   print(
-    f"patchscope: {(n + 1) ** 2} cells in {report['patchscope_seconds']:.1f} s; "
+    f"patchscope: {len(scoped) ** 2} cells in {report['patchscope_seconds']:.1f} s; "
     f"generated from layer l into layer l: {report['patchscope_generated']}"
   )
 
