@@ -969,11 +969,13 @@ def test_bad_sparse_and_mesh_options_are_refused(gpt2):
     assert e.value.code == "invalid_argument"
 
 
-def test_rows_split_by_layer_give_the_same_graph():
-  # the cross-layer transcoder: a feature writes to every later layer
+def test_rows_split_by_layer_and_prefix_give_the_same_graph(monkeypatch):
+  # the cross-layer transcoder (a feature writes to every later layer); two prefixes of the
+  # five-token prompt (three and five tokens)
   family, model, variables, tcs, graph, lr = _build("gemma")
+  monkeypatch.setattr(circuits._attribute, "_GROUP_POSITIONS", 2)
   split = circuits.attribute(
-    model, variables, TOKENS, tcs, batch_size=32, local=lr, split_layers=True
+    model, variables, TOKENS, tcs, batch_size=32, local=lr, split_rows=True
   )
   scale = np.abs(graph.adjacency).max()
   np.testing.assert_allclose(split.adjacency, graph.adjacency, rtol=0, atol=1e-13 * scale)

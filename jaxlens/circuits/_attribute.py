@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlens.circuits._errors import CircuitError
-from jaxlens.circuits._freeze import frozen_forward, record
+from jaxlens.circuits._freeze import Recording, frozen_forward, record
 from jaxlens.lens import readout
 from jaxlens.circuits._prune import partial_influences
 from jaxlens.sae import CrossLayerTranscoder, Transcoder
@@ -426,28 +426,54 @@ def local_replacement(model, variables, tokens, transcoders, *, zero_bos: bool =
   return LocalReplacement(rec, acts, node_writes, errors, const, tok, run)
 
 
+def _prefix(rec: Recording, length: int) -> Recording:
+  """The recording of the prompt's first ``length`` positions (a causal model's run on them)."""
+
+  def cut(a):
+    return None if a is None else a[:, :length]
+
+  return Recording(
+    scales={k: cut(v) for k, v in rec.scales.items()},
+    patterns={k: v[:, :, :length, :length] for k, v in rec.patterns.items()},
+    mlp_in={k: cut(v) for k, v in rec.mlp_in.items()},
+    mlp_out={k: cut(v) for k, v in rec.mlp_out.items()},
+    resid0=cut(rec.resid0),
+    pos=cut(rec.pos),
+    final=cut(rec.final),
+    logits=cut(rec.logits),
+  )
+
+
 def _rows(
-  model, rep, upto, variables, toks, rec, const, tok, node_writes, errors, padded, slots, cot
+  model, rep, part, variables, toks, rec, const, tok, node_writes, errors, padded, slots, cot
 ):
   """Rows of the graph, one per cotangent: ``cot = (layer, position, v_in, v_final)``, each
   batched; a row is ``[features (padded), errors, tokens]``. The frozen forward is linearised
   once and its VJP vmapped over the batch.
 
-  ``upto < n_layers``: every row's target is a feature of layer ``upto``, so the forward stops
-  at that layer's MLP input and only the sources of earlier layers are contracted (later
-  ones are zero: nothing they write reaches it); ``upto == n_layers``: any row.
+  ``part = (upto, length)``. ``upto < n_layers``: every row's target is a feature of layer
+  ``upto`` at a position before ``length``, so the forward runs on the prompt's first
+  ``length`` tokens (the model is causal; its frozen values are cut to them) and stops at that
+  layer's MLP input, and only the sources of earlier layers and positions are contracted (the
+  others are zero: nothing they write reaches the targets). ``upto == n_layers``: any row, on
+  the whole prompt.
   """
+  upto, length = part
   li, pi, v_in, v_final = cot
   n_layers, (seq, d), d_in, dtype = rep.n_layers, tok.shape, v_in.shape[-1], tok.dtype
+  writes = node_writes + errors
+  if length < seq:
+    toks, rec, const, tok = toks[:length], _prefix(rec, length), const[:, :length], tok[:length]
+    writes, errors = writes[:, :length], errors[:, :length]
   run = frozen_forward(model, variables, toks[None], rec, rep.skip, const)
   if upto < n_layers:
-    _, vjp = jax.vjp(lambda t, w: run(t, w)[0][: upto + 1], tok, node_writes + errors)
+    _, vjp = jax.vjp(lambda t, w: run(t, w)[0][: upto + 1], tok, writes)
 
     def one(li, pi, vi, vf):
-      return vjp(jnp.zeros((upto + 1, seq, d_in), dtype).at[li, pi].set(vi))
+      return vjp(jnp.zeros((upto + 1, length, d_in), dtype).at[li, pi].set(vi))
 
   else:
-    _, vjp = jax.vjp(run, tok, node_writes + errors)
+    _, vjp = jax.vjp(run, tok, writes)
 
     def one(li, pi, vi, vf):
       ci = jnp.zeros((n_layers, seq, d_in), dtype).at[li, pi].set(vi)
@@ -456,26 +482,34 @@ def _rows(
 
   g_tok, g_w = jax.vmap(one)(li, pi, v_in, v_final)
   batch, width = li.shape[0], padded.shape[1]
-  g_w = g_w[:, :upto]  # the sources that reach the targets
+  g_w = g_w[:, :upto]  # (batch, upto, length, d): the sources that reach the targets
+
+  def place(x, trailing=()):
+    # (batch, upto, length, *trailing) into (batch, n_layers, seq, *trailing), zeros around
+    pad = [(0, 0), (0, n_layers - upto), (0, seq - length)] + [(0, 0)] * len(trailing)
+    return jnp.pad(x, pad).reshape(batch, -1)
+
   # The decoders as one batched matmul: each (target layer, position) holds the decoder
   # vectors written there, padded to the fullest one; a feature's edge is the sum of its
   # slots (one per layer it writes to; the last entry is a zero).
-  per_slot = jnp.einsum("bkd,kgd->bkg", g_w.reshape(batch, -1, d), padded[: upto * seq])
-  rest = (n_layers - upto) * seq
-  per_slot = jnp.concatenate(
-    [per_slot.reshape(batch, -1), jnp.zeros((batch, rest * width + 1), dtype)], axis=1
-  )
-  feat = per_slot[:, slots].sum(-1)
-  err = jnp.einsum("blsd,lsd->bls", g_w, errors[:upto]).reshape(batch, -1)
-  err = jnp.concatenate([err, jnp.zeros((batch, rest), dtype)], axis=1)
-  tk = jnp.einsum("bsd,sd->bs", g_tok, tok)
+  dec = padded.reshape(n_layers, seq, width, d)[:upto, :length].reshape(-1, width, d)
+  per_slot = jnp.einsum("bkd,kgd->bkg", g_w.reshape(batch, -1, d), dec)
+  per_slot = place(per_slot.reshape(batch, upto, length, width), (width,))
+  feat = jnp.concatenate([per_slot, jnp.zeros((batch, 1), dtype)], axis=1)[:, slots].sum(-1)
+  err = place(jnp.einsum("blsd,lsd->bls", g_w, errors[:upto]))
+  tk = jnp.pad(jnp.einsum("bsd,sd->bs", g_tok, tok), [(0, 0), (0, seq - length)])
   return jnp.concatenate([feat, err, tk], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "upto"))
-def _rows_cached(model, upto, transcoders, *args):
+@functools.partial(jax.jit, static_argnames=("model", "part"))
+def _rows_cached(model, part, transcoders, *args):
   TRACES["rows"] += 1
-  return _rows(model, replacement(model, transcoders), upto, *args)
+  return _rows(model, replacement(model, transcoders), part, *args)
+
+
+_CPU_ROWS = 16  # rows per call and device on CPU
+_POSITION_GROUPS = 4  # at most, for split_rows
+_GROUP_POSITIONS = 64  # at least, per group
 
 
 def _bucket(n: int, floor: int = 64) -> int:
@@ -541,7 +575,7 @@ def attribute(
   row_top_k: int | None = None,
   row_threshold: float | None = None,
   mesh=None,
-  split_layers: bool | None = None,
+  split_rows: bool | None = None,
 ) -> Graph:
   """The attribution graph of ``tokens`` through ``transcoders`` (circuit-tracer's
   ``attribute``).
@@ -567,7 +601,8 @@ def attribute(
       demeaned unembedding rows, weighted by their probabilities.
     max_feature_nodes: a budget of feature nodes, chosen greedily by partial influence on the
       logits as circuit-tracer does (``None``: every active feature, exact).
-    batch_size: rows per VJP batch.
+    batch_size: rows per batch (the cadence of a node budget's re-ranking, as
+      circuit-tracer's); on CPU each batch runs 16 rows a device at a time.
     zero_bos: zero the first position's activations and error (circuit-tracer does when the
       first token is a special token).
     update_interval: batches between re-rankings under a budget.
@@ -586,10 +621,12 @@ def attribute(
     mesh: a ``jax.sharding.Mesh``: each batch of rows is spread over its devices (the batch
       rounded up to a multiple of their number), the model and the frozen values replicated;
       the graph equals the one-device graph.
-    split_layers: run the feature rows layer by layer, each through a program that stops at
-      the targets' layer and contracts only the earlier layers' sources (about half the work
-      at 4 layers, for ``n_layers`` more compiled programs); ``None``: when there are at
-      least 16 batches of feature rows. The graph is the same.
+    split_rows: run the feature rows by layer and by prefix of the prompt (up to 4 groups of
+      positions, one per 64 tokens), each group through a program that runs the model on
+      the prefix that holds its targets, stops at their layer's MLP input and contracts only
+      the sources of earlier layers and positions (less than half the work at 4 layers, for
+      up to ``4 * n_layers`` more compiled programs); ``None``: from 1,024 active features. The
+      graph is the same.
 
   Returns:
     A :class:`Graph` (its adjacency dense, or sparse with ``row_top_k`` or
@@ -726,19 +763,27 @@ def attribute(
 
   sparse = row_top_k is not None or row_threshold is not None
   devices = 1 if mesh is None else int(mesh.size)
-  rows_per_call = -(-batch_size // devices) * devices
+  # Rows per call: the batch, at most _CPU_ROWS a device on CPU (where smaller batches keep
+  # the backward's values in cache), a multiple of the devices.
+  on_cpu = (jax.default_backend() if mesh is None else mesh.devices.flat[0].platform) == "cpu"
+  per_device = -(-batch_size // devices)
+  rows_per_call = devices * (min(per_device, _CPU_ROWS) if on_cpu else per_device)
   consts = (variables, toks, rec, lr.const, tok, node_writes, errors, padded, slots)
-  if split_layers is None:  # worth its n_layers more programs from 16 batches of features
-    split_layers = n_active >= 16 * rows_per_call
+  if split_rows is None:  # worth its more programs from about a thousand feature rows
+    split_rows = n_active >= 1024
+  # Feature rows split by layer and by prefix of the prompt: (layer, group) -> a program.
+  n_groups = max(1, min(_POSITION_GROUPS, seq // _GROUP_POSITIONS)) if split_rows else 1
+  lengths = np.asarray([-(-seq * (k + 1) // n_groups) for k in range(n_groups)])
+  group_of = np.searchsorted(lengths, active[:, 1] + 1) if n_active else np.zeros(0, int)
   if rep.source is not None:
     program, source = functools.partial(_rows_cached, model), rep.source
   else:  # a Replacement built by hand: its functions are constants of the program
     hand = {}
 
-    def program(upto, _, *a):
-      if upto not in hand:
-        hand[upto] = jax.jit(functools.partial(_rows, model, rep, upto))
-      return hand[upto](*a)
+    def program(part, _, *a):
+      if part not in hand:
+        hand[part] = jax.jit(functools.partial(_rows, model, rep, part))
+      return hand[part](*a)
 
     source = None
   if mesh is None:
@@ -752,7 +797,7 @@ def attribute(
     consts, source = jax.device_put((consts, source), NamedSharding(mesh, PartitionSpec()))
     spread = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
 
-  def batch(li, pi, v_in, v_final, upto=n_layers):
+  def batch(li, pi, v_in, v_final, part=(n_layers, seq)):
     # Padded to rows_per_call rows: one compiled program for every batch (of a layer).
     k = len(li)
     pad = rows_per_call - k
@@ -764,7 +809,7 @@ def attribute(
     cot = (grow(li, np.int32), grow(pi, np.int32), grow(v_in, np_dtype), grow(v_final, np_dtype))
     if spread is not None:
       cot = jax.device_put(cot, spread)
-    out = np.asarray(program(upto, source, *consts, cot))[:k]
+    out = np.asarray(program(part, source, *consts, cot))[:k]
     # [features (padded to n_pad), errors, tokens] -> [features, errors, tokens]
     return np.concatenate([out[:, :n_active], out[:, n_pad:]], axis=1)
 
@@ -773,9 +818,12 @@ def attribute(
     return batch(np.zeros(k), np.zeros(k), np.zeros((k, d_in)), vecs)
 
   def feature_rows(idx):
-    # idx: features of one layer when split_layers
-    upto = int(active[idx[0], 0]) if split_layers else n_layers
-    return batch(active[idx, 0], active[idx, 1], enc[idx], np.zeros((len(idx), d)), upto)
+    # idx: features of one layer and position group when split_rows
+    if split_rows:
+      part = (int(active[idx[0], 0]), int(lengths[group_of[idx[0]]]))
+    else:
+      part = (n_layers, seq)
+    return batch(active[idx, 0], active[idx, 1], enc[idx], np.zeros((len(idx), d)), part)
 
   logit_offset = n_active + (n_layers + 1) * seq
   total_nodes = logit_offset + n_logits
@@ -841,12 +889,12 @@ def attribute(
       so_far = _csr(kept, total_nodes, np_dtype) if sparse else edge[:st]
       influence = partial_influences(so_far, logit_p, row_to_node[:st])
       rank = np.argsort(-influence[:n_active], kind="stable")
-      size = min(update_interval * rows_per_call, budget - n_visited)
+      size = min(update_interval * batch_size, budget - n_visited)
       pending = rank[~visited[rank]][:size]
-    if split_layers:  # the batches of each layer, in layer order
-      pending = pending[np.argsort(active[pending, 0], kind="stable")]
-      ends = np.flatnonzero(np.diff(active[pending, 0])) + 1
-      groups = np.split(pending, ends)
+    if split_rows:  # the batches of each layer and position group, in that order
+      key = active[pending, 0] * n_groups + group_of[pending]
+      pending = pending[np.argsort(key, kind="stable")]
+      groups = np.split(pending, np.flatnonzero(np.diff(np.sort(key, kind="stable"))) + 1)
     else:
       groups = [pending]
     for group in groups:
