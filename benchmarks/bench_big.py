@@ -271,13 +271,14 @@ def _jax_load(path, dtype):
   jnp.zeros(3).block_until_ready()
   base = _status("VmRSS:")
   _reset_peak()
-  t0 = time.perf_counter()
+  t0, c0 = time.perf_counter(), time.process_time()
   lm = load_hf(path, dtype=getattr(jnp, dtype))
   jax.block_until_ready(lm.variables)
-  load_s = time.perf_counter() - t0
+  load_s, load_cpu_s = time.perf_counter() - t0, time.process_time() - c0
   weights = sum(x.nbytes for x in jax.tree.leaves(lm.variables))
   return lm, {
     "load_s": load_s,
+    "load_cpu_s": load_cpu_s,
     "weights_bytes": weights,
     "base_rss": base,
     "load_peak_bytes": _status("VmHWM:") - base,
@@ -335,12 +336,12 @@ def child_jax(args) -> dict:
 
     f = jax.jit(values)
     _reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     logits, saved = jax.block_until_ready(f(variables, x))
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
+    t0, c0 = time.perf_counter(), time.process_time()
     logits, saved = jax.block_until_ready(f(variables, x))
-    second = time.perf_counter() - t0
+    second, second_cpu = time.perf_counter() - t0, time.process_time() - c0
     saved_bytes = sum(v.nbytes for v in jax.tree.leaves(saved))
     peak = _status("VmHWM:") - base
     np.save(Path(args.work) / f"jax_{args.dtype}_logits.npy", np.asarray(logits[0, -1], np.float32))
@@ -348,7 +349,9 @@ def child_jax(args) -> dict:
       "seq": args.seq,
       "sites": len(saved),
       "first_s": first,
+      "first_cpu_s": first_cpu,
       "second_s": second,
+      "second_cpu_s": second_cpu,
       "saved_bytes": saved_bytes,
       "logits_bytes": logits.nbytes,
       "peak_bytes": peak,
@@ -369,19 +372,22 @@ def child_jax(args) -> dict:
       jax.block_until_ready(gen(n))  # compiles
       ts = []
       for _ in range(args.repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         toks = jax.block_until_ready(gen(n))
-        ts.append(time.perf_counter() - t0)
+        ts.append((time.perf_counter() - t0, time.process_time() - c0))
       times[n] = sorted(ts)[len(ts) // 2]
-    step_s = (times[args.new] - times[1]) / (args.new - 1)
+    step_s = (times[args.new][0] - times[1][0]) / (args.new - 1)
+    step_cpu_s = (times[args.new][1] - times[1][1]) / (args.new - 1)
     b = _step_bytes(variables, cfg["tie_word_embeddings"])
     floor_s = b / (bw["gb_s"] * 1e9)
     np.save(Path(args.work) / f"jax_{args.dtype}_tokens.npy", np.asarray(toks))
     out["decode"] = {
       "bandwidth": bw,
       "new_tokens": args.new,
-      "generate_s": {str(k): v for k, v in times.items()},
+      "generate_s": {str(k): v[0] for k, v in times.items()},
+      "generate_cpu_s": {str(k): v[1] for k, v in times.items()},
       "step_s": step_s,
+      "step_cpu_s": step_cpu_s,
       "tokens_per_s": 1 / step_s,
       "step_bytes": b,
       "floor_s": floor_s,
@@ -394,18 +400,20 @@ def child_jax(args) -> dict:
     clean = jnp.asarray(_tokens(cfg["vocab_size"], args.sweep_seq, seed=2))
     corrupt = clean.at[0, 3].set((clean[0, 3] + 1) % cfg["vocab_size"])
     _reset_peak()
-    times = []
+    times, cpus = [], []
     for _ in range(2):
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.process_time()
       grid = jax.block_until_ready(
         jl.sweep.patching_sweep(model, variables, clean, corrupt, _metric)
       )
       times.append(time.perf_counter() - t0)
+      cpus.append(time.process_time() - c0)
     np.save(Path(args.work) / f"jax_{args.dtype}_sweep.npy", np.asarray(grid, np.float32))
     out["sweep"] = {
       "grid": list(grid.shape),
       "first_s": times[0],
       "second_s": times[1],
+      "second_cpu_s": cpus[1],
       "peak_bytes": _status("VmHWM:") - base,
       "peak_over_weights": (_status("VmHWM:") - base) / weights,
     }
