@@ -2,8 +2,10 @@
 benchmarks/bench_circuits_ct.py wrote (a random GPT-2-layout model, 4 layers, d_model 64, 4
 per-layer transcoders of 256 features) in the zoo's GPT-2, the graph of the same prompt (every
 active feature, the first position's features zeroed as circuit-tracer does), float32; reports
-the first call (compilation included) and the median of the next ones, CPU time, peak resident
-memory, and circuit-tracer's figures from /tmp/ct/bench_<seq>.json beside them.
+the first call (compilation included) and the median of the next ones (the compiled programs
+reused), CPU time, peak resident memory (its increase is what ``circuits.memory_estimate``
+estimates), the longest prompt whose estimate fits in 8 GiB (dense, and with 256 entries kept a
+row), and circuit-tracer's figures from /tmp/ct/bench_<seq>.json beside them.
 
 Usage::
 
@@ -100,6 +102,35 @@ def build(z, seq):
   return model, {"params": p}, tcs
 
 
+def estimate(graph, seq, **kw) -> int:
+  """``circuits.memory_estimate`` of a graph like ``graph`` (its active features per token)
+  on a prompt of ``seq`` tokens."""
+  n_active = round(len(graph.active_features) * seq / graph.n_pos)
+  return circuits.memory_estimate(
+    n_layers=L,
+    seq=seq,
+    d_model=D,
+    d_in=D,
+    n_heads=4,
+    n_active=n_active,
+    n_features=n_active,
+    n_logits=graph.n_logits,
+    batch_size=16,
+    itemsize=4,
+    decoder_width=64,
+    **kw,
+  )
+
+
+def longest(graph, budget, **kw) -> int:
+  """The longest prompt whose estimate fits in ``budget`` bytes (bisection)."""
+  lo, hi = 1, 1 << 20
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    lo, hi = (mid, hi) if estimate(graph, mid, **kw) <= budget else (lo, mid - 1)
+  return lo
+
+
 def main(seq: int, repeats: int = 2) -> dict:
   z = np.load(f"/tmp/ct/bench_{seq}.npz")
   model, variables, tcs = build(z, seq)
@@ -121,6 +152,9 @@ def main(seq: int, repeats: int = 2) -> dict:
     "rows_per_s": (graph.n_features + graph.n_logits) / float(np.median(walls[1:])),
     "peak_rss_mb": peak_mb(),
     "rss_before_mb": before,
+    "memory_estimate_mb": estimate(graph, seq) / 2**20,
+    "longest_prompt_8gib_dense": longest(graph, 8 * 2**30),
+    "longest_prompt_8gib_top_256": longest(graph, 8 * 2**30, row_top_k=256),
   }
   ct_file = Path(f"/tmp/ct/bench_{seq}.json")
   ct = json.loads(ct_file.read_text()) if ct_file.exists() else None

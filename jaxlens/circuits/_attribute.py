@@ -537,11 +537,14 @@ def memory_estimate(
   n_dec: int = 1,
   row_top_k: int | None = None,
 ) -> int:
-  """Bytes :func:`attribute` holds at its peak, estimated from the graph's sizes: the rows
-  (``(n_features + n_logits, n)``) and the square adjacency built from them, the decoder
-  table and each feature's decoder and encoder vectors, one batch of cotangents and
-  gradients, and the frozen forward's values and residuals (the attention patterns
-  dominate: ``n_layers * n_heads * seq**2``)."""
+  """Bytes :func:`attribute` adds at its peak, estimated from the graph's sizes: the square
+  adjacency (written in place; with a node budget also the budget's dense rows, with
+  ``row_top_k`` the kept entries instead), the decoder table and each feature's decoder and
+  encoder vectors, one batch of cotangents and gradients with their host copies, the frozen
+  forward's values and residuals (the attention patterns dominate: ``n_layers * n_heads *
+  seq**2``), and XLA's compiled programs (a constant and a term per token, fitted to measured
+  peaks: within 4% of the measured increase from 16 to 256 tokens on
+  ``benchmarks/bench_circuits_vs_ct.py``'s model)."""
   n = n_active + (n_layers + 1) * seq + n_logits
   n_rows = n_features + n_logits
   if row_top_k is not None:  # the kept entries, listed then assembled (int64 coordinates)
@@ -553,7 +556,10 @@ def memory_estimate(
   decoders = n_layers * seq * decoder_width * d_model + n_active * (2 * n_dec * d_model + d_in)
   batch = batch_size * (2 * n_layers * seq * (d_in + d_model) + 3 * n)
   forward = 6 * n_layers * (n_heads * seq * seq + 8 * seq * max(d_model, d_in))
-  return int(itemsize * (graph + decoders + batch + forward))
+  # XLA's compiled programs and runtime buffers: fitted to the peaks measured by
+  # benchmarks/bench_circuits_vs_ct.py (16 to 256 tokens: 73 to 149 MiB above the rest).
+  compiled = (68 + 0.45 * seq) * 2**20
+  return int(itemsize * (graph + decoders + batch + forward) + compiled)
 
 
 def attribute(
