@@ -286,3 +286,4 @@ def test_fit_refusals(gpt2):
   assert code(lambda: fit([np.ones(3, np.float32)])) == "lens_data_invalid"
   assert code(lambda: fit([np.arange(3)])) == "lens_data_invalid"  # all too short
   assert code(lambda: fit(PROMPTS, dim_batch=0)) == "invalid_argument"
+  assert code(lambda: fit(PROMPTS, length_bucket=0)) == "invalid_argument"
