@@ -631,8 +631,8 @@ def attribute(
       positions, one per 64 tokens), each group through a program that runs the model on
       the prefix that holds its targets, stops at their layer's MLP input and contracts only
       the sources of earlier layers and positions (less than half the work at 4 layers, for
-      up to ``4 * n_layers`` more compiled programs); ``None``: from 1,024 active features. The
-      graph is the same.
+      up to ``4 * n_layers`` more compiled programs); ``None``: from 1,024 active features and 128
+      a layer. The graph is the same.
 
   Returns:
     A :class:`Graph` (its adjacency dense, or sparse with ``row_top_k`` or
@@ -775,8 +775,9 @@ def attribute(
   per_device = -(-batch_size // devices)
   rows_per_call = devices * (min(per_device, _CPU_ROWS) if on_cpu else per_device)
   consts = (variables, toks, rec, lr.const, tok, node_writes, errors, padded, slots)
-  if split_rows is None:  # worth its more programs from about a thousand feature rows
-    split_rows = n_active >= 1024
+  if split_rows is None:  # worth its more programs from about a thousand feature rows, and
+    # a hundred a layer (each layer's program compiles once)
+    split_rows = n_active >= max(1024, 128 * n_layers)
   # Feature rows split by layer and by prefix of the prompt: (layer, group) -> a program.
   n_groups = max(1, min(_POSITION_GROUPS, seq // _GROUP_POSITIONS)) if split_rows else 1
   lengths = np.asarray([-(-seq * (k + 1) // n_groups) for k in range(n_groups)])
