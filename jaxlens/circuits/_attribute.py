@@ -614,9 +614,11 @@ def attribute(
     update_interval: batches between re-rankings under a budget.
     local: the :class:`LocalReplacement` of this prompt and transcoders, when it is built
       already (:func:`local_replacement`; ``zero_bos`` is then its own).
-    memory_budget: bytes the graph may take (:func:`memory_estimate`: the dense rows and
-      adjacency, the decoder table, one batch of cotangents and gradients, the forward's
-      residuals); checked once the active features are known, before the rows are computed.
+    memory_budget: bytes the graph may take (:func:`memory_estimate`: the adjacency, or the
+      entries ``row_top_k`` keeps; with ``row_threshold`` alone the dense adjacency, an upper
+      bound; the decoder table, one batch of cotangents and gradients, the forward's
+      residuals, the compiled programs); checked once the active features are known, before
+      the rows are computed.
     row_top_k: keep only each row's ``row_top_k`` entries of largest magnitude (the
       adjacency is then a ``scipy.sparse.csr_array`` of the kept entries).
     row_threshold: keep only the entries of each row at least ``row_threshold`` times the
