@@ -189,10 +189,10 @@ def times_wide(x, matrix, contract: int, dtype, precision=None):
   the same float32 dot product of the same float32 values, rounded to ``dtype`` once. (XLA's
   summation order inside a product depends on the product's shape, so an output can differ from
   the whole matrix's product in its last float32 bit, as XLA's product of one row differs between
-  a batch of one and a batch of two; on Llama-3.2-1B's shapes the two agree bit for bit.) XLA on
-  CPU widens a whole bfloat16 operand
-  before its product and hoists the widening of a weight out of any loop it sits in; here the
-  matrix is split into chunks of output columns of about ``WIDEN_BYTES`` of float32 each,
+  a batch of one and a batch of two; on Llama-3.2-1B's shapes the two agree bit for bit.)
+
+  XLA on CPU widens a whole bfloat16 operand before its product and hoists the widening of a
+  weight out of any loop it sits in; here the matrix is split into chunks of output columns of about ``WIDEN_BYTES`` of float32 each,
   multiplied one after the other in a ``lax.fori_loop``; each chunk's widening is pinned to its
   own iteration (:func:`_pinned`) and waits for ``x`` (a zero computed from ``x`` is added to
   it), so one chunk's float32 copy is alive at a time. (The added zero reads a ``-0.0`` weight as
@@ -246,8 +246,8 @@ def times_wide(x, matrix, contract: int, dtype, precision=None):
 
   # The result starts as the first chunk's product padded: a result of zeros, which depends on
   # nothing, would be allocated at the start of the program, every layer's at once.
-  first = stored(product(_pinned(matrix, x), 0, per))
-  y = jnp.pad(first, [(0, 0)] * (first.ndim - 1) + [(0, n - per)])
+  head = stored(product(_pinned(matrix, x), 0, per))
+  y = jnp.pad(head, [(0, 0)] * (head.ndim - 1) + [(0, n - per)])
   y = jax.lax.fori_loop(1, chunks, body, y)
   if chunks * per < n:
     start = chunks * per
