@@ -256,7 +256,7 @@ def _id_targets(model, variables, logits, ids):
 
 def _token_targets(model, variables, logits, ids):
   """circuit-tracer's targets from token ids: their probabilities and demeaned rows."""
-  p, vecs = _id_targets(model, variables, logits, jnp.asarray(ids))
+  p, vecs = _call(_id_targets, model, variables, logits, jnp.asarray(ids))
   return np.asarray(ids), np.asarray(p), np.asarray(vecs)
 
 
@@ -273,7 +273,8 @@ def _salient_logits(model, variables, logits, max_n_logits: int, desired_logit_p
   reaches ``desired_logit_prob`` (at most ``max_n_logits``), their probabilities and their
   unembedding rows minus the mean row."""
   k = min(max_n_logits, logits.shape[-1])
-  top_p, top_idx, vecs = (np.asarray(a) for a in _top_targets(model, variables, logits, k))
+  out = _call(_top_targets, model, variables, logits, k=k)
+  top_p, top_idx, vecs = (np.asarray(a) for a in out)
   cutoff = int(np.searchsorted(np.cumsum(top_p), desired_logit_prob)) + 1
   return top_idx[:cutoff], top_p[:cutoff], vecs[:cutoff]
 
@@ -378,6 +379,24 @@ class LocalReplacement:
 TRACES: collections.Counter = collections.Counter()
 
 
+def _call(program, model, *args, **static):
+  """``program(model, *args, **static)`` (a jitted function whose model and keywords are
+  static), or, for a model that is not hashable, a program of this call only."""
+  if _hashable(model):
+    return program(model, *args, **static)
+  return jax.jit(functools.partial(program.__wrapped__, model, **static))(*args)
+
+
+def _hashable(model) -> bool:
+  """Whether ``model`` can key the cached programs (a zoo model is; one whose config holds a
+  list or dict is not, and gets programs of its own call)."""
+  try:
+    hash(model)
+  except TypeError:
+    return False
+  return True
+
+
 def _prepare(model, variables, toks, rep, zero_bos):
   """The model's run and the graph's nodes: ``(recording, acts, node_writes, errors, const,
   tok)``."""
@@ -417,7 +436,7 @@ def local_replacement(model, variables, tokens, transcoders, *, zero_bos: bool =
   """
   toks = _check_tokens(model, tokens)
   rep = transcoders if isinstance(transcoders, Replacement) else replacement(model, transcoders)
-  if rep.source is not None:
+  if rep.source is not None and _hashable(model):
     out = _prepare_cached(model, variables, toks, rep.source, bool(zero_bos))
   else:  # a Replacement built by hand: its functions are constants of the program
     out = jax.jit(lambda v, t: _prepare(model, v, t, rep, bool(zero_bos)))(variables, toks)
@@ -784,7 +803,7 @@ def attribute(
   n_groups = max(1, min(_POSITION_GROUPS, seq // _GROUP_POSITIONS)) if split_rows else 1
   lengths = np.asarray([-(-seq * (k + 1) // n_groups) for k in range(n_groups)])
   group_of = np.searchsorted(lengths, active[:, 1] + 1) if n_active else np.zeros(0, int)
-  if rep.source is not None:
+  if rep.source is not None and _hashable(model):
     program, source = functools.partial(_rows_cached, model), rep.source
   else:  # a Replacement built by hand: its functions are constants of the program
     hand = {}

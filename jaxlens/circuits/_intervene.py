@@ -32,6 +32,7 @@ from jaxlens.circuits._attribute import (
   TRACES,
   Replacement,
   _check_tokens,
+  _hashable,
   _fill_missing,
   replacement,
 )
@@ -500,8 +501,12 @@ def feature_intervention(
   items = _check(interventions, rep, d_sae)
   layers = _layers(constrained_layers, rep.n_layers)
   tables = _tables(items, int(toks.shape[0]), d_sae, jnp.result_type(rep.W_dec[0]))
-  logits, acts = _intervened(
-    model,
+  if _hashable(model):
+    program = functools.partial(_intervened, model)
+  else:  # programs of this call only: the model is a constant of them
+    static = ("layers", "freeze_attention", "zero_bos", "apply_activation_function")
+    program = jax.jit(functools.partial(_intervened.__wrapped__, model), static_argnames=static)
+  logits, acts = program(
     variables,
     toks,
     rep.source,
