@@ -104,6 +104,12 @@ def main(argv=None) -> dict:
   parser.add_argument("--graph-batch", type=int, default=64, help="rows per VJP batch")
   parser.add_argument("--prompt", default=PROMPT)
   parser.add_argument("--target", default=TARGET)
+  parser.add_argument(
+    "--blocks",
+    type=int,
+    default=None,
+    help="keep only the model's first N blocks (a quick run: no top-token check)",
+  )
   args = parser.parse_args(argv)
   out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="circuits_smollm2_"))
   out.mkdir(parents=True, exist_ok=True)
@@ -111,6 +117,10 @@ def main(argv=None) -> dict:
   start, start_cpu = time.perf_counter(), time.process_time()
 
   lm = jm.smollm2()
+  if args.blocks is not None:
+    # The model cut after N blocks (Pretrained.first_layers): its logits are the logit lens
+    # of block N - 1, so the graph's targets are that lens's and step 1's check is skipped.
+    lm = lm.first_layers(args.blocks)
   cfg = lm.config
   n_layers = cfg.n_layers
   layers = (
@@ -121,10 +131,11 @@ def main(argv=None) -> dict:
   assert len(target) == 1, f"{args.target!r} is {len(target)} tokens"
   target = target[0]
   logits = jax.jit(lm.model.apply)(lm.variables, prompt[None])[0, -1]
-  probs = jax.nn.softmax(logits)
-  top = int(jnp.argmax(logits))
-  assert top == target, f"SmolLM2's top token is {lm.decode(top)!r}, not {args.target!r}"
-  print(f"{args.prompt!r} -> {args.target!r} (p = {float(probs[target]):.3f})")
+  if args.blocks is None:
+    probs = jax.nn.softmax(logits)
+    top = int(jnp.argmax(logits))
+    assert top == target, f"SmolLM2's top token is {lm.decode(top)!r}, not {args.target!r}"
+    print(f"{args.prompt!r} -> {args.target!r} (p = {float(probs[target]):.3f})")
 
   # 2. The MLP inputs and outputs, from the blocks up to the last chosen layer.
   clock, clock_cpu = time.perf_counter(), time.process_time()
@@ -203,6 +214,8 @@ def main(argv=None) -> dict:
     zero_bos=True,
     max_feature_nodes=args.max_feature_nodes,
     batch_size=args.graph_batch,
+    # The cut model's top tokens need not hold the target: then it is the one logit target.
+    target_tokens=None if args.blocks is None else [target],
   )
   times["graph_s"] = time.perf_counter() - clock
   times["graph_cpu_s"] = time.process_time() - clock_cpu

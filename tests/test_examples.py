@@ -177,6 +177,7 @@ def test_circuits_smollm2(tmp_path):
   argv = "--layers 0,1 --features 32 --k 4 --steps 20 --batch 64 --sequences 4 --held 1".split()
   argv += ["--top", "1", "--max-feature-nodes", "16", "--graph-batch", "32"]
   argv += ["--prompt", "The capital of France is", "--out", str(tmp_path)]
+  argv += ["--blocks", "2"]  # the model cut after block 1 (Pretrained.first_layers)
   report = run("circuits_smollm2", argv)
   for name in ("graph.html", "graph.png", "graph/graph.json", "transcoders/layer_1.safetensors"):
     assert (tmp_path / name).is_file(), name
