@@ -36,6 +36,8 @@ FLOORS = {
   "render": 0,
   # 0: JSON read with its depth bounded (every loader of a JSON file).
   "jsonfile": 0,
+  # 0: the matrix exponential of the trained rotations (products only; imports only jax).
+  "expm": 0,
   # 1: site infos and selectors; how a door calls a linen or NNX model; named values
   # (identity modules whose call is a site); optional dependencies; the compilation cache; the
   # path argument of every loader, checked.
