@@ -82,30 +82,8 @@ def save_graph(graph: Graph, path, *, overwrite: bool = False) -> pathlib.Path:
     "n_layers": int(graph.n_layers),
     "sha256": hashlib.sha256(data).hexdigest(),
   }
-  try:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-      (tmp / "graph.safetensors").write_bytes(data)
-      (tmp / "graph.json").write_text(json.dumps(meta, indent=1))
-      if path.exists():
-        old = path.with_name(f".{path.name}.old")
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old)
-      else:
-        os.replace(tmp, path)
-    finally:
-      if tmp.exists():
-        shutil.rmtree(tmp)
-  except OSError as error:
-    raise CircuitError(
-      f"saving the graph to {path} failed: {error}",
-      code="circuit_save_failed",
-      received=str(path),
-      fix="a writable path with room for the graph",
-    ) from error
-  return path
+  files = {"graph.safetensors": data, "graph.json": json.dumps(meta, indent=1).encode()}
+  return _write_directory(path, files, "graph")
 
 
 def _corrupt(path, why) -> CircuitError:
@@ -474,31 +452,8 @@ def save_transcoders(transcoders, path, *, overwrite: bool = False) -> pathlib.P
       received=str(path),
       fix="a new path, or overwrite=True over saved transcoders",
     )
-  try:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-      for name, data in files.items():
-        (tmp / name).write_bytes(data)
-      (tmp / "transcoders.json").write_text(json.dumps(meta, indent=1))
-      if path.exists():
-        old = path.with_name(f".{path.name}.old")
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old)
-      else:
-        os.replace(tmp, path)
-    finally:
-      if tmp.exists():
-        shutil.rmtree(tmp)
-  except OSError as error:
-    raise CircuitError(
-      f"saving the transcoders to {path} failed: {error}",
-      code="circuit_save_failed",
-      received=str(path),
-      fix="a writable path with room for the transcoders",
-    ) from error
-  return path
+  files["transcoders.json"] = json.dumps(meta, indent=1).encode()
+  return _write_directory(path, files, "transcoders")
 
 
 def _load_transcoder_set(path, dtype):
@@ -614,3 +569,37 @@ def load_circuit_tracer(path, dtype=None):
     W_skip=None if t.get("W_skip") is None else cast(t["W_skip"]),
     activation="relu" if threshold is None else "jumprelu",
   )
+
+
+def _write_directory(path: pathlib.Path, files: dict[str, bytes], what: str) -> pathlib.Path:
+  """Writes ``files`` (name -> bytes) as the directory ``path``, whole or not at all: into a
+  temporary sibling, renamed over ``path`` (an existing one is moved aside first and removed
+  once the new one is in place), so no partial directory is ever left.
+
+  Raises:
+    CircuitError: ``circuit_save_failed`` on any OS error, naming ``what`` was being saved.
+  """
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+      for name, data in files.items():
+        (tmp / name).write_bytes(data)
+      if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old)
+      else:
+        os.replace(tmp, path)
+    finally:
+      if tmp.exists():
+        shutil.rmtree(tmp)
+  except OSError as error:
+    raise CircuitError(
+      f"saving the {what} to {path} failed: {error}",
+      code="circuit_save_failed",
+      received=str(path),
+      fix=f"a writable path with room for the {what}",
+    ) from error
+  return path
