@@ -19,6 +19,7 @@ from jaxlens._src.gradients import grads_at_sites as grads_at_sites
 from jaxlens._src.jsonfile import loads as json_loads
 from jaxlens._src.optional import require as require
 from jaxlens._src.paths import path_argument as path_argument
+from jaxlens._src.paths import write_directory as write_directory
 from jaxlens._src.render import CUT as CUT
 from jaxlens._src.render import DOWNSTREAM as DOWNSTREAM
 from jaxlens._src.render import FRONTIER as FRONTIER
@@ -69,6 +70,7 @@ __all__ = [
   "html_page",
   "json_loads",
   "path_argument",
+  "write_directory",
   "require",
   "reset_warnings",
   "selector_view",

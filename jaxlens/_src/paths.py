@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from jaxlens._src.errors import InvalidArgumentError
@@ -45,3 +48,27 @@ def path_argument(
     return checked  # type: ignore[return-value]
 
   return wrap
+
+
+def write_directory(root: Path, files: dict[str, bytes]) -> Path:
+  """Writes ``files`` (relative path -> bytes) as the directory ``root``, whole or not at all:
+  into a temporary sibling renamed over ``root`` (an existing one is moved aside first and
+  removed once the new one is in place), so no partial directory is ever left. OS errors
+  propagate; the caller says what it refused to replace and wraps them in its own error."""
+  root.parent.mkdir(parents=True, exist_ok=True)
+  tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+  try:
+    for name, data in files.items():
+      (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+      (tmp / name).write_bytes(data)
+    if root.exists():
+      old = root.with_name(f".{root.name}.old")
+      os.replace(root, old)
+      os.replace(tmp, root)
+      shutil.rmtree(old)
+    else:
+      os.replace(tmp, root)
+  finally:
+    if tmp.exists():
+      shutil.rmtree(tmp)
+  return root

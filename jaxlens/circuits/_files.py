@@ -9,8 +9,6 @@ import json
 import math
 import os
 import pathlib
-import shutil
-import tempfile
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +17,7 @@ from jaxlens.circuits._attribute import Graph
 from jaxlens.circuits._errors import CircuitError
 from jaxlens.circuits._prune import entries, is_sparse, prune
 from jaxlens.sae import CrossLayerTranscoder, Transcoder
-from jaxlens.internal import path_argument
+from jaxlens.internal import path_argument, write_directory
 
 __all__ = [
   "load_circuit_tracer",
@@ -572,29 +570,13 @@ def load_circuit_tracer(path, dtype=None):
 
 
 def _write_directory(path: pathlib.Path, files: dict[str, bytes], what: str) -> pathlib.Path:
-  """Writes ``files`` (name -> bytes) as the directory ``path``, whole or not at all: into a
-  temporary sibling, renamed over ``path`` (an existing one is moved aside first and removed
-  once the new one is in place), so no partial directory is ever left.
+  """:func:`jaxlens._src.paths.write_directory`, its OS errors as this module's error.
 
   Raises:
     CircuitError: ``circuit_save_failed`` on any OS error, naming ``what`` was being saved.
   """
   try:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-      for name, data in files.items():
-        (tmp / name).write_bytes(data)
-      if path.exists():
-        old = path.with_name(f".{path.name}.old")
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old)
-      else:
-        os.replace(tmp, path)
-    finally:
-      if tmp.exists():
-        shutil.rmtree(tmp)
+    return write_directory(path, files)
   except OSError as error:
     raise CircuitError(
       f"saving the {what} to {path} failed: {error}",
@@ -602,4 +584,3 @@ def _write_directory(path: pathlib.Path, files: dict[str, bytes], what: str) -> 
       received=str(path),
       fix=f"a writable path with room for the {what}",
     ) from error
-  return path

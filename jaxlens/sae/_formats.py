@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -24,7 +21,7 @@ import numpy as np
 from jaxlens.internal import json_loads, require
 from jaxlens.sae._dictionaries import SAE, CrossLayerTranscoder, SAEError, Transcoder
 from jaxlens.sae._files import _dtype, _read_tensors, _require_finite, _safetensors
-from jaxlens.internal import path_argument
+from jaxlens.internal import path_argument, write_directory
 
 __all__ = [
   "zoo_site",
@@ -211,23 +208,7 @@ def _write_dir(root: Path, marker: str, files: dict, what: str) -> Path:
       field=str(root),
       fix="a new or empty directory",
     )
-  root.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
-  try:
-    for name, data in files.items():
-      (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-      (tmp / name).write_bytes(data)
-    if root.exists():
-      old = root.with_name(f".{root.name}.old")
-      os.replace(root, old)
-      os.replace(tmp, root)
-      shutil.rmtree(old)
-    else:
-      os.replace(tmp, root)
-  finally:
-    if tmp.exists():
-      shutil.rmtree(tmp)
-  return root
+  return write_directory(root, files)
 
 
 def _unsupported(writer: str, problems: list, fix: str) -> None:
