@@ -32,7 +32,6 @@ The full-size defaults are the run docs/circuits.md quotes ("A real circuit").
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import tempfile
@@ -60,14 +59,6 @@ def sequences(lm, n: int):
   seqs = ids[:usable].reshape(-1, SEQ)
   rng = np.random.default_rng(0)
   return seqs[rng.permutation(len(seqs))[:n]]
-
-
-def truncated(lm, n_blocks: int):
-  """SmolLM2's first ``n_blocks`` blocks as the zoo model itself (same site names)."""
-  model = jm.Llama(dataclasses.replace(lm.config, n_layers=n_blocks))
-  params = lm.variables["params"]
-  keep = ["embed", "ln_final"] + [f"blocks_{i}" for i in range(n_blocks)]
-  return model, {"params": {k: params[k] for k in keep}}
 
 
 def total_effects(graph, target_row):
@@ -139,11 +130,13 @@ def main(argv=None) -> dict:
 
   # 2. The MLP inputs and outputs, from the blocks up to the last chosen layer.
   clock, clock_cpu = time.perf_counter(), time.process_time()
-  trunk, trunk_vars = truncated(lm, max(layers) + 1)
+  trunk = lm.first_layers(max(layers) + 1)  # the zoo model itself (same site names)
   seqs = sequences(lm, args.sequences)
   batches = [seqs[i : i + 16] for i in range(0, len(seqs), 16)]
   sites = [f"blocks_{i}/{s}" for i in layers for s in ("ln_2", "mlp_out")]
-  store = jl.store.collect(trunk, trunk_vars, batches, out / "acts", sites=sites, progress=False)
+  store = jl.store.collect(
+    trunk.model, trunk.variables, batches, out / "acts", sites=sites, progress=False
+  )
   times["collect_s"] = time.perf_counter() - clock
   times["collect_cpu_s"] = time.process_time() - clock_cpu
   n_train = (len(seqs) - args.held) * (SEQ - 1)
