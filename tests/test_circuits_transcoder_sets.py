@@ -76,6 +76,23 @@ def test_a_layer_without_a_transcoder_is_its_error_node():
   with pytest.raises(circuits.CircuitError, match="at least one given") as e:
     circuits.attribute(model, variables, TOKENS, [None, None])
   assert e.value.code == "invalid_argument"
+  # Setting a feature of a layer without a transcoder would write nothing: every entry point
+  # refuses it, naming the layer (before anything runs).
+  edit = [(1, 2, 3, 0.0), (0, 2, 3, 5.0)]
+  for call in (
+    circuits.feature_intervention,
+    circuits.intervention_spec,
+    lambda *a: circuits.feature_intervention_generate(*a, 2),
+  ):
+    with pytest.raises(circuits.CircuitError, match="layer 0, which has no transcoder") as e:
+      call(model, variables, TOKENS, [None, t1], edit)
+    assert e.value.code == "invalid_argument" and e.value.fields["site"] == "blocks_0/mlp"
+  # A graph with layer-0 features read through transcoders without one there.
+  with pytest.raises(circuits.CircuitError, match="features at layer 0, which has no") as e:
+    circuits.head_loadings(model, variables, TOKENS, [None, t1], full, [(0, 1)])
+  assert e.value.code == "invalid_argument"
+  with pytest.raises(circuits.CircuitError, match="features at layer 0, which has no"):
+    circuits.qk_attribution(model, variables, TOKENS, [None, t1], full, 1, 0, 3, 2)
 
 
 def test_save_transcoders_writes_circuit_tracers_files_and_reads_them_back(tmp_path):

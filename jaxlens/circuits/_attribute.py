@@ -170,6 +170,13 @@ def replacement(model, transcoders) -> Replacement:
   )
 
 
+def _without_transcoder(transcoders) -> frozenset:
+  """The layers given ``None`` in a list of per-layer transcoders (no features there)."""
+  if isinstance(transcoders, CrossLayerTranscoder):
+    return frozenset()
+  return frozenset(i for i, t in enumerate(transcoders) if t is None)
+
+
 def _fill_missing(transcoders):
   """``transcoders`` with each ``None`` (a layer without a transcoder) made a transcoder of
   the others' width whose features never fire (``relu(0 x - 1)``) and that writes nothing: the

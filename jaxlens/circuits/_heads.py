@@ -34,6 +34,7 @@ from jaxlens.circuits._attribute import (
   _check_graph,
   _check_tokens,
   _unembedding,
+  _without_transcoder,
   local_replacement,
   replacement,
 )
@@ -102,6 +103,18 @@ def _setup(model, variables, tokens, transcoders, graph, local):
       fix="the tokens the graph was attributed on",
     )
   rep = replacement(model, transcoders)
+  missing = _without_transcoder(transcoders)
+  at = sorted({int(a) for a in graph.active_features[:, 0]} & missing)
+  if at:
+    # A layer given None has a stand-in that writes nothing: its features' parts would be 0.
+    raise CircuitError(
+      f"the graph has features at layer {at[0]}, which has no transcoder here (None in the "
+      "list of transcoders): it was built with other transcoders",
+      code="invalid_argument",
+      site=f"blocks_{at[0]}/mlp",
+      received=at,
+      fix="the transcoders the graph was attributed with",
+    )
   lr = (
     local if isinstance(local, LocalReplacement) else local_replacement(model, variables, toks, rep)
   )

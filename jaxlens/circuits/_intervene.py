@@ -32,8 +32,9 @@ from jaxlens.circuits._attribute import (
   TRACES,
   Replacement,
   _check_tokens,
-  _hashable,
   _fill_missing,
+  _hashable,
+  _without_transcoder,
   replacement,
 )
 from jaxlens.circuits._errors import CircuitError
@@ -131,7 +132,7 @@ def _positions(pos, seq: int, layer: int, feature: int) -> np.ndarray:
   return p % seq
 
 
-def _check(interventions, rep: Replacement, d_sae: int):
+def _check(interventions, rep: Replacement, d_sae: int, missing=frozenset()):
   if (
     isinstance(interventions, tuple) and len(interventions) == 4 and np.ndim(interventions[0]) == 0
   ):
@@ -160,6 +161,17 @@ def _check(interventions, rep: Replacement, d_sae: int):
         expected=f"[0, {rep.n_layers})",
         received=int(layer),
         fix="a layer of the model",
+      )
+    if layer in missing:
+      # Its silent stand-in (``_fill_missing``) writes nothing: the edit would do nothing.
+      raise CircuitError(
+        f"intervention at layer {layer}, which has no transcoder (None in the list of "
+        "transcoders): it has no features to set",
+        code="invalid_argument",
+        site=f"blocks_{layer}/mlp",
+        received=int(layer),
+        expected=f"a layer with a transcoder: {sorted(set(range(rep.n_layers)) - missing)}",
+        fix="give that layer a transcoder, or intervene on a layer that has one",
       )
     f = np.asarray(feature)
     if not np.issubdtype(f.dtype, np.integer) or ((f < 0) | (f >= d_sae)).any():
@@ -381,7 +393,7 @@ def _spec(
   rep = replacement(model, transcoders)
   n, seq = rep.n_layers, int(toks.shape[0])
   d_sae = int(rep.W_enc[0].shape[-1])
-  items = _check(interventions, rep, d_sae)
+  items = _check(interventions, rep, d_sae, _without_transcoder(transcoders))
   layers = _layers(constrained_layers, n)
   dtype = jnp.result_type(rep.W_dec[0])
   if open_ended:
@@ -498,7 +510,7 @@ def feature_intervention(
   toks = _check_tokens(model, tokens)
   rep = replacement(model, transcoders)
   d_sae = int(rep.W_enc[0].shape[-1])
-  items = _check(interventions, rep, d_sae)
+  items = _check(interventions, rep, d_sae, _without_transcoder(transcoders))
   layers = _layers(constrained_layers, rep.n_layers)
   tables = _tables(items, int(toks.shape[0]), d_sae, jnp.result_type(rep.W_dec[0]))
   if _hashable(model):
@@ -601,6 +613,9 @@ def feature_intervention_generate(
     CircuitError: as :func:`intervention_spec`.
   """
   toks = _check_tokens(model, tokens)
+  rep = replacement(model, transcoders)  # the arguments checked before the generation runs
+  _check(interventions, rep, int(rep.W_enc[0].shape[-1]), _without_transcoder(transcoders))
+  _layers(constrained_layers, rep.n_layers)
   for key in ("intervene", "prefill", "decode", "prompt"):
     if key in generate_kwargs:
       raise CircuitError(
