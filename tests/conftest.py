@@ -5,6 +5,7 @@ import atexit
 import functools
 import gc
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -113,10 +114,14 @@ def _file_groups() -> dict[str, str]:
 # Scheduling (``-n auto --dist loadgroup``). A test file is one scope, run whole by one worker,
 # so its module fixtures are made once; files that share an expensive fixture (the measured
 # contract matrix, the pretrained models) name one ``xdist_group`` and run together. Scopes
-# start longest first, by the seconds pytest's cache recorded for them on the previous run of
-# this checkout, so that no long one is left for the end; scopes with no record (all of them on
-# a first run) start before the measured ones, the largest first.
+# start longest first, so that no long one is left for the end while the other worker idles:
+# their seconds come from tests/scope_seconds.json (a whole run's measured seconds, committed,
+# so a fresh clone schedules as well as a rerun), updated from pytest's cache by
+# ``python tests/scope_seconds.py`` after a whole run. A scope missing from it is estimated at
+# ``_PER_TEST`` seconds a test.
 _SECONDS = "jaxlens/scope_seconds"
+_TABLE = Path(__file__).resolve().parent / "scope_seconds.json"
+_PER_TEST = 0.4
 
 
 def _scope(nodeid: str, groups: dict[str, str]) -> str:
@@ -132,19 +137,11 @@ def pytest_collection_modifyitems(config, items):
   if dist != "loadgroup" and not getattr(config.option, "loadgroup", False):
     return
   groups = _file_groups()
-  cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
-  seconds = cache.get(_SECONDS, {}) if cache is not None else {}
+  seconds = json.loads(_TABLE.read_text()) if _TABLE.is_file() else {}
   scopes = [_scope(item.nodeid, groups) for item in items]
   sizes = {scope: scopes.count(scope) for scope in set(scopes)}
-  order = sorted(
-    range(len(items)),
-    key=lambda i: (
-      scopes[i] in seconds,
-      -seconds.get(scopes[i], 0.0),
-      -sizes[scopes[i]],
-      scopes[i],
-    ),
-  )
+  cost = {scope: seconds.get(scope, _PER_TEST * n) for scope, n in sizes.items()}
+  order = sorted(range(len(items)), key=lambda i: (-cost[scopes[i]], scopes[i]))
   items[:] = [items[i] for i in order]
 
 
@@ -160,11 +157,10 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
+  """Each scope's seconds of this run, into pytest's cache (read by ``python tests/scope_seconds.py``)."""
   cache = getattr(session.config, "cache", None)
   if "PYTEST_XDIST_WORKER" not in os.environ and _spent and cache is not None:
-    seconds = cache.get(_SECONDS, {})
-    seconds.update({scope: round(s, 1) for scope, s in _spent.items()})
-    cache.set(_SECONDS, seconds)
+    cache.set(_SECONDS, {scope: round(s, 1) for scope, s in sorted(_spent.items())})
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
