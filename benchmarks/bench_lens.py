@@ -208,77 +208,151 @@ def _tuned_lens_package_trainer(hf, steps: int, autocast: bool):
   return train
 
 
+def _peer_lens(theirs, dtype):
+  """A tuned-lens ``TunedLens``'s translators as a jaxlens ``TunedLens``."""
+  ts = theirs.layer_translators
+  weight = np.stack([t.weight.detach().float().numpy() for t in ts])
+  bias = np.stack([t.bias.detach().float().numpy() for t in ts])
+  return lens.TunedLens(jnp.asarray(weight, dtype), jnp.asarray(bias, dtype))
+
+
 def bench_tuned(args) -> dict:
+  """Time to the tuned-lens trainer's per-layer KL: the package's loop trains ``--tl-steps``
+  steps (its defaults; its lens's held-out per-layer KL is the target); jaxlens starts from the
+  least-squares fit (``init="lstsq"`` on the first ``--tl-init-batches`` batches) and trains the
+  fewest of 0, 1, 2, 4, ... steps that reach the target at every layer on the same held-out
+  tokens. Both are timed interleaved in one process, the peer at one torch thread and the
+  default, with its autocast off (float32) for the whole run, and as shipped (bfloat16 autocast)
+  for ``--tl-shipped-steps`` steps, its time for all steps extrapolated from those (its
+  trajectory is the float32 one in bfloat16 rounding). jaxlens's same-step zero-start run is
+  timed too (the per-step comparison)."""
   import torch
 
   from benchmarks._torch_peer import cpu_seconds
 
   hf, model, variables = _gpt2(args.tl_layers, args.tl_width, args.tl_vocab, args.tl_seq)
   rng = np.random.default_rng(0)
-  tokens = rng.integers(0, args.tl_vocab, (args.tl_steps, args.tl_batch, args.tl_seq), np.int32)
-  torch_batches = [torch.from_numpy(t.astype(np.int64)) for t in tokens]
   steps = args.tl_steps
+  tokens = rng.integers(0, args.tl_vocab, (steps, args.tl_batch, args.tl_seq), np.int32)
+  held = rng.integers(0, args.tl_vocab, (2 * args.tl_batch, args.tl_seq), np.int32)
+  torch_batches = [torch.from_numpy(t.astype(np.int64)) for t in tokens]
+  held_kl = jax.jit(lambda tl: lens.kl_to_final(model, variables, held, tl)[:-1])
+  dtype = model.config.dtype
+  n_init = min(args.tl_init_batches, steps)
 
-  def ours():
-    result = lens.train_tuned_lens(model, variables, list(tokens), steps=steps)
-    return result.lens, result.kl[-1]
+  def ours(k):  # the least-squares start, then k steps; the lens
+    if k == 0:
+      return lens.TunedLens.lstsq(model, variables, list(tokens[:n_init]), ridge=args.tl_ridge)
+    r = lens.train_tuned_lens(
+      model, variables, list(tokens[:k]), steps=k, init="lstsq",
+      init_batches=min(n_init, k), ridge=args.tl_ridge,
+    )  # fmt: skip
+    return r.lens
+
+  def ours_zeros():
+    return lens.train_tuned_lens(model, variables, list(tokens), steps=steps).lens
 
   default = torch.get_num_threads()
-  sides = {"jaxlens": (ours, None)}
-  shipped = set()  # bfloat16 autocast without native bfloat16 is ~25x slower: timed once
-  for autocast, label in ((True, "bfloat16 autocast"), (False, "float32")):
-    trainer = _tuned_lens_package_trainer(hf, steps, autocast)
-    for threads in (1, default):
-      name = f"tuned-lens ({label}), {threads} thread{'s' * (threads > 1)}"
-      sides[name] = (lambda tr=trainer: tr(torch_batches), threads)
-      if autocast:
-        shipped.add(name)
+  f32 = _tuned_lens_package_trainer(hf, steps, autocast=False)
+  shipped = _tuned_lens_package_trainer(hf, steps, autocast=True)
+  n_shipped = min(args.tl_shipped_steps, steps)
+
+  # the target: the package's lens after its steps (float32; one thread, as every setting)
+  torch.set_num_threads(1)
+  try:
+    peer_lens, _ = f32(torch_batches)
+  finally:
+    torch.set_num_threads(default)
+  target = np.asarray(held_kl(_peer_lens(peer_lens, dtype)))
+  logit = np.asarray(held_kl(None))
+
   t0 = time.perf_counter()
-  ours()  # compiles
-  compile_s = time.perf_counter() - t0
+  jax.block_until_ready(ours_zeros())
+  compile_s = {"zeros": time.perf_counter() - t0}
+  searched = {}
+  for k in [0] + [2**i for i in range(20) if 2**i <= steps]:
+    t0 = time.perf_counter()
+    got = np.asarray(held_kl(jax.block_until_ready(ours(k))))
+    compile_s[f"lstsq+{k}"] = time.perf_counter() - t0  # compilation and one run
+    searched[k] = got.round(5).tolist()
+    if np.all(got <= target):
+      break
+  else:
+    raise SystemExit(f"jaxlens did not reach the target in {steps} steps: {searched}")
+  zeros_kl = np.asarray(held_kl(ours_zeros()))
+
+  sides = {
+    f"jaxlens lstsq + {k} steps": (lambda: ours(k), None, 1),
+    f"jaxlens zeros, {steps} steps": (ours_zeros, None, 1),
+  }
+  for threads in (1, default):
+    plural = "s" * (threads > 1)
+    sides[f"tuned-lens float32, {threads} thread{plural}"] = (
+      lambda: f32(torch_batches),
+      threads,
+      1,
+    )
+    sides[f"tuned-lens as shipped (bfloat16 autocast), {threads} thread{plural}"] = (
+      lambda: _tuned_lens_package_trainer(hf, steps, True)(torch_batches[:n_shipped]),
+      threads,
+      steps / n_shipped,
+    )
+  del shipped
   names = list(sides)
   walls: dict[str, list[float]] = {n: [] for n in names}
   cpus: dict[str, list[float]] = {n: [] for n in names}
-  last: dict = {}
   try:
     for r in range(args.repeats):  # interleaved, the order rotating and flipping
       order = names[r % len(names) :] + names[: r % len(names)]
       for name in order if r % 2 == 0 else order[::-1]:
-        if name in shipped and r >= args.tl_shipped_repeats:
+        fn, threads, scale = sides[name]
+        if "shipped" in name and r >= args.tl_shipped_repeats:
           continue
-        fn, threads = sides[name]
         torch.set_num_threads(threads or default)
         c0, w0 = cpu_seconds(), time.perf_counter()
-        last[name] = jax.block_until_ready(fn())
-        walls[name].append((time.perf_counter() - w0) / steps)
-        cpus[name].append((cpu_seconds() - c0) / steps)
+        jax.block_until_ready(fn())
+        walls[name].append((time.perf_counter() - w0) * scale)
+        cpus[name].append((cpu_seconds() - c0) * scale)
   finally:
     torch.set_num_threads(default)
   out: dict = {
     "setting": (
       f"GPT-2 layout, {args.tl_layers} blocks, width {args.tl_width}, vocabulary "
       f"{args.tl_vocab}, {steps} steps of {args.tl_batch} x {args.tl_seq} tokens, float32 "
-      f"model; tuned-lens's defaults (SGD Nesterov, lr 0.1, weight decay 1e-3, clip 1)"
+      f"model; tuned-lens's defaults (SGD Nesterov, lr 0.1, weight decay 1e-3, clip 1); "
+      f"held-out KL on {held.shape[0]} x {held.shape[1]} tokens; lstsq on {n_init} batches, "
+      f"ridge {args.tl_ridge}"
     ),
-    "jaxlens_compile_s": compile_s,
+    "steps_to_target": k,
+    "held_kl": {
+      "logit lens": logit.round(5).tolist(),
+      f"tuned-lens, {steps} steps (target)": target.round(5).tolist(),
+      f"jaxlens zeros, {steps} steps": zeros_kl.round(5).tolist(),
+      **{f"jaxlens lstsq + {j} steps": v for j, v in searched.items()},
+    },
+    "jaxlens_compile_and_first_run_s": {n: round(v, 1) for n, v in compile_s.items()},
   }
   for n in names:
     out[n] = {
-      "step_wall_ms": 1000 * float(np.median(walls[n])),
-      "step_cpu_ms": 1000 * float(np.median(cpus[n])),
-      "wall_ms_all": [round(1000 * w, 1) for w in walls[n]],
+      "wall_s": float(np.median(walls[n])),
+      "cpu_s": float(np.median(cpus[n])),
+      "wall_s_all": [round(w, 2) for w in walls[n]],
     }
-  best = min(names[1:], key=lambda n: out[n]["step_wall_ms"])
-  out["best_peer"] = best
-  out["speedup_wall"] = out[best]["step_wall_ms"] / out["jaxlens"]["step_wall_ms"]
-  out["speedup_cpu"] = out[best]["step_cpu_ms"] / out["jaxlens"]["step_cpu_ms"]
-  out["speedup_wall_with_compile"] = (steps * out[best]["step_wall_ms"]) / (
-    steps * out["jaxlens"]["step_wall_ms"] + 1000 * compile_s
-  )
-  ours_kl = np.asarray(last["jaxlens"][1])
-  peer_kl = np.asarray(last[names[names.index(best)]][1])
-  out["last_step_kl"] = {"jaxlens": ours_kl.round(4).tolist(), best: peer_kl.round(4).tolist()}
-  out["last_step_kl_max_rel_diff"] = float(np.max(np.abs(ours_kl - peer_kl) / peer_kl))
+  peers = [n for n in names if n.startswith("tuned-lens")]
+  ours_name = names[0]
+  for label, group in (
+    ("float32", [n for n in peers if "float32" in n]),
+    ("shipped", [n for n in peers if "shipped" in n]),
+  ):
+    best = min(group, key=lambda n: out[n]["wall_s"])
+    out[f"best_{label}"] = best
+    out[f"speedup_{label}_wall"] = out[best]["wall_s"] / out[ours_name]["wall_s"]
+    out[f"speedup_{label}_cpu"] = out[best]["cpu_s"] / out[ours_name]["cpu_s"]
+  zeros_name = names[1]
+  best = out["best_float32"]
+  out["same_steps_speedup_cpu"] = out[best]["cpu_s"] / out[zeros_name]["cpu_s"]
+  out["same_steps_speedup_wall"] = out[best]["wall_s"] / out[zeros_name]["wall_s"]
+  out["zeros_vs_peer_kl_max_rel_diff"] = float(np.max(np.abs(zeros_kl - target) / target))
   return out
 
 
@@ -323,9 +397,14 @@ def main(argv=None) -> dict:
   parser.add_argument("--tl-vocab", type=int, default=16384)
   parser.add_argument("--tl-batch", type=int, default=4)
   parser.add_argument("--tl-seq", type=int, default=64)
-  parser.add_argument("--tl-steps", type=int, default=4)
+  parser.add_argument("--tl-steps", type=int, default=32)
+  parser.add_argument("--tl-init-batches", type=int, default=4)
+  parser.add_argument("--tl-ridge", type=float, default=1e-3)
   parser.add_argument(
     "--tl-shipped-repeats", type=int, default=1, help="timed runs of the bfloat16 autocast loop"
+  )
+  parser.add_argument(
+    "--tl-shipped-steps", type=int, default=1, help="steps of the bfloat16 loop timed a run"
   )
   parser.add_argument("--jl-layers", type=int, default=4)
   parser.add_argument("--jl-width", type=int, default=128)
@@ -354,16 +433,21 @@ def main(argv=None) -> dict:
   if "tuned" in parts:
     result["tuned"] = t = bench_tuned(args)
     print(t["setting"])
-    for name in [n for n in t if isinstance(t[n], dict) and "step_wall_ms" in t[n]]:
+    for name, kl in t["held_kl"].items():
+      print(f"  held-out KL, {name}: {kl}")
+    for name in [n for n in t if isinstance(t[n], dict) and "wall_s" in t[n]]:
       print(
-        f"  {name}: {t[name]['step_wall_ms']:.0f} ms a step, {t[name]['step_cpu_ms']:.0f} ms "
-        f"of CPU ({t[name]['wall_ms_all']})"
+        f"  {name}: {t[name]['wall_s']:.2f} s wall, {t[name]['cpu_s']:.2f} s CPU "
+        f"({t[name]['wall_s_all']})"
       )
     print(
-      f"tuned-lens training: {t['speedup_wall']:.2f}x wall, {t['speedup_cpu']:.2f}x CPU against "
-      f"{t['best_peer']} ({t['speedup_wall_with_compile']:.2f}x wall with jaxlens's "
-      f"{t['jaxlens_compile_s']:.1f} s compilation); last step's per-layer KL within "
-      f"{t['last_step_kl_max_rel_diff']:.1e} relative"
+      f"time to tuned-lens's per-layer KL: jaxlens lstsq + {t['steps_to_target']} steps, "
+      f"{t['speedup_float32_wall']:.1f}x wall / {t['speedup_float32_cpu']:.1f}x CPU against "
+      f"{t['best_float32']}, {t['speedup_shipped_wall']:.0f}x / {t['speedup_shipped_cpu']:.0f}x "
+      f"against {t['best_shipped']}; the same steps from zero: "
+      f"{t['same_steps_speedup_wall']:.2f}x wall / {t['same_steps_speedup_cpu']:.2f}x CPU "
+      f"(KL within {t['zeros_vs_peer_kl_max_rel_diff']:.1e} of the peer's); compilations "
+      f"{t['jaxlens_compile_and_first_run_s']}"
     )
   if "jacobian" in parts:
     result["jacobian"] = j = bench_jacobian_lengths(args)

@@ -244,3 +244,35 @@ def test_training_gradient_is_the_kl_gradient():
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-13)
   np.testing.assert_allclose(step.kl[0], jax.jit(kl)(start)[:-1], rtol=1e-12)
+
+
+def test_least_squares_start(llama):
+  """``TunedLens.lstsq`` is the least-squares fit of the last block's output on each layer's
+  residual (with an intercept; ridge 0 matches ``numpy.linalg.lstsq``), its held-out KL is
+  below the zero start's (the logit lens) at every layer, and ``init="lstsq"`` starts there."""
+  model, variables = llama
+  batches = list(_batches(1, 4))
+  fitted = lens.TunedLens.lstsq(model, variables, batches, ridge=0.0)
+  res = jax.jit(lambda v, t: lens.residuals(model, v, t))(variables, jnp.concatenate(batches))
+  res = np.asarray(res).reshape(res.shape[0], -1, res.shape[-1])
+  for layer in range(2):
+    x = np.concatenate([res[layer], np.ones((res.shape[1], 1))], 1)
+    coef = np.linalg.lstsq(x, res[-1], rcond=None)[0]  # h_final ~ h @ A + c
+    np.testing.assert_allclose(np.eye(16) + fitted.weight[layer].T, coef[:-1], atol=1e-8)
+    np.testing.assert_allclose(fitted.bias[layer], coef[-1], atol=1e-8)
+  held = next(_batches(99, 1))
+  kl = jax.jit(lambda v, t, tl: lens.kl_to_final(model, v, t, tl))
+  ridged = lens.TunedLens.lstsq(model, variables, batches)
+  start, logit = kl(variables, held, ridged), kl(variables, held, None)
+  assert bool(jnp.all(start[:-1] < 0.95 * logit[:-1])), (start, logit)  # 1.17 < 1.24, 0.41 < 0.51
+  run = lens.train_tuned_lens(model, variables, batches, steps=1, init="lstsq", init_batches=4)
+  np.testing.assert_allclose(run.kl[0], kl(variables, batches[0], ridged)[:-1], rtol=1e-10)
+  with pytest.raises(lens.LensError, match="init must be 'zeros' or 'lstsq'"):
+    lens.train_tuned_lens(model, variables, batches, steps=1, init="identity")
+  with pytest.raises(lens.LensError, match="init_batches must be a positive int"):
+    lens.train_tuned_lens(model, variables, batches, steps=1, init="lstsq", init_batches=0)
+  with pytest.raises(lens.LensError, match="ridge must be a number >= 0"):
+    lens.TunedLens.lstsq(model, variables, batches, ridge=-1.0)
+  with pytest.raises(lens.LensError, match="no token to fit") as e:
+    lens.TunedLens.lstsq(model, variables, [])
+  assert e.value.code == "lens_data_invalid"
