@@ -398,7 +398,55 @@ def run_scenarios(mesh, dtype, facts, spec_dir=None):
       out[f"sae/{name}"] = getattr(trained.sae, name)
     out["sae/mse_loss"] = jnp.asarray(trained.metrics["mse_loss"])
   mark("sae")
+
+  # -- an attribution graph whose rows are spread over every device of every process --------
+  if full:
+    out["circuits/adjacency"], facts["circuits_gathers"] = _circuit_graph(mesh, dt)
+  mark("circuits")
   return out
+
+
+def _circuit_graph(mesh, dt):
+  """``circuits.attribute`` on a tiny Llama (``mesh=``: each batch of rows spread over the
+  mesh, gathered to every process): its dense adjacency, and how many batches came back
+  from devices of several processes."""
+  import jax.numpy as jnp
+
+  from jaxlens import circuits
+  from jaxlens import distributed as jd
+  from jaxlens.models import Llama, LlamaConfig
+  from jaxlens.sae import Transcoder
+
+  cfg = LlamaConfig(
+    vocab_size=29, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, d_mlp=12, dtype=jnp.dtype(dt)
+  )
+  model, tokens = Llama(cfg), jnp.asarray([1, 4, 9, 2, 7], jnp.int32)
+  variables = _host_variables(model, np.asarray(tokens[None]), seed=4)
+  rng = np.random.default_rng(5)
+  tcs = [
+    Transcoder(
+      W_enc=jnp.asarray(rng.normal(0.0, 1.0, (8, 16)).astype(dt)),
+      b_enc=jnp.asarray(rng.normal(0.0, 0.1, 16).astype(dt)),
+      W_dec=jnp.asarray(rng.normal(0.0, 0.3, (16, 8)).astype(dt)),
+      b_dec=jnp.zeros(8, dt),
+      W_skip=jnp.asarray(rng.normal(0.0, 0.1, (8, 8)).astype(dt)),
+      activation="relu",
+    )
+    for _ in range(2)
+  ]
+  gathers = [0]
+  plain = jd.host_values
+
+  def counted(tree):
+    gathers[0] += 1
+    return plain(tree)
+
+  jd.host_values = counted  # what attribute calls on rows that live on several processes
+  try:
+    graph = circuits.attribute(model, variables, tokens, tcs, mesh=mesh, batch_size=32)
+  finally:
+    jd.host_values = plain
+  return graph.adjacency, gathers[0]
 
 
 def _init_distributed(args):

@@ -214,6 +214,7 @@ GROUPS = [
   "spec",
   "store",
   "sae",
+  "circuits",
 ]
 # run in float64 only (tests/_dist_worker.py), to keep the suite lean
 FLOAT64_ONLY = {
@@ -228,6 +229,7 @@ FLOAT64_ONLY = {
   "spec",
   "store",
   "sae",
+  "circuits",
 }
 
 
@@ -479,3 +481,13 @@ def test_sae_training_takes_each_process_rows(parity_run, reference):
   assert [f["float64"]["sae_local_rows"] for f in facts] == [[0, 8], [8, 16]]
   ref, _ = reference["float64"]
   assert ref["sae/mse_loss"][-1] < ref["sae/mse_loss"][0]  # it trained
+
+
+def test_the_rows_of_one_graph_are_spread_over_both_processes(parity_run, reference):
+  """circuits.attribute(mesh=) with the mesh over both processes: every batch of rows came
+  back gathered from devices of both (and, above, the adjacency is the one-device graph's)."""
+  _, facts, _ = parity_run
+  ref, ref_facts = reference["float64"]
+  assert ref_facts["circuits_gathers"] == 0  # one process: nothing to gather
+  assert all(f["float64"]["circuits_gathers"] >= 2 for f in facts)  # logit and feature rows
+  assert (ref["circuits/adjacency"] != 0).sum() > 1000

@@ -654,7 +654,9 @@ def attribute(
       pruning and the scores).
     mesh: a ``jax.sharding.Mesh``: each batch of rows is spread over its devices (the batch
       rounded up to a multiple of their number), the model and the frozen values replicated;
-      the graph equals the one-device graph.
+      the graph equals the one-device graph. The mesh may span processes
+      (``jax.distributed``): every process then calls ``attribute`` alike, each batch's rows
+      are gathered to every process, and each returns the whole graph.
     split_rows: run the feature rows by layer and by prefix of the prompt (up to 4 groups of
       positions, one per 64 tokens), each group through a program that runs the model on
       the prefix that holds its targets, stops at their layer's MLP input and contracts only
@@ -844,7 +846,12 @@ def attribute(
     cot = (grow(li, np.int32), grow(pi, np.int32), grow(v_in, np_dtype), grow(v_final, np_dtype))
     if spread is not None:
       cot = jax.device_put(cot, spread)
-    out = np.asarray(program(part, source, *consts, cot))[:k]
+    out = program(part, source, *consts, cot)
+    if not out.is_fully_addressable:  # a mesh over processes: every process gets every row
+      from jaxlens.distributed import host_values
+
+      out = host_values(out)
+    out = np.asarray(out)[:k]
     # [features (padded to n_pad), errors, tokens] -> [features, errors, tokens]
     return np.concatenate([out[:, :n_active], out[:, n_pad:]], axis=1)
 
