@@ -7,7 +7,9 @@ that applies them (``jl.das``, ``jl.boundless_das``, ``jl.low_rank_das``, ``jl.l
 ``jl.units``, ``layer=``, saved specs and :func:`jaxlens.generate`.
 :func:`train_iit` (interchange intervention training) and :func:`train_reft`
 (representation fine-tuning on (prompt, answer) pairs) train the parameters with optax;
-:func:`iia` measures interchange intervention accuracy; ``jl.orthogonal(params["rotation"])``
+``cache_prefix=True`` runs the frozen model up to the site once per dataset
+(:func:`site_values`) instead of once per step; :func:`iia` measures interchange
+intervention accuracy; ``jl.orthogonal(params["rotation"])``
 is a learned rotation's matrix. See docs/trained_interventions.md.
 
 >>> import jax, jaxlens as jl
@@ -24,6 +26,7 @@ from jaxlens.train._loops import intervened_output as intervened_output
 from jaxlens.train._loops import last_position as last_position
 from jaxlens.train._loops import train_iit as train_iit
 from jaxlens.train._loops import train_reft as train_reft
+from jaxlens.train._cache import site_values as site_values
 from jaxlens.train._methods import DAS as DAS
 from jaxlens.train._methods import BoundlessDAS as BoundlessDAS
 from jaxlens.train._methods import DiReFT as DiReFT
@@ -77,6 +80,7 @@ __all__ = [
   "pca_basis",
   "reft_batch",
   "reft_positions",
+  "site_values",
   "subspace_mask",
   "train_iit",
   "train_multi",

@@ -22,7 +22,8 @@ import numpy as np
 from jaxlens import internal
 from jaxlens.core import GradientContractError, InvalidArgumentError, depends_on, trace, when
 from jaxlens.internal import as_selector, check_every
-from jaxlens.intervention import at_positions
+from jaxlens.intervention import at_positions, compose, replace_with
+from jaxlens.train import _cache
 from jaxlens.train._methods import frozen_leaves
 
 
@@ -348,7 +349,10 @@ def _loop(
     with jax.numpy_dtype_promotion("standard"):
       updates, state = tx.update(grads, state, t)
       new = optax.apply_updates(t, updates)
-    return new, state, value, _all_finite((value, grads)), _all_finite(batch)
+    # A batch's cached site values are not its data: a site that is not finite on finite
+    # inputs is the model's doing (loss_not_finite), as without the cache.
+    data = {k: a for k, a in batch.items() if k != _cache.CACHE_KEY}
+    return new, state, value, _all_finite((value, grads)), _all_finite(data)
 
   _check_mesh(mesh, data_axis)
   _check_rows(_batch_at(batches, 0), mesh, data_axis, 0)
@@ -443,6 +447,14 @@ def _run_edited(model, site, edit, positions):
   return when(site, edit).bind(model)
 
 
+def _run_cached(model, site, edit, positions, value):
+  """The model with the whole site replaced by its cached ``value``, ``edit`` applied on top
+  (at ``positions``): nothing the output depends on reads the site's live value."""
+  if positions is not None:
+    edit = at_positions(positions, edit)
+  return when(site, compose(replace_with(value), edit)).bind(model)
+
+
 def intervened_output(
   model,
   variables,
@@ -455,6 +467,7 @@ def intervened_output(
   positions=None,
   temperature=None,
   subspaces=None,
+  site_values=None,
 ):
   """The model's output on ``base`` with ``method``'s edit at ``site`` (source: ``source``'s run).
 
@@ -470,10 +483,24 @@ def intervened_output(
     temperature: Boundless DAS's temperature (default: the schedule's last).
     subspaces: a per-example mask of the interchanged coordinates
       (:func:`jaxlens.train.subspace_mask`); a batch's ``"subspaces"`` in the loops.
+    site_values: the site's cached values (:func:`jaxlens.train.site_values`),
+      ``{"base": value on base, "source": value on source}`` (``"source"`` for the
+      interchange methods): the whole site is replaced by the base's value and the edit
+      reads the source's, so no source run is made and, under ``jax.jit``, the model's
+      computation before the site is dead code (``cache_prefix=True`` in the loops).
   """
   selector = as_selector(site)
   donor = None
-  if method.needs_source:
+  if site_values is not None:
+    if method.needs_source and "source" not in site_values:
+      raise InvalidArgumentError(
+        f"{type(method).__name__} interchanges with a source run: site_values needs its "
+        '"source" value',
+        code="invalid_argument",
+        fix='site_values={"base": site_values(model, v, site, base), "source": ...}',
+      )
+    donor = site_values.get("source") if method.needs_source else None
+  elif method.needs_source:
     if source is None:
       raise InvalidArgumentError(
         f"{type(method).__name__} interchanges with a source run: pass source=",
@@ -491,6 +518,8 @@ def intervened_output(
       )
     extra["subspaces"] = subspaces
   edit = method.edit(params, donor, temperature, **extra)
+  if site_values is not None:
+    return _run_cached(model, selector, edit, positions, site_values["base"])(variables, base)
   return _run_edited(model, selector, edit, positions)(variables, base)
 
 
@@ -519,6 +548,7 @@ def train_iit(
   checkpoint_every: int = 50,
   progress: bool = True,
   nonfinite: str = "raise",
+  cache_prefix: bool = False,
 ) -> TrainResult:
   """Interchange intervention training: align ``method``'s subspace with a causal variable.
 
@@ -555,12 +585,23 @@ def train_iit(
       ``"skip"``: the step changes nothing (no update of the parameters or the optimiser
       state; it still counts as one of ``steps``, and has no entry in ``losses``) and is
       listed in :attr:`TrainResult.skipped`, which checkpoints keep across a resume.
+    cache_prefix: run the frozen model up to the site once per batch, before the first
+      step (:func:`jaxlens.train.site_values` on each batch's base and source), and at
+      each step replace the site with the cached base value and apply the edit on top,
+      reading the cached source value: the step then computes only what follows the site
+      (the prefix is dead code in its jitted program) and makes no source run. The same
+      losses and parameters as without it, to rounding. It holds two site values per
+      example in memory. Needs ``frozen=True`` and a sequence of batches; see
+      docs/trained_interventions.md for the conditions.
 
   Returns:
     a :class:`TrainResult`.
 
   Raises:
-    InvalidArgumentError: ``invalid_argument`` (a batch without ``base``, ``source`` or
+    InvalidArgumentError: ``prefix_not_cacheable`` (``cache_prefix=True`` with
+      ``frozen=False``, batches given as a function of the step, a model that draws random
+      numbers or writes a collection, a site that fires several times per call or inside
+      a scanned stack); ``invalid_argument`` (a batch without ``base``, ``source`` or
       ``label``, no batches, a step count or interval that is not a positive int, an
       optimiser that is not an optax transformation, ``params`` lacking the method's entries,
       a readout that does not return logits); ``shape_mismatch`` (labels that are not int
@@ -578,6 +619,9 @@ def train_iit(
   steps_total = steps if steps is not None else (None if callable(batches) else len(batches))
   temperature_of = getattr(method, "temperature", None)
   _check_params(method, params)
+  if cache_prefix:
+    _cache.check_cacheable(frozen, batches)
+    batches = _cache.iit_batches(model, variables, site, batches, method.needs_source)
   classes = {"n": None}  # the readout's class count, known once the loss is traced
 
   def check_batch(batch, index):
@@ -609,6 +653,7 @@ def train_iit(
       positions=positions,
       temperature=t,
       subspaces=batch.get("subspaces"),
+      site_values=batch.get(_cache.CACHE_KEY),
     )
     logits = readout(out)
     classes["n"] = _check_labels(logits, batch["label"])
@@ -775,6 +820,7 @@ def train_reft(
   checkpoint_every: int = 50,
   progress: bool = True,
   nonfinite: str = "raise",
+  cache_prefix: bool = False,
 ) -> TrainResult:
   """Representation fine-tuning on ``(prompt, answer)`` token pairs, the model frozen.
 
@@ -799,12 +845,22 @@ def train_reft(
       finite; a step's loss is not when the model's output is not (a token id past the
       vocabulary reads a NaN embedding row, for example): ``loss_not_finite`` names the
       step and the indices of the batch's pairs (``fields["pairs"]``).
+    cache_prefix: run the frozen model up to the site once for every pair, before the
+      first step (in chunks of ``batch_size``), and at each step replace the site with the
+      cached values of the batch's pairs and apply the edit on top: the step computes only
+      what follows the site. The same losses and parameters as without it, to rounding;
+      it holds one site value (``(tokens, d)``) per pair in memory. Batches are drawn
+      from the pairs anew each epoch, so an example's site value must not depend on the
+      other examples of its batch: checked on the first batch.
 
   Returns:
     a :class:`TrainResult`.
 
   Raises:
-    InvalidArgumentError: ``invalid_argument`` (no pairs, a pair that is not two non-empty
+    InvalidArgumentError: ``prefix_not_cacheable`` (with ``cache_prefix=True``: a model
+      that draws random numbers or writes a collection, a site that fires several times
+      per call or inside a scanned stack, an example whose site value depends on the
+      other examples of its batch); ``invalid_argument`` (no pairs, a pair that is not two non-empty
       lists of token ids in ``[0, 2**31)``, a step count or batch size that is not a positive
       int), ``invalid_seed``, ``loss_not_finite`` (see ``nonfinite``).
     jaxlens.CheckpointError: as :func:`train_iit`.
@@ -843,14 +899,25 @@ def train_reft(
       orders[epoch] = np.random.default_rng([seed, epoch]).permutation(n)
     return orders[epoch][i * batch_size : (i + 1) * batch_size]
 
+  cached = None
+  if cache_prefix:
+    cached = _cache.reft_rows(model, variables, site, data["tokens"], batch_size, pairs_at(0))
+
   def batch_at(step):
     idx = pairs_at(step)
-    return {k: v[idx] for k, v in data.items()}
+    batch = {k: v[idx] for k, v in data.items()}
+    if cached is not None:
+      batch[_cache.CACHE_KEY] = cached[idx]
+    return batch
 
   selector = as_selector(site)
 
   def loss_of(p, v, batch, step):
-    out = _run_edited(model, selector, method.edit(p), None)(v, batch["tokens"])
+    if _cache.CACHE_KEY in batch:
+      run = _run_cached(model, selector, method.edit(p), None, batch[_cache.CACHE_KEY])
+    else:
+      run = _run_edited(model, selector, method.edit(p), None)
+    out = run(v, batch["tokens"])
     ce = _cross_entropy(out, batch["targets"])
     w = batch["weights"].astype(ce.dtype)
     return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
