@@ -1,13 +1,14 @@
 """Agreement with circuit-tracer 0.5.0, the jaxlens side (run after circuits_agreement_ct.py,
 which writes /tmp/ct/exchange_<layout>_<kind>[_b].npz from its own environment): the same weights
-in the zoo's GPT-2, Llama or Gemma (with Gemma 2's options), the same transcoders, the same graph, compared in float32 and
+in the zoo's GPT-2, Llama, Gemma (with Gemma 2's options, with or without a sliding window) or
+GPT-NeoX, the same transcoders, the same graph, compared in float32 and
 float64 (adjacency, active and selected features, logit targets, pruning masks, scores), and
 circuits.feature_intervention / feature_intervention_generate against circuit-tracer's
 (logits and feature pre-activations under each freezing setting, generated tokens and logits).
 
 Usage::
 
-  LAYOUT=gpt2|llama|gemma2 [BUDGET=50] python benchmarks/circuits_agreement.py plain|skip|clt
+  LAYOUT=gpt2|llama|gemma2|gemma2_window|neox [BUDGET=50] python benchmarks/circuits_agreement.py plain|skip|clt
 """
 
 import sys
@@ -40,8 +41,10 @@ L, D, V = 2, 32, 50
 def build(dtype):
   if layout == "llama":
     return build_llama(dtype)
-  if layout == "gemma2":
+  if layout in ("gemma2", "gemma2_window"):
     return build_gemma2(dtype)
+  if layout == "neox":
+    return build_neox(dtype)
   m = GPT2(
     GPT2Config(
       vocab_size=V,
@@ -156,6 +159,52 @@ def build_llama(dtype):
   return m, {"params": p}, transcoders(dtype)
 
 
+def build_neox(dtype):
+  from jaxlens.models.gpt_neox import GPTNeoX, GPTNeoXConfig
+
+  m = GPTNeoX(
+    GPTNeoXConfig(
+      vocab_size=V,
+      d_model=D,
+      n_layers=L,
+      n_heads=4,
+      d_mlp=64,
+      rotary_pct=0.25,  # TransformerLens's rotary_dim 2 of d_head 8, rotate-half as NeoX
+      activation="gelu",
+      max_len=16,
+      dtype=dtype,
+    )
+  )
+  c = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+  p = {
+    "embed": {"embedding": c(get("embed.W_E"))},
+    "ln_final": {"scale": c(get("ln_final.w")), "bias": c(get("ln_final.b"))},
+    "lm_head": {"kernel": c(get("W_U"))},
+  }
+  for i in range(L):
+    b = f"blocks.{i}."
+    g = lambda s, b=b: get(b + s)  # noqa: E731
+    attn = {}
+    for n, x in (("q_proj", "Q"), ("k_proj", "K"), ("v_proj", "V")):
+      attn[n] = {
+        "kernel": c(g(f"attn.W_{x}").transpose(1, 0, 2).reshape(D, -1)),
+        "bias": c(g(f"attn.b_{x}").reshape(-1)),
+      }
+    attn["dense"] = {"kernel": c(g("attn.W_O").reshape(-1, D)), "bias": c(g("attn.b_O"))}
+    pre = [k for k in w if k.startswith(b) and k.endswith("W_in")][0][: -len("W_in")]
+    p[f"blocks_{i}"] = {
+      "attn": attn,
+      "ln_1": {"scale": c(g("ln1.w")), "bias": c(g("ln1.b"))},
+      "ln_2": {"scale": c(g("ln2.w")), "bias": c(g("ln2.b"))},
+      "mlp": {
+        "dense_h_to_4h": {"kernel": c(w[pre + "W_in"]), "bias": c(w[pre + "b_in"])},
+        "dense_4h_to_h": {"kernel": c(w[pre + "W_out"]), "bias": c(w[pre + "b_out"])},
+      },
+    }
+  assert np.abs(get("b_U")).max() == 0
+  return m, {"params": p}, transcoders(dtype)
+
+
 def build_gemma2(dtype):
   from jaxlens.models import Gemma3, Gemma3Config
 
@@ -169,7 +218,10 @@ def build_gemma2(dtype):
       head_dim=8,
       d_mlp=64,
       query_pre_attn_scalar=64.0,
-      sliding_window=None,
+      # gemma2_window: layer 0 sees itself and the 2 tokens before (TransformerLens's
+      # window_size 3), layer 1 the whole prompt
+      sliding_window=3 if layout == "gemma2_window" else None,
+      layer_types=("sliding_attention", "full_attention") if layout == "gemma2_window" else None,
       rope_base=10000.0,
       rope_local_base=10000.0,
       qk_norm=False,

@@ -1,5 +1,5 @@
 """Agreement with circuit-tracer 0.5.0, the circuit-tracer side: a random GPT-2-,
-Llama- or Gemma-2-layout TransformerLens model with random per-layer transcoders (with or without skip),
+Llama-, Gemma-2- (with or without a sliding window) or GPT-NeoX-layout TransformerLens model with random per-layer transcoders (with or without skip),
 offline (the tokenizer attribute is a stand-in); writes its weights, its graph, and the logits of
 its feature interventions (feature_intervention under four freezing settings,
 feature_intervention_generate with open-ended interventions) to
@@ -8,7 +8,7 @@ feature_intervention_generate with open-ended interventions) to
 Run it in a separate environment (not a jaxlens requirement)::
 
   python3 -m venv /work/venv-ct && /work/venv-ct/bin/pip install torch==2.13.0 circuit-tracer==0.5.0
-  LAYOUT=gpt2|llama|gemma2 [BUDGET=50] /work/venv-ct/bin/python benchmarks/circuits_agreement_ct.py [plain|skip|clt]
+  LAYOUT=gpt2|llama|gemma2|gemma2_window|neox [BUDGET=50] /work/venv-ct/bin/python benchmarks/circuits_agreement_ct.py [plain|skip|clt]
 """
 
 import os
@@ -43,8 +43,29 @@ if layout == "gpt2":
     device="cpu",
     positional_embedding_type="standard",
   )
-elif layout == "gemma2":  # RMSNorm before and after, soft-caps, GeGLU, attention scale 1/8
+elif layout == "neox":  # Pythia: parallel attention and MLP, rotary on 2 of 8 features, GELU
   cfg = HookedTransformerConfig(
+    n_layers=L,
+    d_model=D,
+    n_ctx=16,
+    d_head=8,
+    n_heads=4,
+    d_mlp=64,
+    d_vocab=V,
+    act_fn="gelu",
+    normalization_type="LN",
+    dtype=torch.float32,
+    device="cpu",
+    positional_embedding_type="rotary",
+    rotary_dim=2,
+    parallel_attn_mlp=True,
+  )
+elif layout in ("gemma2", "gemma2_window"):  # RMSNorm before and after, soft-caps, GeGLU,
+  # attention scale 1/8; gemma2_window: layer 0 local with a window of 3 tokens (the prompt
+  # has 8), layer 1 global, as Gemma 2 alternates them
+  window = dict(use_local_attn=True, attn_types=["local", "global"], window_size=3)
+  cfg = HookedTransformerConfig(
+    **(window if layout == "gemma2_window" else {}),
     n_layers=L,
     d_model=D,
     n_ctx=16,
