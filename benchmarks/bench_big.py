@@ -320,6 +320,11 @@ def child_jax(args) -> dict:
 
   import jaxlens as jl
 
+  if args.widen_bytes:
+    import jaxlens.models.compact
+
+    jaxlens.models.compact.WIDEN_BYTES = args.widen_bytes
+    jaxlens.models.compact.WIDEN_BYTES_FEW = args.widen_bytes
   out: dict = {"side": "jaxlens", "dtype": args.dtype}
   lm, out["load"] = _jax_load(args.path, args.dtype)
   cfg = json.loads((Path(args.path) / "config.json").read_text())
@@ -594,6 +599,14 @@ def parse_args(argv=None):
   p.add_argument("--dtypes", default="float32,bfloat16")
   p.add_argument("--parts", default="load,trace,decode,sweep")
   p.add_argument("--torch", action="store_true", help="transformers' figures beside")
+  p.add_argument("--no-jax", dest="no_jax", action="store_true", help="transformers' figures only")
+  p.add_argument(
+    "--widen-bytes",
+    dest="widen_bytes",
+    type=int,
+    default=0,
+    help="one chunk size (compact.WIDEN_BYTES and WIDEN_BYTES_FEW) for jaxlens (0: the library's)",
+  )
   p.add_argument("--threads", default="1,0", help="torch thread counts (0: its default)")
   p.add_argument("--seq", type=int, default=512, help="tokens of the trace")
   p.add_argument("--new", type=int, default=16, help="new tokens of the decoding")
@@ -632,6 +645,8 @@ def _child_argv(args, side, path, dtype, parts, threads=0) -> list[str]:
     str(args.repeats),
     "--threads-one",
     str(threads),
+    "--widen-bytes",
+    str(args.widen_bytes),
   ]
 
 
@@ -674,7 +689,7 @@ def main(argv=None) -> dict:
         r["write_s"] = time.perf_counter() - t0
         need = weights_gb * 1.1 + 1.0  # a load: the weights and a part (the rest: more)
         # loading only, every layout and cast: the same-dtype file, the other dtype's file
-        if "load" in parts:
+        if "load" in parts and not args.no_jax:
           r["load_sharded"] = _run_child(
             _child_argv(args, "jax", shards, dtype, ["load"]), need, 1800
           )
@@ -684,7 +699,7 @@ def main(argv=None) -> dict:
             )
         src = shards if m == "8b" else one
         rest = [p for p in parts if p not in ("load", "casts")]
-        if rest:
+        if rest and not args.no_jax:
           r["jax"] = _run_child(_child_argv(args, "jax", src, dtype, rest), need + 2, 3600)
         if args.torch:
           # load, trace and decode at each thread count; the sweep (hundreds of forwards) at

@@ -14,8 +14,10 @@ K = 24
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-  """Chunks of 16 columns for a 24-wide contraction (the smallest chunk the product takes)."""
+  """Chunks of 16 columns for a 24-wide contraction (the smallest chunk the product takes), for
+  few rows and many."""
   monkeypatch.setattr(compact, "WIDEN_BYTES", 4 * K * 16)
+  monkeypatch.setattr(compact, "WIDEN_BYTES_FEW", 4 * K * 16)
 
 
 def _plain(x, matrix, contract, dtype):
@@ -53,6 +55,27 @@ def test_chunked_product_equals_the_plain_product(small_chunks, contract, n, x_d
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 9])  # a decoding step's few rows, and more
+@pytest.mark.parametrize("contract", [0, 1])
+def test_chunked_product_against_float64(monkeypatch, rows, contract):
+  """Chunks of 16 (few rows) and 32 columns (many) of a 24-deep matrix of 72 columns (a tail
+  of 8 or 24): the float32 product of the bfloat16 values, within float32's bound for a sum of
+  K products, ``|y - y64| <= K * 2**-24 * sum_k |x_k w_k|``, of the float64 product."""
+  monkeypatch.setattr(compact, "WIDEN_BYTES_FEW", 4 * K * 16)
+  monkeypatch.setattr(compact, "WIDEN_BYTES", 4 * K * 32)
+  assert compact._chunk_columns(K, rows) == (16 if rows <= compact.FEW_ROWS else 32)
+  rng = np.random.default_rng(rows)
+  x = jnp.asarray(rng.standard_normal((rows, K)), jnp.float32)
+  shape = (K, 72) if contract == 0 else (72, K)
+  m = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  got = jax.jit(compact.times_wide, static_argnums=(2, 3))(x, m, contract, jnp.float32)
+  x64, m64 = np.asarray(x, np.float64), np.asarray(m, np.float64)
+  w64 = m64 if contract == 0 else m64.T
+  bound = K * 2.0**-24 * (np.abs(x64) @ np.abs(w64))
+  assert got.dtype == jnp.float32 and got.shape == (rows, 72)
+  assert np.all(np.abs(np.asarray(got, np.float64) - x64 @ w64) <= bound)
+
+
 def _loop_temp_bytes(n, k=64):
   """The temporary bytes of a jitted loop that applies a bfloat16 ``Dense`` three times."""
   layer = compact.Dense(n, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
@@ -66,7 +89,8 @@ def _loop_temp_bytes(n, k=64):
 
 
 def test_no_float32_copy_of_the_whole_matrix_in_a_loop(monkeypatch):
-  monkeypatch.setattr(compact, "WIDEN_BYTES", 4 * 64 * 64)
+  monkeypatch.setattr(compact, "WIDEN_BYTES_FEW", 4 * 64 * 64)  # the loop's one row
+  monkeypatch.setattr(compact, "WIDEN_BYTES", 4 * 64 * 1024)  # would widen it whole
   whole = 64 * 1024 * 4  # the float32 copy of the (64, 1024) kernel
   assert _loop_temp_bytes(1024) < whole / 4
   # The plain product: XLA widens the whole kernel once, ahead of the loop.

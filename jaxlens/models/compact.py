@@ -24,7 +24,7 @@ in float32. Left to itself, it widens every weight whole, ahead of its product (
 such as ``jl.generate``'s, once before the loop): a float32 copy of every weight, twice the
 bfloat16 weights' memory. :func:`times_wide` computes the same product (the same float32 values,
 the same float32 products) a chunk of output columns at a time, so only one chunk's float32 copy
-(about ``WIDEN_BYTES``) exists at once.
+(about ``WIDEN_BYTES``; ``WIDEN_BYTES_FEW`` for a decoding step's few rows) exists at once.
 
 Matrices are stored as ``(rows, cols)`` with ``cols`` the contracted axis: a kernel ``(in, out)``
 is kept transposed (``(out, in)``, as GGUF and torch store it), an embedding table as is.
@@ -46,7 +46,9 @@ from jaxlens.models._params import StoredParams
 
 __all__ = [
   "WEIGHTS",
+  "FEW_ROWS",
   "WIDEN_BYTES",
+  "WIDEN_BYTES_FEW",
   "Blocks",
   "Dense",
   "Embed",
@@ -162,6 +164,12 @@ def times_transpose(m, x, dtype):
 # The float32 bytes of one chunk of a bfloat16 matrix that times_wide widens at once: small enough
 # to stay in the CPU's cache between its widening and its product.
 WIDEN_BYTES = 2**22
+# The same for a product of at most FEW_ROWS rows (a decoding step), where the widening and the
+# loop's own cost per chunk, not the product, take the time: on the 2-core machine of
+# docs/performance.md, 2 MiB chunks decoded faster than 1 MiB and 4 MiB ones in every comparison
+# made (a 2048 x 8192 matrix, the 1B shape's decoding step).
+WIDEN_BYTES_FEW = 2**21
+FEW_ROWS = 8
 
 
 def widens(matrix, dtype) -> bool:
@@ -181,6 +189,13 @@ def _pinned(matrix, after):
   return jax.lax.optimization_barrier((matrix, after))[0]
 
 
+def _chunk_columns(k: int, rows: int) -> int:
+  """The output columns of one chunk of a ``k``-deep bfloat16 matrix multiplied by ``rows`` rows
+  (whole vectors of 16 columns)."""
+  budget = WIDEN_BYTES_FEW if rows <= FEW_ROWS else WIDEN_BYTES
+  return max(16, budget // (4 * max(k, 1)) // 16 * 16)
+
+
 def times_wide(x, matrix, contract: int, dtype, precision=None):
   """``x`` times a bfloat16 ``matrix`` as XLA computes it (``x`` in ``dtype``, both widened to
   float32, a float32 product, the result rounded to ``dtype``), widened a chunk at a time.
@@ -192,11 +207,22 @@ def times_wide(x, matrix, contract: int, dtype, precision=None):
   a batch of one and a batch of two; on Llama-3.2-1B's shapes the two agree bit for bit.)
 
   XLA on CPU widens a whole bfloat16 operand before its product and hoists the widening of a
-  weight out of any loop it sits in; here the matrix is split into chunks of output columns of about ``WIDEN_BYTES`` of float32 each,
-  multiplied one after the other in a ``lax.fori_loop``; each chunk's widening is pinned to its
+  weight out of any loop it sits in; here the matrix is split into chunks of output columns of
+  about ``WIDEN_BYTES`` of float32 each (``WIDEN_BYTES_FEW`` for at most ``FEW_ROWS`` rows of
+  ``x``: a decoding step), multiplied one after the other in a ``lax.fori_loop``; each chunk's
+  widening is pinned to its
   own iteration (:func:`_pinned`) and waits for ``x`` (a zero computed from ``x`` is added to
   it), so one chunk's float32 copy is alive at a time. (The added zero reads a ``-0.0`` weight as
   ``+0.0``, which changes no output's value, only the sign of an output that is exactly zero.)
+
+  A chunk costs a widening kernel, a product kernel and the loop's step, so a decoding step
+  (about 1,150 chunks for Llama-3.2-1B) reads its bfloat16 weights well below the memory's
+  bandwidth. No other spelling reads them faster on XLA:CPU: a product is never fused with
+  the widening (a ``dot_general`` of bfloat16 operands, with ``preferred_element_type`` or a
+  bfloat16 dot algorithm, compiles to a whole widening and a float32 product), and a
+  multiply-and-sum (``jnp.sum(x[..., :, None] * w.astype(float32), -2)``, or over the last axis
+  of a transposed matrix), which XLA fuses with the widening into one kernel without a copy,
+  runs that kernel slower still (docs/performance.md, "bfloat16 products").
 
   Args:
     x: ``(..., k)`` activations, any float dtype (cast to ``dtype`` first, as ``promote_dtype``
@@ -213,7 +239,7 @@ def times_wide(x, matrix, contract: int, dtype, precision=None):
   x = jnp.asarray(x).astype(dtype).astype(jnp.float32)
   axis = 1 - contract  # the matrix's output axis
   k, n = matrix.shape[contract], matrix.shape[axis]
-  per = max(16, WIDEN_BYTES // (4 * max(k, 1)) // 16 * 16)  # whole vectors of columns
+  per = _chunk_columns(k, x.size // max(k, 1))
   dims = (((x.ndim - 1,), (contract,)), ((), ()))
 
   # A float32 zero computed from x (zero where x is NaN too): added to each widened chunk, it
