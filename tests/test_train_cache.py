@@ -149,6 +149,18 @@ def test_cache_prefix_refuses_what_it_would_get_wrong(lm):
     jt.train_iit(model, variables, SITE, das, params, batches, frozen=False, **kw)
   with pytest.raises(jl.InvalidArgumentError, match=r"\[prefix_not_cacheable\].*fixed dataset"):
     jt.train_iit(model, variables, SITE, das, params, lambda step: batches[0], **kw)
+  with pytest.raises(jl.InvalidArgumentError, match=r"site_values needs its \"source\""):
+    jt.intervened_output(
+      model,
+      variables,
+      SITE,
+      das,
+      params,
+      batches[0]["base"],
+      site_values={"base": jnp.zeros((4, S, D))},
+    )
+  with pytest.raises(jl.InvalidArgumentError, match=r"on base \(\"base\"\)"):
+    jt.intervened_output(model, variables, SITE, das, params, batches[0]["base"], site_values=[])
   with pytest.raises(jl.InvalidArgumentError, match=r"\[prefix_not_cacheable\].*fires 2 times"):
     jt.train_iit(model, variables, jl.func("tanh"), das, params, batches, **kw)
 

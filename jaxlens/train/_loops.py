@@ -492,6 +492,12 @@ def intervened_output(
   selector = as_selector(site)
   donor = None
   if site_values is not None:
+    if not isinstance(site_values, dict) or "base" not in site_values:
+      raise InvalidArgumentError(
+        'site_values must be a dict holding the site\'s value on base ("base")',
+        code="invalid_argument",
+        fix='site_values={"base": jt.site_values(model, variables, site, base)}',
+      )
     if method.needs_source and "source" not in site_values:
       raise InvalidArgumentError(
         f"{type(method).__name__} interchanges with a source run: site_values needs its "
