@@ -12,18 +12,22 @@ logit lens's top-k in vocabulary chunks against the full logit lens (peak memory
   ``lens.logit_lens`` followed by ``lax.top_k``: XLA's peak temporary memory of each compiled
   program (``compiled.memory_analysis()``), and the largest vocabulary-wide array's size.
 
-* tuned-lens training (``--part tuned``): ``lens.train_tuned_lens`` against the ``tuned-lens``
-  package's (0.2.0) training loop on the same GPT-2-layout model (built by transformers, loaded
-  by ``jaxlens.models.load_hf``), the same token batches and step counts. The package's
-  ``Train.execute`` cannot be imported with the installed torchdata (0.11 has no
-  ``dataloader2``), so its loop body is run as written: the model's forward with the hidden
-  states, the final log-probabilities, then per layer its ``TunedLens`` forward under
-  ``torch.autocast(bfloat16)``, the KL, ``backward``, and the step (``clip_grad_norm_`` at 1,
-  torch SGD with Nesterov momentum, its learning rate and weight decay, the linear schedule).
-  It runs as shipped (bfloat16 autocast) and with the autocast off (float32), each at one
-  torch thread and the default, all interleaved with jaxlens in one process; the fastest of
-  the four is the peer's figure. Wall and CPU time per step; the per-layer KLs of both after
-  the same steps.
+* tuned-lens training (``--part tuned``): time to the ``tuned-lens`` package's (0.2.0) per-layer
+  KL. Its training loop trains ``--tl-steps`` steps on a GPT-2-layout model (built by
+  transformers, loaded by ``jaxlens.models.load_hf``) with its defaults; the held-out per-layer
+  KL of its lens is the target. jaxlens starts from the least-squares fit
+  (``train_tuned_lens(init="lstsq")``) and trains the fewest of 0, 1, 2, 4, ... steps that reach
+  the target at every layer on the same held-out tokens. The package's ``Train.execute`` cannot
+  be imported with the installed torchdata (0.11 has no ``dataloader2``), so its loop body is
+  run as written: the model's forward with the hidden states, the final log-probabilities, then
+  per layer its ``TunedLens`` forward under ``torch.autocast(bfloat16)`` (hard-coded in
+  ``Train``: no option turns it off), the KL, ``backward``, and the step (``clip_grad_norm_`` at
+  1, torch SGD with Nesterov momentum, its learning rate and weight decay, the linear schedule).
+  It runs with the autocast off (float32) for all its steps and as shipped (bfloat16 autocast)
+  for ``--tl-shipped-steps`` steps (its time for all steps extrapolated: about 25x slower on a
+  CPU without native bfloat16), each at one torch thread and the default, all interleaved with
+  jaxlens in one process; the faster thread setting is the peer's figure. Wall and CPU time;
+  also jaxlens's zero start for the same steps (the per-step comparison; its KL is the peer's).
 
 * Jacobian-lens fit over prompts of many lengths (``--part jacobian``): ``fit_jacobian_lens``
   with its default ``length_bucket=16`` (prompts padded at the end, a program per bucket)
