@@ -158,8 +158,10 @@ def test_lenses_smollm2_rows_for_gemma():
 @needs_smollm2
 def test_lenses_smollm2(tmp_path):
   # One training step of one 8-token sequence and a 3 x 3 patchscope grid (layers 0, 15, 30):
-  # every part runs; the full run's figures are in docs/lenses.md.
-  argv = "--steps 1 --batch 1 --seq 8 --held 1 --new 2 --every 15".split()
+  # every part runs; the full run's figures are in docs/lenses.md. The generated patchscope
+  # makes one token, from the prefill (a decode step's program would cost another ~7 s of
+  # compilation; tests/test_lens_patchscope.py checks patchscope_generate's decode steps).
+  argv = "--steps 1 --batch 1 --seq 8 --held 1 --new 1 --every 15".split()
   report = run("lenses_smollm2", argv + ["--out", str(tmp_path)])
   for name in ("logit_lens.png", "dla.png", "kl.png", "tuned_lens/params.pt"):
     assert (tmp_path / name).is_file(), name
