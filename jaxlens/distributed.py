@@ -22,6 +22,7 @@ A patching sweep whose cells are spread over every device of every process is
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -58,6 +59,13 @@ def _leaves(tree) -> list:
   return [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
 
 
+@functools.lru_cache(maxsize=64)
+def _replicate(mesh, n: int):
+  """The jitted identity of ``n`` arrays that replicates them over ``mesh`` (one per mesh and
+  count, so repeated calls reuse its compiled program instead of tracing a new function)."""
+  return jax.jit(lambda *xs: xs, out_shardings=(NamedSharding(mesh, P()),) * n)
+
+
 def host_values(tree):
   """``tree`` with every ``jax.Array`` replaced by its full value as a numpy array.
 
@@ -78,8 +86,7 @@ def host_values(tree):
   for i in named:
     by_mesh.setdefault(leaves[i].sharding.mesh, []).append(i)
   for mesh, group in by_mesh.items():  # one program per mesh (a program has one device set)
-    replicated = (NamedSharding(mesh, P()),) * len(group)
-    gathered = jax.jit(lambda *xs: xs, out_shardings=replicated)(*(leaves[i] for i in group))
+    gathered = _replicate(mesh, len(group))(*(leaves[i] for i in group))
     for i, value in zip(group, gathered):
       leaves[i] = value
   for i in remote:
