@@ -13,6 +13,8 @@ fresh process so that its peak resident memory (``VmHWM``) is its own:
 * ``decode``: greedy ``jl.generate`` tokens/s against the memory-bandwidth floor (the bytes of
   weights a step reads over the bandwidth of a jitted sum over 1 GiB, measured in the same
   process; target >= 0.8 of the floor), beside transformers' ``generate``;
+* ``products`` (no checkpoint): one token times one bfloat16 ``2048 x 8192`` kernel, each way
+  XLA:CPU might compute it (:func:`child_products`), against a jitted sum's bandwidth;
 * ``sweep``: ``jl.sweep.patching_sweep`` over every layer's residual stream x every position
   of a 16-token prompt (1B shape only): time and peak RSS, beside the same grid of eager torch
   forward hooks.
@@ -427,6 +429,98 @@ def child_jax(args) -> dict:
   return out
 
 
+def child_products(args) -> dict:
+  """One token's product with one bfloat16 ``2048 x 8192`` kernel (Llama-3.2-1B's MLP shape),
+  spelled each way XLA:CPU might compute it well: time, the bfloat16 bytes over the time against
+  a jitted sum's bandwidth (measured between the rounds), XLA's temporary bytes (a whole float32
+  copy of the kernel is 67 MB), and the largest difference from ``times_wide``'s product over
+  float32's bound for a sum of ``k`` products (``k * 2**-24 * sum |x w|``; <= 1 is within it)."""
+  import jax
+  import jax.numpy as jnp
+
+  from jaxlens.models import compact
+
+  f32 = jnp.float32
+  k, n = 2048, 8192
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02).astype(jnp.bfloat16)
+  w_t = jnp.asarray(np.asarray(w).T.copy())  # the kernel stored transposed, (out, in)
+  x = jnp.asarray(rng.standard_normal((1, k), np.float32))
+  dims = (((1,), (0,)), ((), ()))
+
+  def chunked(budget):
+    def f(x, w, w_t):
+      compact.WIDEN_BYTES_FEW, old = budget, compact.WIDEN_BYTES_FEW
+      try:
+        return compact.times_wide(x, w, 0, f32)
+      finally:
+        compact.WIDEN_BYTES_FEW = old
+
+    return f
+
+  ways = {
+    "times_wide, 2 MiB chunks (now)": chunked(2**21),
+    "times_wide, 4 MiB chunks (before)": chunked(2**22),
+    "times_wide, 1 MiB chunks": chunked(2**20),
+    "x @ w.astype(float32) (whole widening)": lambda x, w, w_t: x @ w.astype(f32),
+    "dot_general, bfloat16 operands, preferred float32": lambda x, w, w_t: jax.lax.dot_general(
+      x.astype(jnp.bfloat16), w, dims, preferred_element_type=f32
+    ),
+    "dot_general, algorithm BF16_BF16_F32": lambda x, w, w_t: jax.lax.dot_general(
+      x.astype(jnp.bfloat16),
+      w,
+      dims,
+      precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+      preferred_element_type=f32,
+    ),
+    "sum(x[:, :, None] * w.astype(f32), 1)": lambda x, w, w_t: jnp.sum(
+      x[:, :, None] * w.astype(f32)[None], axis=1
+    ),
+    "sum(x[0] * w_t.astype(f32), -1) (transposed kernel)": lambda x, w, w_t: jnp.sum(
+      x[0] * w_t.astype(f32), axis=-1
+    )[None],
+    "float32 kernel, x @ w (4 bytes a weight)": None,
+  }
+  w32 = w.astype(f32)
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  bound = k * 2.0**-24 * (np.abs(x64) @ np.abs(w64))
+  want = np.asarray(jax.jit(compact.times_wide, static_argnums=(2, 3))(x, w, 0, f32), np.float64)
+  fns, out = {}, {}
+  for name, f in ways.items():
+    if f is None:
+      fn, a = jax.jit(lambda x, w: x @ w), (x, w32)
+    else:
+      fn, a = jax.jit(f), (x, w, w_t)
+    compiled = fn.lower(*a).compile()
+    y = np.asarray(fn(*a), np.float64).reshape(want.shape)
+    fns[name] = (fn, a)
+    out[name] = {
+      "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+      "of_bound_vs_times_wide": float(np.max(np.abs(y - want) / bound)),
+      "of_bound_vs_float64": float(np.max(np.abs(y - x64 @ w64) / bound)),
+    }
+    jax.block_until_ready(fn(*a))
+  a = jnp.ones((GIB // 4,), f32)
+  total = jax.jit(jnp.sum)
+  total(a).block_until_ready()
+  times: dict = {name: [] for name in fns}
+  sums = []
+  for r in range(args.repeats * 5):
+    t0 = time.perf_counter()
+    total(a).block_until_ready()
+    sums.append(time.perf_counter() - t0)
+    for name in list(fns) if r % 2 else list(fns)[::-1]:
+      fn, a_ = fns[name]
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*a_))
+      times[name].append(time.perf_counter() - t0)
+  gb_s = GIB / float(np.median(sums)) / 1e9
+  for name in fns:
+    t = float(np.median(times[name]))
+    out[name].update({"s": t, "min_s": min(times[name]), "of_floor": w.nbytes / t / 1e9 / gb_s})
+  return {"bandwidth_gb_s": gb_s, "load": os.getloadavg()[0], "bytes": w.nbytes, "ways": out}
+
+
 # The sweep's metric: the last position's logit of token 1 minus token 2 (module level, so the
 # sweep's program is not recompiled for a new closure).
 def _metric(logits):
@@ -616,7 +710,7 @@ def parse_args(argv=None):
   p.add_argument("--keep", action="store_true", help="keep the checkpoints")
   p.add_argument("--out", default=str(DEFAULT_OUT))
   # a child's arguments
-  p.add_argument("--child", choices=("jax", "torch"), default=None)
+  p.add_argument("--child", choices=("jax", "torch", "products"), default=None)
   p.add_argument("--path", default=None)
   p.add_argument("--work", default=None)
   p.add_argument("--dtype", default="float32")
@@ -655,7 +749,8 @@ def main(argv=None) -> dict:
   if args.child:
     args.parts = args.parts.split(",")
     args.threads = args.threads_one or (os.cpu_count() or 1)
-    result = (child_jax if args.child == "jax" else child_torch)(args)
+    child = {"jax": child_jax, "torch": child_torch, "products": child_products}[args.child]
+    result = child(args)
     print(json.dumps(result, default=float))
     return result
   root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="jaxlens_big_"))
@@ -667,6 +762,13 @@ def main(argv=None) -> dict:
   results: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "models": {}}
   if DEFAULT_OUT.exists() and args.out == str(DEFAULT_OUT):
     results["models"] = json.loads(DEFAULT_OUT.read_text()).get("models", {})
+  if "products" in parts:
+    # one matrix, no checkpoint: the ways of multiplying a bfloat16 kernel, for one token
+    results["products"] = _run_child(["products", "--repeats", str(args.repeats)], 1.5, 1800)
+    print(json.dumps(results["products"], indent=1, default=float), flush=True)
+    parts.remove("products")
+    if not parts:
+      models = []
   try:
     for m in models:
       cfg = dict(CONFIGS[m])
