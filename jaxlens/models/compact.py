@@ -165,9 +165,9 @@ def times_transpose(m, x, dtype):
 # to stay in the CPU's cache between its widening and its product.
 WIDEN_BYTES = 2**22
 # The same for a product of at most FEW_ROWS rows (a decoding step), where the widening and the
-# loop's own cost per chunk, not the product, take the time: on the 2-core machine of
-# docs/performance.md, 2 MiB chunks decoded faster than 1 MiB and 4 MiB ones in every comparison
-# made (a 2048 x 8192 matrix, the 1B shape's decoding step).
+# loop's own cost per chunk, not the product, take the time: on the shared 2-core machine of
+# docs/performance.md ("bfloat16 products"), 2 MiB chunks gave the faster one-token product of a
+# 2048 x 8192 matrix and decoding step of the 1B shape in most comparisons made.
 WIDEN_BYTES_FEW = 2**21
 FEW_ROWS = 8
 
