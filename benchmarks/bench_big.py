@@ -15,6 +15,8 @@ fresh process so that its peak resident memory (``VmHWM``) is its own:
   process; target >= 0.8 of the floor), beside transformers' ``generate``;
 * ``products`` (no checkpoint): one token times one bfloat16 ``2048 x 8192`` kernel, each way
   XLA:CPU might compute it (:func:`child_products`), against a jitted sum's bandwidth;
+* ``graph``: ``jaxlens.circuits.attribute`` through random transcoders on four layers
+  (:func:`_graph`): time and peak RSS;
 * ``sweep``: ``jl.sweep.patching_sweep`` over every layer's residual stream x every position
   of a 16-token prompt (1B shape only): time and peak RSS, beside the same grid of eager torch
   forward hooks.
@@ -426,7 +428,58 @@ def child_jax(args) -> dict:
       "peak_over_weights": (_status("VmHWM:") - base) / weights,
     }
     print("sweep", out["sweep"], file=sys.stderr, flush=True)
+  if "graph" in args.parts:
+    out["graph"] = _graph(model, variables, cfg, args, base, weights)
+    print("graph", out["graph"], file=sys.stderr, flush=True)
   return out
+
+
+def _graph(model, variables, cfg, args, base, weights) -> dict:
+  """An attribution graph (``jaxlens.circuits.attribute``) of a ``--sweep-seq``-token prompt
+  through random transcoders on four layers (first, a third, two thirds, last; ``--features``
+  each, ``None`` elsewhere), each feature's encoder bias set so that about 1% of the prompt's
+  positions activate it, under a budget of ``--graph-nodes`` feature nodes: time, CPU time
+  and peak RSS of the one call (its compilation included)."""
+  import jax
+  import jax.numpy as jnp
+
+  import jaxlens as jl
+  from jaxlens import circuits, sae
+
+  n, d = cfg["num_hidden_layers"], cfg["hidden_size"]
+  layers = sorted({0, n // 3, 2 * n // 3, n - 1})
+  tokens = jnp.asarray(_tokens(cfg["vocab_size"], args.sweep_seq, seed=3))
+  dtype = jax.tree.leaves(variables)[0].dtype
+  inputs = jl.trace(
+    model, variables, tokens, save=jl.module("blocks_*/ln_2"), keep_inputs=False
+  ).values
+  transcoders: list = [None] * n
+  for i in layers:
+    t = sae.Transcoder.init(jax.random.key(i), d_in=d, d_sae=args.features, dtype=dtype)
+    x = inputs[f"blocks_{i}/ln_2"].reshape(-1, d).astype(jnp.float32)
+    pre = x @ t.W_enc.astype(jnp.float32)
+    cut = jnp.quantile(pre, 0.99, axis=0)  # each feature fires at ~1% of the positions
+    transcoders[i] = t.replace(b_enc=(-cut).astype(dtype), W_dec=t.W_dec * 30.0)
+  del inputs
+  _reset_peak()
+  t0, c0 = time.perf_counter(), time.process_time()
+  graph = circuits.attribute(
+    model, variables, tokens, transcoders, max_feature_nodes=args.graph_nodes, batch_size=64
+  )
+  seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+  peak = _status("VmHWM:") - base
+  return {
+    "layers": layers,
+    "features_per_layer": args.features,
+    "seq": args.sweep_seq,
+    "active_features": int(len(graph.active_features)),
+    "feature_nodes_budget": args.graph_nodes,
+    "adjacency_shape": list(graph.adjacency.shape),
+    "s": seconds,
+    "cpu_s": cpu,
+    "peak_bytes": peak,
+    "peak_over_weights": peak / weights,
+  }
 
 
 def child_products(args) -> dict:
@@ -706,6 +759,8 @@ def parse_args(argv=None):
   p.add_argument("--new", type=int, default=16, help="new tokens of the decoding")
   p.add_argument("--sweep-seq", type=int, default=16, help="positions of the sweep")
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--features", type=int, default=4096, help="features of each graph transcoder")
+  p.add_argument("--graph-nodes", dest="graph_nodes", type=int, default=128)
   p.add_argument("--dir", default=None, help="where to write the checkpoints (a temp dir)")
   p.add_argument("--keep", action="store_true", help="keep the checkpoints")
   p.add_argument("--out", default=str(DEFAULT_OUT))
@@ -741,6 +796,10 @@ def _child_argv(args, side, path, dtype, parts, threads=0) -> list[str]:
     str(threads),
     "--widen-bytes",
     str(args.widen_bytes),
+    "--features",
+    str(args.features),
+    "--graph-nodes",
+    str(args.graph_nodes),
   ]
 
 
