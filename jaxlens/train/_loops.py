@@ -93,6 +93,17 @@ def _check_mesh(mesh, axis):
     )
 
 
+def _auto_axes(mesh):
+  """``mesh`` with Auto axes: XLA partitions the step from the batch's sharding. Under an
+  Explicit mesh (``jax.make_mesh``'s default) the batch's sharding is part of its type, and
+  an embedding lookup (a gather of a replicated table by sharded token ids) has no sharding
+  rule: a raw ``ShardingTypeError`` on every model with ``nn.Embed``."""
+  if mesh is None:
+    return None
+  auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+  return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+
+
 def _check_rows(tree, mesh, axis, index):
   """Each array of batch ``index`` splits evenly over the mesh's ``axis``."""
   if mesh is None:
@@ -355,6 +366,7 @@ def _loop(
     return new, state, value, _all_finite((value, grads)), _all_finite(data)
 
   _check_mesh(mesh, data_axis)
+  mesh = _auto_axes(mesh)
   _check_rows(_batch_at(batches, 0), mesh, data_axis, 0)
   first = _shard(_batch_at(batches, 0), mesh, data_axis)
   depends = _check_depends(

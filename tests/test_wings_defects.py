@@ -1,0 +1,74 @@
+"""Defects of the newer wings (training, dictionaries, store, checkpoints, loaders) on plausible
+but unusual inputs: each is a typed jaxlens error with its code, or a correct result."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxlens import train as jt
+
+SITE = "layers_1"
+
+
+@pytest.fixture(scope="module")
+def embedded():
+  """A float64 model with an ``nn.Embed`` lookup (tokens -> logits over 16 classes) and a mesh
+  of 2 devices with Explicit axes (``jax.make_mesh``'s default)."""
+  model = nn.Sequential(
+    [
+      nn.Embed(16, 8, param_dtype=jnp.float64),
+      nn.Dense(8, param_dtype=jnp.float64),
+      jnp.tanh,
+      nn.Dense(16, param_dtype=jnp.float64),
+    ]
+  )
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  rng = np.random.default_rng(0)
+
+  def tokens(*shape):
+    return rng.integers(0, 16, shape).astype(np.int32)
+
+  batches = [{"base": tokens(4, 4), "source": tokens(4, 4), "label": tokens(4)} for _ in range(2)]
+  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+  return model, variables, batches, mesh
+
+
+def _f64(tree):
+  return jax.tree.map(
+    lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
+  )
+
+
+def test_training_loops_on_a_mesh_with_embeddings(embedded):
+  """Data parallel over a mesh trains a model with an embedding lookup (it raised a raw
+  ShardingTypeError under jax.make_mesh's Explicit axes) with the losses of one device:
+  train_iit with and without the prefix cache, train_multi (the same loss as train_iit for
+  one placement) and train_reft (cached)."""
+  model, variables, batches, mesh = embedded
+  das = jt.DAS(dim=2)
+  params = _f64(das.init(jax.random.key(1), 8))
+  kw = dict(steps=2, progress=False, optimizer=optax.adam(0.1))
+  alone = jt.train_iit(model, variables, SITE, das, params, batches, **kw)
+  assert alone.losses[1] != alone.losses[0]  # the second step ran on trained parameters
+  for cache_prefix in (False, True):
+    split = jt.train_iit(
+      model, variables, SITE, das, params, batches, mesh=mesh, cache_prefix=cache_prefix, **kw
+    )
+    np.testing.assert_allclose(split.losses, alone.losses, rtol=0, atol=1e-10)
+  multi = jt.train_multi(
+    model, variables, [jt.At(SITE, das)], {"main": params}, batches, mesh=mesh, **kw
+  )
+  np.testing.assert_allclose(multi.losses, alone.losses, rtol=0, atol=1e-10)
+
+  reft = jt.LoReFT(rank=2)
+  params = _f64(reft.init(jax.random.key(2), 8))
+  pairs = [([1, 2, 3], [4]), ([5, 6, 7], [8]), ([9, 1, 2], [3]), ([4, 5, 6], [7])]
+  kw = dict(kw, batch_size=2)
+  alone = jt.train_reft(model, variables, SITE, reft, params, pairs, **kw)
+  split = jt.train_reft(
+    model, variables, SITE, reft, params, pairs, mesh=mesh, cache_prefix=True, **kw
+  )
+  np.testing.assert_allclose(split.losses, alone.losses, rtol=0, atol=1e-10)
