@@ -492,8 +492,11 @@ def _rows(
     toks, rec, const, tok = toks[:length], _prefix(rec, length), const[:, :length], tok[:length]
     writes, errors = writes[:, :length], errors[:, :length]
   run = frozen_forward(model, variables, toks[None], rec, rep.skip, const)
-  if upto < n_layers:
-    _, vjp = jax.vjp(lambda t, w: run(t, w)[0][: upto + 1], tok, writes)
+  # The writes as one input per layer that reaches the targets: each layer's cotangent is then
+  # its own array (a stacked input's VJP pads every layer's into the full stack and adds them).
+  writes = tuple(writes[i] for i in range(min(upto, n_layers)))
+  if upto < n_layers:  # the forward's output stops at layer upto's MLP input
+    _, vjp = jax.vjp(lambda t, w: run(t, w, upto=upto), tok, writes)
 
     def one(li, pi, vi, vf):
       return vjp(jnp.zeros((upto + 1, length, d_in), dtype).at[li, pi].set(vi))
@@ -508,7 +511,8 @@ def _rows(
 
   g_tok, g_w = jax.vmap(one)(li, pi, v_in, v_final)
   batch, width = li.shape[0], padded.shape[1]
-  g_w = g_w[:, :upto]  # (batch, upto, length, d): the sources that reach the targets
+  # (batch, upto, length, d): the sources that reach the targets
+  g_w = jnp.stack(g_w, axis=1) if g_w else jnp.zeros((li.shape[0], 0, length, d), dtype)
 
   def place(x, trailing=()):
     # (batch, upto, length, *trailing) into (batch, n_layers, seq, *trailing), zeros around

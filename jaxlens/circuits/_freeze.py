@@ -178,10 +178,14 @@ def frozen_forward(model, variables, tokens, rec: Recording, skip, const):
   mlp_in[l]) + const[l]``. Every norm runs with its recorded scale and every attention
   pattern is the recorded one, so both outputs (each layer's MLP input ``(L, seq, d_in)`` and
   the final norm's output ``(seq, d)``) are affine in ``(tok, writes)``. Batch 1.
+
+  ``run(tok, writes, upto=l)`` returns only the MLP inputs of layers ``0 .. l`` ``(l + 1,
+  seq, d_in)``: nothing after them is an output, so a VJP of it (under ``jit``) runs no
+  backward through the later layers, and ``writes`` needs only layers ``0 .. l - 1``.
   """
   pos = 0 if rec.pos is None else rec.pos[0]
 
-  def run(tok, writes):
+  def run(tok, writes, upto=None):
     got: dict = {"mlp_in": {}}
 
     def intercept(next_fun, args, kwargs, context):
@@ -203,12 +207,16 @@ def frozen_forward(model, variables, tokens, rec: Recording, skip, const):
         return jnp.zeros_like(args[0], shape=rec.mlp_out[i].shape)
       if (i := _layer_of(path, "mlp_out")) is not None:
         x = got["mlp_in"][i][0]
+        if i >= len(writes):  # after the last layer asked for (``upto``): not an output
+          return jnp.zeros_like(args[0])
         out = writes[i] + skip(i, x) + const[i]
         return out[None].astype(args[0].dtype)
       return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(intercept):
       model.apply(variables, tokens)
+    if upto is not None:
+      return jnp.stack([got["mlp_in"][i][0] for i in range(upto + 1)])
     n = len(got["mlp_in"])
     return jnp.stack([got["mlp_in"][i][0] for i in range(n)]), got["final"][0]
 
