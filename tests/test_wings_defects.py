@@ -72,3 +72,35 @@ def test_training_loops_on_a_mesh_with_embeddings(embedded):
     model, variables, SITE, reft, params, pairs, mesh=mesh, cache_prefix=True, **kw
   )
   np.testing.assert_allclose(split.losses, alone.losses, rtol=0, atol=1e-10)
+
+
+GPT2_CONFIG = {
+  "model_type": "gpt2",
+  "vocab_size": 16,
+  "n_embd": 8,
+  "n_layer": 1,
+  "n_head": 2,
+  "n_positions": 8,
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, "int8", "bogus", None])
+def test_loaders_refuse_a_dtype_that_is_not_float(dtype, tmp_path):
+  """An int dtype cast every weight to it (a model of truncated weights), an unknown one
+  failed later with a raw error: refused before any file is read."""
+  from jaxlens.models import LoadError, config_from_hf, load_gguf, load_hf
+
+  with pytest.raises(LoadError, match="not a float dtype") as e:
+    config_from_hf(GPT2_CONFIG, dtype=dtype)
+  assert e.value.fields["code"] == "unsupported_dtype"
+  for load in (load_hf, load_gguf):
+    with pytest.raises(LoadError, match="not a float dtype"):
+      load(tmp_path / "absent", dtype=dtype)
+
+
+def test_loaders_refuse_float64_without_x64():
+  from jaxlens.models import LoadError, config_from_hf
+
+  assert config_from_hf(GPT2_CONFIG, dtype=jnp.float64).dtype == jnp.float64
+  with jax.enable_x64(False), pytest.raises(LoadError, match="without jax_enable_x64"):
+    config_from_hf(GPT2_CONFIG, dtype=jnp.float64)

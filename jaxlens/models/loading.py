@@ -151,8 +151,11 @@ def config_from_hf(config: Mapping[str, Any], dtype=jnp.float32):
   Raises:
     LoadError: ``unknown_architecture``; ``config_invalid`` (a field missing, or a size that
       is not a positive int, a number that is not finite, heads that do not divide), and
-      ``config_unsupported`` (a field or value jaxlens does not implement), naming the field.
+      ``config_unsupported`` (a field or value jaxlens does not implement), naming the field;
+      ``unsupported_dtype`` (a ``dtype`` that is not a float dtype, or float64 without
+      ``jax_enable_x64``).
   """
+  _check_model_dtype(dtype)
   if not isinstance(config, Mapping):
     raise LoadError(
       f"config.json holds a {type(config).__name__}, not an object",
@@ -194,6 +197,32 @@ def config_from_hf(config: Mapping[str, Any], dtype=jnp.float32):
     ) from None
   _check_config(out)
   return out
+
+
+def _check_model_dtype(dtype) -> None:
+  """``dtype`` is a float dtype the model can compute in (an int or unknown one cast every
+  weight to it: a model of truncated weights, or a raw error at the first call)."""
+  try:
+    known = None if dtype is None else np.dtype(dtype)  # numpy reads None as float64
+  except TypeError:
+    known = None
+  if known is None or not jnp.issubdtype(known, jnp.floating):
+    raise LoadError(
+      f"dtype={dtype!r} is not a float dtype: the model's weights are cast to it",
+      code="unsupported_dtype",
+      tensor=None,
+      expected=["float32", "bfloat16", "float64"],
+      received=str(dtype),
+      fix="dtype=jnp.float32 (or jnp.bfloat16, jnp.float64)",
+    )
+  if known.itemsize == 8 and not jax.config.jax_enable_x64:
+    raise LoadError(
+      "dtype=float64 without jax_enable_x64: JAX would compute the model in float32",
+      code="unsupported_dtype",
+      tensor=None,
+      received=str(dtype),
+      fix='jax.config.update("jax_enable_x64", True) before loading, or dtype=jnp.float32',
+    )
 
 
 _SIZES = (
@@ -796,8 +825,9 @@ def load_hf(path, dtype=jnp.float32) -> Pretrained:
     LoadError: ``file_not_found``, ``truncated_file`` (a damaged file or index),
       ``missing_shard`` (the index names a shard the directory lacks), ``shard_index`` (the
       index puts a tensor in a shard that does not hold it), and those of
-      :func:`params_from_hf`.
+      :func:`params_from_hf`; ``unsupported_dtype`` (as :func:`config_from_hf`).
   """
+  _check_model_dtype(dtype)
   src = _Source(path)
   if not src.has("config.json"):
     raise LoadError(
@@ -1209,6 +1239,7 @@ def load_gguf(
       channel) or ``"bfloat16"``. Llama-architecture files only; a Gemma 3 file loads float.
     sha256: for chunks, the joined file's SHA-256 to check.
   """
+  _check_model_dtype(dtype)
   if weights not in compact.WEIGHTS:
     raise LoadError(
       f"unknown weights={weights!r}",
