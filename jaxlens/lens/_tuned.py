@@ -156,11 +156,13 @@ def _batch_arrays(batch, i: int):
 def _moments(model, variables, tokens, mask):
   """One batch's token count, each layer's mean residual ``(n_layers + 1, d)``, and per layer
   ``i < n_layers`` the centred moments ``C_ii = X_i^T X_i`` and ``C_if = X_i^T X_f`` (``X``
-  the real tokens' centred residuals, ``f`` the last layer), ``(n_layers, d, d)`` each."""
+  the real tokens' centred residuals, ``f`` the last layer), ``(n_layers, d, d)`` each; in
+  float32 at least."""
   sites = check_layers(model, None)
   res = residuals(model, variables, tokens, layers=sites, attention_mask=mask)
-  res = res.reshape(res.shape[0], -1, res.shape[-1])
-  w = mask.reshape(-1).astype(res.dtype)
+  wide = jnp.float32 if jnp.dtype(res.dtype).itemsize < 4 else res.dtype  # bfloat16: float32
+  res = res.reshape(res.shape[0], -1, res.shape[-1]).astype(wide)
+  w = mask.reshape(-1).astype(wide)
   n = jnp.sum(w)
   mean = jnp.einsum("t,ltd->ld", w, res) / jnp.maximum(n, 1)
   x = (res - mean[:, None]) * w[None, :, None]
