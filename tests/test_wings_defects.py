@@ -8,6 +8,8 @@ import numpy as np
 import optax
 import pytest
 
+import jaxlens as jl
+
 from jaxlens import train as jt
 
 SITE = "layers_1"
@@ -53,6 +55,17 @@ def test_training_loops_on_a_mesh_with_embeddings(embedded):
   kw = dict(steps=2, progress=False, optimizer=optax.adam(0.1))
   alone = jt.train_iit(model, variables, SITE, das, params, batches, **kw)
   assert alone.losses[1] != alone.losses[0]  # the second step ran on trained parameters
+  # A function of the step is called once a step (it was three times), and a batch's labels
+  # may be a list (a raw TypeError in the loss).
+  calls = []
+
+  def batch_of(step):
+    calls.append(step)
+    return {**batches[step % 2], "label": batches[step % 2]["label"].tolist()}
+
+  listed = jt.train_iit(model, variables, SITE, das, params, batch_of, **kw)
+  np.testing.assert_allclose(listed.losses, alone.losses, rtol=0, atol=1e-12)
+  assert calls.count(1) == 1
   for cache_prefix in (False, True):
     split = jt.train_iit(
       model, variables, SITE, das, params, batches, mesh=mesh, cache_prefix=cache_prefix, **kw
@@ -104,3 +117,19 @@ def test_loaders_refuse_float64_without_x64():
   assert config_from_hf(GPT2_CONFIG, dtype=jnp.float64).dtype == jnp.float64
   with jax.enable_x64(False), pytest.raises(LoadError, match="without jax_enable_x64"):
     config_from_hf(GPT2_CONFIG, dtype=jnp.float64)
+
+
+def test_empty_batches_are_refused(embedded):
+  """A batch of no examples made a NaN mean loss, reported as a diverged step
+  (``loss_not_finite``); an accuracy over no examples read as 0.0."""
+  model, variables, batches, _ = embedded
+  das = jt.DAS(dim=2)
+  params = _f64(das.init(jax.random.key(1), 8))
+  empty = {k: a[:0] for k, a in batches[0].items()}
+  with pytest.raises(jl.InvalidArgumentError, match=r"batch 1: \['base'\] holds no examples") as e:
+    jt.train_iit(model, variables, SITE, das, params, [batches[0], empty], steps=2, progress=False)
+  assert e.value.fields["code"] == "invalid_argument"
+  with pytest.raises(jl.InvalidArgumentError, match="iia: the batches hold no examples"):
+    jt.iia(model, variables, SITE, das, params, [empty])
+  with pytest.raises(jl.InvalidArgumentError, match="iia_multi: the batches hold no examples"):
+    jt.iia_multi(model, variables, [jt.At(SITE, das)], {"main": params}, [])

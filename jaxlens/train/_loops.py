@@ -75,6 +75,26 @@ def _batch_at(batches, step):
   return batches[step % len(batches)]
 
 
+def _as_arrays(batch, index):
+  """``batch`` with its list and tuple entries as arrays (a label list reached the loss as a
+  pytree of scalars: a raw ``TypeError``), checked to hold one example or more (the mean
+  loss over none is NaN: it read as a diverged step)."""
+  if not isinstance(batch, dict):
+    return batch
+  batch = {k: np.asarray(a) if isinstance(a, (list, tuple)) else a for k, a in batch.items()}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    if np.ndim(leaf) and not np.shape(leaf)[0]:
+      raise InvalidArgumentError(
+        f"batch {index}: {jax.tree_util.keystr(path)} holds no examples (shape "
+        f"{np.shape(leaf)}); the loss is a mean over the batch's examples",
+        code="invalid_argument",
+        fix="drop the empty batch",
+        batch=index,
+        received=list(np.shape(leaf)),
+      )
+  return batch
+
+
 def _check_mesh(mesh, axis):
   """``mesh`` is a ``jax.sharding.Mesh`` with the axis ``axis`` (or None)."""
   if mesh is None:
@@ -367,8 +387,9 @@ def _loop(
 
   _check_mesh(mesh, data_axis)
   mesh = _auto_axes(mesh)
-  _check_rows(_batch_at(batches, 0), mesh, data_axis, 0)
-  first = _shard(_batch_at(batches, 0), mesh, data_axis)
+  first = _as_arrays(_batch_at(batches, 0), 0)
+  _check_rows(first, mesh, data_axis, 0)
+  first = _shard(first, mesh, data_axis)
   depends = _check_depends(
     lambda p, v, b, s: loss_of(p, jax.lax.stop_gradient(v) if frozen else v, b, s),
     params,
@@ -398,10 +419,12 @@ def _loop(
     bar = _progress(steps, start, progress, desc)
     for step in range(start, steps):
       index = step if callable(batches) else step % len(batches)
+      # One call of a function of the step per step (it may read a stream).
+      batch = _as_arrays(_batch_at(batches, step), index)
       if check_batch is not None:
-        check_batch(_batch_at(batches, step), index)
-      _check_rows(_batch_at(batches, step), mesh, data_axis, index)
-      batch = _shard(_batch_at(batches, step), mesh, data_axis)
+        check_batch(batch, index)
+      _check_rows(batch, mesh, data_axis, index)
+      batch = _shard(batch, mesh, data_axis)
       new_trained, new_state, value, finite, batch_finite = train_step(
         trained, variables, opt_state, batch, jnp.asarray(step)
       )
@@ -739,7 +762,17 @@ def iia(
     h, n = hits(params, variables, batch)
     right += int(h)
     total += int(n)
-  return right / max(total, 1)
+  return _accuracy(right, total, "iia")
+
+
+def _accuracy(right: int, total: int, name: str) -> float:
+  if not total:
+    raise InvalidArgumentError(
+      f"{name}: the batches hold no examples, whose accuracy is undefined (it read as 0.0)",
+      code="invalid_argument",
+      fix="batches of one example or more",
+    )
+  return right / total
 
 
 # --------------------------------------------------------------------------

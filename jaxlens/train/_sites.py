@@ -277,7 +277,7 @@ def iia_multi(model, variables, ats, params, batches, *, readout=last_position, 
     h, n = hits(params, variables, batch)
     right += int(h)
     total += int(n)
-  return right / max(total, 1)
+  return _loops._accuracy(right, total, "iia_multi")
 
 
 # --------------------------------------------------------------------------
