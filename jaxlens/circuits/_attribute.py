@@ -5,8 +5,10 @@ model (:mod:`jaxlens.circuits._freeze`)."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -537,9 +539,22 @@ def _rows_cached(model, part, transcoders, *args):
   return _rows(model, replacement(model, transcoders), part, *args)
 
 
+try:  # what jax.jit keys its traces on: the configuration, thread-local parts included
+  from jax._src.config import trace_context as _trace_context
+except ImportError:  # pragma: no cover - a jax without it: the options that matter here
+
+  def _trace_context():
+    return (
+      jax.config.jax_enable_x64,
+      jax.config.jax_numpy_dtype_promotion,
+      jax.config.jax_default_matmul_precision,
+    )
+
+
 _CPU_ROWS = 16  # rows per call and device on CPU
+_CPU_WORKERS = 2  # threads running batches on CPU, at most (and at most the cores)
 _POSITION_GROUPS = 4  # at most, for split_rows
-_GROUP_POSITIONS = 64  # at least, per group
+_GROUP_POSITIONS = 16  # at least, per group
 
 
 def _bucket(n: int, floor: int = 64) -> int:
@@ -638,7 +653,9 @@ def attribute(
     max_feature_nodes: a budget of feature nodes, chosen greedily by partial influence on the
       logits as circuit-tracer does (``None``: every active feature, exact).
     batch_size: rows per batch (the cadence of a node budget's re-ranking, as
-      circuit-tracer's); on CPU each batch runs 16 rows a device at a time.
+      circuit-tracer's); on CPU each batch runs 16 rows a device at a time, and without a
+      ``mesh`` the batches run on two threads (both cores of a two-core machine) while the
+      finished ones are written into the graph.
     zero_bos: zero the first position's activations and error (circuit-tracer does when the
       first token is a special token).
     update_interval: batches between re-rankings under a budget.
@@ -662,7 +679,7 @@ def attribute(
       (``jax.distributed``): every process then calls ``attribute`` alike, each batch's rows
       are gathered to every process, and each returns the whole graph.
     split_rows: run the feature rows by layer and by prefix of the prompt (up to 4 groups of
-      positions, one per 64 tokens), each group through a program that runs the model on
+      positions, one per 16 tokens), each group through a program that runs the model on
       the prefix that holds its targets, stops at their layer's MLP input and contracts only
       the sources of earlier layers and positions (less than half the work at 4 layers, for
       up to ``4 * n_layers`` more compiled programs); ``None``: from 1,024 active features and 128
@@ -922,34 +939,70 @@ def attribute(
     else:
       edge[st : st + len(rows), :logit_offset] = rows
 
+  # Threads for the feature rows' batches: a mesh's batches stay in one thread (a mesh over
+  # processes runs them as collectives, in the same order on every process).
+  workers = min(_CPU_WORKERS, os.cpu_count() or 1) if on_cpu else 1
+  pool = concurrent.futures.ThreadPoolExecutor(workers) if mesh is None else None
+  if pool is not None and pool.submit(_trace_context).result() != _trace_context():
+    # Under a thread-local configuration (``with jax.enable_x64():``, a dtype promotion
+    # context...) that a new thread does not inherit: the batches run in this thread.
+    pool.shutdown()
+    pool = None
+
+  def run_batch(fn, idx):
+    if pool is not None:
+      return pool.submit(fn, idx)
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result(fn(idx))
+    return done
+
   for s in range(0, n_logits, rows_per_call):
     vecs = np.asarray(logit_vecs[s : s + rows_per_call])
     store(s, logit_rows(vecs), np.arange(s, s + len(vecs)) + logit_offset)
   st = n_logits
   visited = np.zeros(n_active, bool)
   n_visited = 0
-  while n_visited < budget:
-    if exact:
-      pending = np.arange(n_active)
-    else:
-      so_far = _csr(kept, total_nodes, np_dtype) if sparse else edge[:st]
-      influence = partial_influences(so_far, logit_p, row_to_node[:st])
-      rank = np.argsort(-influence[:n_active], kind="stable")
-      size = min(update_interval * batch_size, budget - n_visited)
-      pending = rank[~visited[rank]][:size]
-    if split_rows:  # the batches of each layer and position group, in that order
-      key = active[pending, 0] * n_groups + group_of[pending]
-      pending = pending[np.argsort(key, kind="stable")]
-      groups = np.split(pending, np.flatnonzero(np.diff(np.sort(key, kind="stable"))) + 1)
-    else:
-      groups = [pending]
-    for group in groups:
-      for s in range(0, len(group), rows_per_call):
-        idx = group[s : s + rows_per_call]
-        n_visited += len(idx)
-        store(st, feature_rows(idx), idx)
-        visited[idx] = True
-        st += len(idx)
+  try:
+    while n_visited < budget:
+      if exact:
+        pending = np.arange(n_active)
+      else:
+        so_far = _csr(kept, total_nodes, np_dtype) if sparse else edge[:st]
+        influence = partial_influences(so_far, logit_p, row_to_node[:st])
+        rank = np.argsort(-influence[:n_active], kind="stable")
+        size = min(update_interval * batch_size, budget - n_visited)
+        pending = rank[~visited[rank]][:size]
+      if split_rows:  # the batches of each layer and position group, in that order
+        key = active[pending, 0] * n_groups + group_of[pending]
+        pending = pending[np.argsort(key, kind="stable")]
+        groups = np.split(pending, np.flatnonzero(np.diff(np.sort(key, kind="stable"))) + 1)
+      else:
+        groups = [pending]
+      # Batches run on `workers` threads (XLA releases the GIL while a program runs), at most
+      # `2 * workers` in flight; the main thread stores each finished batch in order, meanwhile.
+      # A group's first batch is waited for before the next is queued, so each program is
+      # traced and compiled once.
+      in_flight: collections.deque = collections.deque()
+      for group in groups:
+        for s in range(0, len(group), rows_per_call):
+          idx = group[s : s + rows_per_call]
+          n_visited += len(idx)
+          done = run_batch(feature_rows, idx)
+          if s == 0 and pool is not None:
+            done.result()
+          in_flight.append((st, idx, done))
+          st += len(idx)
+          while len(in_flight) > (0 if pool is None else 2 * workers):
+            at, rows_idx, got = in_flight.popleft()
+            store(at, got.result(), rows_idx)
+            visited[rows_idx] = True
+      while in_flight:
+        at, rows_idx, got = in_flight.popleft()
+        store(at, got.result(), rows_idx)
+        visited[rows_idx] = True
+  finally:
+    if pool is not None:
+      pool.shutdown(cancel_futures=True)
   selected = np.flatnonzero(visited)
   if sparse:
     # Rows in node order, columns renumbered to the kept features.
