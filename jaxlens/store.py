@@ -91,7 +91,8 @@ class StoreError(JaxlensError, OSError):
   Attributes:
     fields: ``{"code": ..., "path": ..., "fix": ...}``; codes: ``store_path_invalid``,
       ``store_not_empty``, ``store_mismatch``, ``store_locked``, ``disk_full``,
-      ``store_missing``, ``store_corrupt``, ``unknown_site``, ``store_not_local``.
+      ``store_missing``, ``store_corrupt``, ``unknown_site``, ``store_not_local``,
+      ``store_batch_invalid``.
   """
 
 
@@ -353,6 +354,30 @@ def _check_local(values: dict, root: Path) -> None:
     )
 
 
+def _check_batch(values: dict, meta: dict, index: int, root: Path) -> None:
+  """Batch ``index``'s site values have a rows axis and the first batch's per-row shape and
+  dtype (another one was written, then read back as a damaged shard)."""
+  for label, value in values.items():
+    want = meta["sites"][label]
+    shape, dtype = list(np.shape(value)[1:]), str(value.dtype)
+    if np.ndim(value) and shape == want["shape"] and dtype == want["dtype"]:
+      continue
+    raise StoreError(
+      f"batch {index} gives {label!r} as {tuple(np.shape(value))} {dtype}"
+      + (
+        ", with no rows axis"
+        if not np.ndim(value)
+        else f"; the first batch gave rows of {tuple(want['shape'])} {want['dtype']}"
+      ),
+      code="store_batch_invalid",
+      path=str(root),
+      site=label,
+      batch=index,
+      fix="batches of one per-row shape and dtype, each with a leading rows axis (the last "
+      "may have fewer rows)",
+    )
+
+
 class _Writer(threading.Thread):
   """Writes queued ``(index, {label: array})`` batches; remembers the first error."""
 
@@ -471,7 +496,9 @@ def collect(
 
   Raises:
     StoreError: ``store_path_invalid``, ``store_not_empty``, ``store_mismatch``,
-      ``store_locked`` (another collection is writing into ``path``), ``disk_full``.
+      ``store_locked`` (another collection is writing into ``path``), ``disk_full``,
+      ``store_batch_invalid`` (a batch whose site values have no rows axis, or another
+      per-row shape or dtype than the first batch's; the batches before it are kept).
   """
   root = _as_path(path)
   selectors = _selectors(sites)
@@ -511,6 +538,7 @@ def collect(
     "version": _VERSION,
     "sites": {k: {"shape": list(s.shape[1:]), "dtype": str(s.dtype)} for k, s in shapes.items()},
   }
+  _check_batch(shapes, meta, 0, root)  # a rows axis (a scalar site has none)
   present, lock = _prepare(root, meta, overwrite)
   with lock:  # held until the store is complete or the collection fails
     total = _complete_count(root)
@@ -558,6 +586,7 @@ def collect(
         if index not in present:
           values = run(variables, *as_args(batch))
           _check_local(values, root)
+          _check_batch(values, meta, index, root)
           writer.put((index, values))
         index += 1
     finally:

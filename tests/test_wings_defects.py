@@ -133,3 +133,23 @@ def test_empty_batches_are_refused(embedded):
     jt.iia(model, variables, SITE, das, params, [empty])
   with pytest.raises(jl.InvalidArgumentError, match="iia_multi: the batches hold no examples"):
     jt.iia_multi(model, variables, [jt.At(SITE, das)], {"main": params}, [])
+
+
+def test_store_refuses_a_batch_of_another_row_shape(tmp_path):
+  """A batch whose site gives another per-row shape was written, then refused as a damaged
+  shard (``store_corrupt``: "delete that shard"); it is refused before it is written, and a
+  collection with the right batches resumes after the first."""
+  from jaxlens import store
+
+  model = nn.Sequential([nn.Dense(5)])
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 3), jnp.float32))
+  good = [np.full((4, 3), i, np.float32) for i in range(2)]
+  with pytest.raises(store.StoreError, match=r"batch 1 gives 'layers_0' as \(4, 2, 5\)") as e:
+    store.collect(
+      model, variables, [good[0], np.zeros((4, 2, 3), np.float32)], tmp_path / "s",
+      sites=["layers_0"], progress=False,
+    )  # fmt: skip
+  assert e.value.fields["code"] == "store_batch_invalid"
+  s = store.collect(model, variables, good, tmp_path / "s", sites=["layers_0"], progress=False)
+  assert s.complete and s.num_batches == 2
+  np.testing.assert_array_equal(s.array("layers_0")[4:], model.apply(variables, good[1]))
