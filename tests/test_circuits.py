@@ -979,3 +979,30 @@ def test_rows_split_by_layer_and_prefix_give_the_same_graph(monkeypatch):
   )
   scale = np.abs(graph.adjacency).max()
   np.testing.assert_allclose(split.adjacency, graph.adjacency, rtol=0, atol=1e-13 * scale)
+
+
+def test_row_batches_run_on_threads_unless_the_configuration_is_thread_local(gpt2, monkeypatch):
+  # the rows' batches run on worker threads; under a thread-local jax configuration
+  # (which a new thread would not inherit) they run in the calling thread; the graph is the
+  # same either way
+  import threading
+
+  _, model, variables, tcs, graph, lr = gpt2
+  threads = []
+  rows = circuits._attribute._rows_cached
+
+  def spy(*args, **kwargs):
+    threads.append(threading.get_ident())
+    return rows(*args, **kwargs)
+
+  monkeypatch.setattr(circuits._attribute, "_rows_cached", spy)
+  kw = dict(batch_size=32, local=lr)  # the fixture's programs: 16 rows a call
+  threaded = circuits.attribute(model, variables, TOKENS, tcs, **kw)
+  assert set(threads) - {threading.get_ident()}
+  threads.clear()
+  with jax.numpy_dtype_promotion("standard"):
+    alone = circuits.attribute(model, variables, TOKENS, tcs, **kw)
+  assert set(threads) == {threading.get_ident()}
+  scale = np.abs(graph.adjacency).max()
+  for g in (threaded, alone):
+    np.testing.assert_allclose(g.adjacency, graph.adjacency, rtol=0, atol=1e-13 * scale)
