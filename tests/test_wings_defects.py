@@ -153,3 +153,20 @@ def test_store_refuses_a_batch_of_another_row_shape(tmp_path):
   s = store.collect(model, variables, good, tmp_path / "s", sites=["layers_0"], progress=False)
   assert s.complete and s.num_batches == 2
   np.testing.assert_array_equal(s.array("layers_0")[4:], model.apply(variables, good[1]))
+
+
+def test_a_checkpoint_directory_holding_step_named_folders_is_refused(tmp_path):
+  """A user's folders named as steps (``1``, ``7``) were read as a damaged checkpoint whose
+  fix said to delete them (and orbax deletes old steps by number): refused, left as they were."""
+  from jaxlens._src.checkpoints import Checkpoints
+
+  for name in ("1", "7"):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "notes.txt").write_text("mine")
+  with pytest.raises(jl.CheckpointError, match=r"holds \['1', '7'\], which are not checkpoints"):
+    Checkpoints(tmp_path, 1)
+  assert (tmp_path / "7" / "notes.txt").read_text() == "mine"
+  with Checkpoints(tmp_path / "run", 1) as c:  # a directory of its own, beside them
+    assert c.save(1, {"w": jnp.zeros(3)}, {})
+  with Checkpoints(tmp_path / "run", 1) as c:  # its own steps are checkpoints
+    assert c.latest_step() == 1

@@ -167,6 +167,7 @@ class Checkpoints:
       os.makedirs(self.path, exist_ok=True)
     except OSError as error:
       raise self._write_error(error, "cannot be created") from error
+    self._refuse_foreign_steps()
     if jax.process_index() == 0:
       self._lock = self._acquire_lock()
       # What a run killed mid-save left, removed here and now: orbax's own cleanup runs in a
@@ -185,6 +186,32 @@ class Checkpoints:
       if isinstance(error, Exception):
         raise self._read_error(error, None) from error
       raise
+
+  def _refuse_foreign_steps(self):
+    """Refuses a directory whose step-named entries (``1``, ``7``: what orbax takes for
+    checkpoints) are not checkpoints: a user's folders. Orbax would read them as damaged
+    checkpoints (whose fix, "delete it", would delete the user's files) and, past
+    ``max_to_keep``, delete them itself."""
+    try:
+      names = os.listdir(self.path)
+    except OSError:
+      return  # (the makedirs or the lock reports an unreadable directory)
+    marks = ("_CHECKPOINT_METADATA", "state", "meta")
+    foreign = sorted(
+      (n for n in names if n.isdigit() and not any(
+        os.path.exists(os.path.join(self.path, n, m)) for m in marks
+      )),
+      key=int,
+    )  # fmt: skip
+    if foreign:
+      raise CheckpointError(
+        f"the checkpoint directory {self.path} holds {foreign[:5]}, which are not checkpoints "
+        "but are named as checkpoint steps: they would be read as damaged checkpoints, and "
+        "old steps are deleted by number",
+        code="checkpoint_path_invalid",
+        path=os.path.join(self.path, foreign[0]),
+        fix="a checkpoint directory of its own (a new or empty one, e.g. a subdirectory)",
+      )
 
   def _acquire_lock(self):
     import fcntl
