@@ -211,11 +211,27 @@ def _lock(root: Path):
   return handle
 
 
+def _is_own(entry: Path) -> bool:
+  """Whether ``entry`` is one of the files a store writes."""
+  name = entry.name
+  own = name in (_META, _DONE) or name.endswith(".tmp")
+  return entry.is_file() and (own or (name.startswith("shard_") and name.endswith(".safetensors")))
+
+
 def _prepare_locked(root: Path, meta: dict, overwrite: bool) -> set[int]:
   if overwrite and (root / _META).exists():
-    for entry in root.iterdir():
-      if entry.name != _LOCK:
-        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    entries = [e for e in root.iterdir() if e.name != _LOCK]
+    foreign = sorted(e.name for e in entries if not _is_own(e))
+    if foreign:  # (overwrite deleted every entry: the user's files beside the store too)
+      raise StoreError(
+        f"{root} holds files that are not the store's ({foreign[:5]}); overwrite=True would "
+        "delete them with the store",
+        code="store_not_empty",
+        path=str(root / foreign[0]),
+        fix="move them out of the store directory, or collect into a new directory",
+      )
+    for entry in entries:
+      entry.unlink()
   if not (root / _META).exists():
     # A process killed while creating the store leaves only its store.json.tmp: empty.
     if all(p.name in (_META + ".tmp", _LOCK) for p in root.iterdir()):

@@ -170,3 +170,23 @@ def test_a_checkpoint_directory_holding_step_named_folders_is_refused(tmp_path):
     assert c.save(1, {"w": jnp.zeros(3)}, {})
   with Checkpoints(tmp_path / "run", 1) as c:  # its own steps are checkpoints
     assert c.latest_step() == 1
+
+
+def test_store_overwrite_keeps_files_that_are_not_the_stores(tmp_path):
+  """``overwrite=True`` deleted every entry of the store's directory, a user's files too."""
+  from jaxlens import store
+
+  model = nn.Sequential([nn.Dense(5)])
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 3), jnp.float32))
+  batches = [np.ones((2, 3), np.float32)]
+  kw = dict(sites=["layers_0"], progress=False)
+  store.collect(model, variables, batches, tmp_path / "s", **kw)
+  (tmp_path / "s" / "notes.txt").write_text("mine")
+  with pytest.raises(store.StoreError, match=r"\(\['notes.txt'\]\); overwrite=True would delete"):
+    store.collect(model, variables, batches, tmp_path / "s", overwrite=True, **kw)
+  assert (tmp_path / "s" / "notes.txt").read_text() == "mine"
+  (tmp_path / "s" / "notes.txt").unlink()
+  s = store.collect(
+    model, variables, [2 * b for b in batches], tmp_path / "s", overwrite=True, **kw
+  )
+  np.testing.assert_array_equal(s.array("layers_0"), model.apply(variables, 2 * batches[0]))
