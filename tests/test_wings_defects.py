@@ -190,3 +190,41 @@ def test_store_overwrite_keeps_files_that_are_not_the_stores(tmp_path):
     model, variables, [2 * b for b in batches], tmp_path / "s", overwrite=True, **kw
   )
   np.testing.assert_array_equal(s.array("layers_0"), model.apply(variables, 2 * batches[0]))
+
+
+@pytest.mark.parametrize("fmt", ["saelens", "sparsify"])
+def test_replacing_a_dictionary_keeps_the_users_files(tmp_path, fmt):
+  """Saving over a dictionary's directory deleted every file in it (a README, plots/; SAELens's
+  writer raised a raw IsADirectoryError on a folder, after the swap); a ``.NAME.old`` left by
+  a crash between the two renames made every later save a raw ``OSError`` (ENOTEMPTY)."""
+  from jaxlens import sae
+
+  save = sae.save_saelens if fmt == "saelens" else sae.save_sparsify
+  load = sae.load_saelens if fmt == "saelens" else sae.load_sparsify
+  rng = np.random.default_rng(0)
+
+  def dictionary(scale):
+    return sae.SAE(
+      W_enc=jnp.asarray(scale * rng.normal(size=(4, 6)), jnp.float32),
+      b_enc=jnp.zeros(6, jnp.float32),
+      W_dec=jnp.asarray(rng.normal(size=(6, 4)), jnp.float32),
+      b_dec=jnp.zeros(4, jnp.float32),
+      activation="topk",
+      k=2,
+    )
+
+  path = tmp_path / "d"
+  save(dictionary(1.0), path)
+  (path / "plots").mkdir()
+  (path / "README.md").write_text("mine")
+  with pytest.raises(sae.SAEError, match=r"\(\['README.md', 'plots'\]\): replacing") as e:
+    save(dictionary(2.0), path)
+  assert e.value.fields["code"] == "sae_file_exists"
+  assert (path / "README.md").read_text() == "mine" and (path / "plots").is_dir()
+  (path / "README.md").unlink()
+  (path / "plots").rmdir()
+  (tmp_path / ".d.old").mkdir()  # what a crash between the renames left
+  (tmp_path / ".d.old" / "x").write_text("x")
+  new = dictionary(3.0)
+  save(new, path)
+  np.testing.assert_array_equal(load(path).W_enc, new.W_enc)

@@ -62,7 +62,9 @@ def write_directory(root: Path, files: dict[str, bytes]) -> Path:
       (tmp / name).parent.mkdir(parents=True, exist_ok=True)
       (tmp / name).write_bytes(data)
     if root.exists():
-      old = root.with_name(f".{root.name}.old")
+      # A name of its own (an empty directory, which rename replaces): a fixed one, left by a
+      # crash between the two renames, made every later write fail (ENOTEMPTY).
+      old = Path(tempfile.mkdtemp(prefix=f".{root.name}.old.", dir=root.parent))
       os.replace(root, old)
       os.replace(tmp, root)
       shutil.rmtree(old)

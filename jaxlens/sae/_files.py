@@ -11,9 +11,7 @@ with the same tensors (lower-case names in its later releases) and no config.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 import zipfile
 import zlib
 from pathlib import Path
@@ -23,7 +21,7 @@ import numpy as np
 
 from jaxlens.internal import json_loads, require
 from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder
-from jaxlens.internal import path_argument
+from jaxlens.internal import path_argument, write_directory
 
 __all__ = ["load_saelens", "save_saelens", "load_gemma_scope"]
 
@@ -351,13 +349,8 @@ def save_saelens(sae, path) -> Path:
   """
   arch, cfg = _config_dict(sae)
   root = Path(path)
-  if root.exists() and (not root.is_dir() or (any(root.iterdir()) and not (root / CFG).is_file())):
-    raise SAEError(
-      f"{root} exists and is not a dictionary directory: refusing to replace it",
-      code="sae_file_exists",
-      field=str(root),
-      fix="a new or empty directory",
-    )
+  # SAELens keeps a dictionary's feature sparsity beside it (stale once it is replaced).
+  _check_replaceable(root, CFG, (CFG, WEIGHTS, "sparsity.safetensors"), "dictionary")
   names = ["W_enc", "b_enc", "W_dec", "b_dec"]
   if "jumprelu" in arch:
     names.append("threshold")
@@ -368,30 +361,34 @@ def save_saelens(sae, path) -> Path:
   # SAELens names a gated SAE's gate bias b_gate (it has no b_enc).
   file_names = {"b_enc": "b_gate"} if arch == "gated" else {}
   _safetensors()
-  from safetensors.flax import save_file
+  from safetensors.flax import save
 
-  root.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
-  try:
-    save_file(
-      {file_names.get(n, n): jnp.asarray(getattr(sae, n)) for n in names}, str(tmp / WEIGHTS)
+  weights = save({file_names.get(n, n): jnp.asarray(getattr(sae, n)) for n in names})
+  return write_directory(root, {WEIGHTS: weights, CFG: json.dumps(cfg, indent=2).encode()})
+
+
+def _check_replaceable(root: Path, marker: str, own, what: str) -> None:
+  """An existing ``root`` may be replaced only if it is empty, or holds ``marker`` (a
+  directory of the same format) and nothing but the format's files (``own``: top-level
+  names); the replacement deleted everything in it, a user's README or plots too."""
+  if not root.exists():
+    return
+  if not root.is_dir() or (any(root.iterdir()) and not (root / marker).is_file()):
+    raise SAEError(
+      f"{root} exists and is not a {what}'s directory: refusing to replace it",
+      code="sae_file_exists",
+      field=str(root),
+      fix="a new or empty directory",
     )
-    (tmp / CFG).write_text(json.dumps(cfg, indent=2))
-    if root.exists():
-      old = root.with_name(f".{root.name}.old")
-      os.replace(root, old)
-      os.replace(tmp, root)
-      for f in old.iterdir():
-        f.unlink()
-      old.rmdir()
-    else:
-      os.replace(tmp, root)
-  finally:
-    if tmp.exists():
-      for f in tmp.iterdir():
-        f.unlink()
-      tmp.rmdir()
-  return root
+  others = sorted(p.name for p in root.iterdir() if p.name not in set(own))
+  if others:
+    raise SAEError(
+      f"{root} holds files that are not the {what}'s ({others[:5]}): replacing the directory "
+      "would delete them",
+      code="sae_file_exists",
+      field=str(root / others[0]),
+      fix="move them out of the directory, or save to a new one",
+    )
 
 
 @path_argument(SAEError)

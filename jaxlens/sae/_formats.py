@@ -20,7 +20,8 @@ import numpy as np
 
 from jaxlens.internal import json_loads, require
 from jaxlens.sae._dictionaries import SAE, CrossLayerTranscoder, SAEError, Transcoder
-from jaxlens.sae._files import _dtype, _read_tensors, _require_finite, _safetensors
+from jaxlens.sae._files import _check_replaceable, _dtype, _read_tensors, _require_finite
+from jaxlens.sae._files import _safetensors
 from jaxlens.internal import path_argument, write_directory
 
 __all__ = [
@@ -197,17 +198,9 @@ def _safetensors_bytes(tensors: dict, dtype) -> bytes:
 
 def _write_dir(root: Path, marker: str, files: dict, what: str) -> Path:
   """Writes ``files`` (relative path -> bytes) as the directory ``root``, whole or not at all:
-  into a temporary sibling renamed into place. An existing ``root`` is replaced only if it is
-  empty or holds ``marker`` (a directory of the same format)."""
-  if root.exists() and (
-    not root.is_dir() or (any(root.iterdir()) and not (root / marker).is_file())
-  ):
-    raise SAEError(
-      f"{root} exists and is not a {what}'s directory: refusing to replace it",
-      code="sae_file_exists",
-      field=str(root),
-      fix="a new or empty directory",
-    )
+  into a temporary sibling renamed into place. An existing ``root`` is replaced only as
+  ``_check_replaceable`` allows."""
+  _check_replaceable(root, marker, {name.split("/")[0] for name in files}, what)
   return write_directory(root, files)
 
 
