@@ -228,3 +228,30 @@ def test_replacing_a_dictionary_keeps_the_users_files(tmp_path, fmt):
   new = dictionary(3.0)
   save(new, path)
   np.testing.assert_array_equal(load(path).W_enc, new.W_enc)
+
+
+GEMMA2_CONFIG = {
+  "model_type": "gemma2", "vocab_size": 16, "hidden_size": 8, "intermediate_size": 16,
+  "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+  "max_position_embeddings": 8, "sliding_window": 4,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "field, value, name",
+  [
+    ("query_pre_attn_scalar", 0, "query_pre_attn_scalar"),  # a scale of 0 ** -0.5: inf
+    ("query_pre_attn_scalar", -4, "query_pre_attn_scalar"),  # NaN scores
+    ("attn_logit_softcapping", "50", "attn_softcap"),  # a raw TypeError at the first call
+    ("final_logit_softcapping", 0.0, "final_softcap"),  # logits / 0
+    ("rms_norm_eps", -1e-6, "norm_eps"),  # the root of a negative variance
+    ("rms_norm_eps", 10**400, "norm_eps"),  # a raw TypeError from np.isfinite
+  ],
+)
+def test_config_numbers_a_model_divides_by_are_checked(field, value, name):
+  from jaxlens.models import LoadError, config_from_hf
+
+  assert config_from_hf(GEMMA2_CONFIG).attn_softcap is None  # (the defaults load)
+  with pytest.raises(LoadError, match=rf"gives {name} = .*, which must be a finite number") as e:
+    config_from_hf({**GEMMA2_CONFIG, field: value})
+  assert e.value.fields["code"] == "config_invalid" and e.value.fields["field"] == name

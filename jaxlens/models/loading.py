@@ -250,6 +250,26 @@ def _invalid(field: str, message: str, value, fix: str) -> LoadError:
   )
 
 
+# Numbers a model divides by or takes a root of.
+_POSITIVE = ("norm_eps", "query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_base")
+
+
+def _float_field(f) -> bool:
+  """Whether the config field ``f`` is annotated ``float`` (or ``float | None``)."""
+  kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+  return kind.split(" |")[0] == "float"
+
+
+def _finite_number(value) -> bool:
+  """A real number that is finite (an int too large for a float is not)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    return False
+  try:
+    return math.isfinite(float(value))
+  except OverflowError:
+    return False
+
+
 def _check_config(config) -> None:
   """Refuses sizes that are not positive ints and numbers that are not finite (a string or a
   float from a hand-edited or damaged config.json would fail deep inside ``init``), and heads
@@ -265,9 +285,13 @@ def _check_config(config) -> None:
       if f.name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_len"):
         ok = ok and value is not None
       what = "a positive int"
-    elif isinstance(value, float) or f.name in ("rope_base", "norm_eps"):
-      ok = isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
+    elif isinstance(value, float) or f.name in ("rope_base", "norm_eps") or _float_field(f):
+      ok = _finite_number(value) or (value is None and "None" in str(f.type))
       what = "a finite number"
+      if ok and value is not None and f.name in _POSITIVE:
+        # (a zero scale or cap divides by zero, a negative epsilon takes a negative root)
+        ok = value > 0 or (f.name == "norm_eps" and value == 0)
+        what = "a finite number >= 0" if f.name == "norm_eps" else "a finite number > 0"
     else:
       continue
     if not ok:
