@@ -549,7 +549,11 @@ def collect(
       path=str(root),
       fix="an iterable that yields at least one batch",
     )
-  shapes = jax.eval_shape(run, variables, *as_args(first))
+  try:
+    shapes = jax.eval_shape(run, variables, *as_args(first))
+  except TypeError as error:
+    _refuse_model_keyword(error, apply_kwargs)
+    raise
   meta = {
     "version": _VERSION,
     "sites": {k: {"shape": list(s.shape[1:]), "dtype": str(s.dtype)} for k, s in shapes.items()},
@@ -619,6 +623,26 @@ def collect(
         raise _disk_full(root, error) from error
       raise
     return ActivationStore(root)
+
+
+def _refuse_model_keyword(error: TypeError, apply_kwargs: dict) -> None:
+  """A keyword the model refused, which :func:`collect` passed on to it (a misspelt
+  ``overwrite=`` reached the model as ``Dense.__call__() got an unexpected keyword``)."""
+  import difflib
+
+  text = str(error)
+  for name in apply_kwargs:
+    if f"unexpected keyword argument '{name}'" in text:
+      own = ("sites", "num_batches", "overwrite", "max_pending", "progress", "method")
+      close = difflib.get_close_matches(name, own, n=1)
+      raise InvalidArgumentError(
+        f"collect: the model takes no keyword {name!r} (collect passes the keywords it does "
+        f"not know to the model: {text})",
+        code="invalid_argument",
+        fix=f"{close[0]}=" if close else f"drop {name}=, or a keyword the model's call takes",
+        received=name,
+        expected=list(own),
+      ) from None
 
 
 def _chain(first, rest):

@@ -253,3 +253,18 @@ def test_config_numbers_a_model_divides_by_are_checked(field, value, name):
   with pytest.raises(LoadError, match=rf"gives {name} = .*, which must be a finite number") as e:
     config_from_hf({**GEMMA2_CONFIG, field: value})
   assert e.value.fields["code"] == "config_invalid" and e.value.fields["field"] == name
+
+
+def test_store_collect_names_a_misspelt_keyword(tmp_path):
+  """``collect`` passes the keywords it does not know to the model: ``overwite=True`` was
+  the model's raw ``TypeError`` (``Dense.__call__() got an unexpected keyword``)."""
+  from jaxlens import store
+
+  model = nn.Sequential([nn.Dense(5)])
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 3), jnp.float32))
+  with pytest.raises(jl.InvalidArgumentError, match="takes no keyword 'overwite'") as e:
+    store.collect(
+      model, variables, [np.ones((2, 3), np.float32)], tmp_path / "s", sites=["layers_0"],
+      progress=False, overwite=True,
+    )  # fmt: skip
+  assert e.value.fields["fix"] == "overwrite=" and not (tmp_path / "s").exists()
