@@ -98,10 +98,13 @@ class StoreError(JaxlensError, OSError):
 
 def _as_path(path) -> Path:
   try:
+    if not os.fspath(path):  # (Path("") is the current directory: a store in the cwd)
+      raise TypeError
     return Path(path)
   except TypeError:
     raise StoreError(
-      f"a store path must be a str or os.PathLike, got {type(path).__name__}",
+      f"a store path must be a str or os.PathLike, got {type(path).__name__}"
+      + (" '' (the current directory)" if path == "" else ""),
       code="store_path_invalid",
       path=repr(path)[:80],
       fix="path='acts/layer_3' (a directory)",

@@ -268,3 +268,20 @@ def test_store_collect_names_a_misspelt_keyword(tmp_path):
       progress=False, overwite=True,
     )  # fmt: skip
   assert e.value.fields["fix"] == "overwrite=" and not (tmp_path / "s").exists()
+
+
+def test_an_empty_path_is_not_the_current_directory(tmp_path, monkeypatch):
+  """``checkpoint=""`` trained into the current directory (``os.path.abspath("")``), and
+  ``store.collect(..., "")`` collected into it: both refused, nothing written."""
+  from jaxlens import store
+  from jaxlens._src.checkpoints import Checkpoints
+
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(jl.CheckpointError, match=r"got str '' \(the current directory\)") as e:
+    Checkpoints("", 1)
+  assert e.value.fields["code"] == "checkpoint_path_invalid"
+  model = nn.Sequential([nn.Dense(5)])
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 3), jnp.float32))
+  with pytest.raises(store.StoreError, match=r"got str '' \(the current directory\)"):
+    store.collect(model, variables, [np.ones((2, 3), np.float32)], "", sites=["layers_0"])
+  assert not any(tmp_path.iterdir())

@@ -144,11 +144,14 @@ class Checkpoints:
     self.every = check_every(every)
     self.ocp = require("orbax.checkpoint", feature=feature, extra=extra, package="orbax-checkpoint")
     try:
-      self.path = os.path.abspath(os.fspath(directory))
+      given = os.fspath(directory)
+      if not given:  # ("" is the current directory to abspath: a checkpoint in the cwd)
+        raise TypeError
+      self.path = os.path.abspath(given)
     except TypeError:
       raise CheckpointError(
         f"the checkpoint directory must be a path (a str or os.PathLike), got "
-        f"{type(directory).__name__}",
+        f"{type(directory).__name__}" + (" '' (the current directory)" if directory == "" else ""),
         code="checkpoint_path_invalid",
         path=repr(directory)[:80],
         fix="checkpoint='runs/das' (a directory; it is created)",
