@@ -285,3 +285,19 @@ def test_an_empty_path_is_not_the_current_directory(tmp_path, monkeypatch):
   with pytest.raises(store.StoreError, match=r"got str '' \(the current directory\)"):
     store.collect(model, variables, [np.ones((2, 3), np.float32)], "", sites=["layers_0"])
   assert not any(tmp_path.iterdir())
+
+
+def test_a_dictionary_writer_refused_by_the_file_system_is_typed(tmp_path):
+  """A parent that is a file (or unwritable, or a full disk) was a raw ``OSError``."""
+  from jaxlens import sae
+
+  d = sae.SAE(
+    W_enc=jnp.zeros((4, 6), jnp.float32), b_enc=jnp.zeros(6, jnp.float32),
+    W_dec=jnp.zeros((6, 4), jnp.float32), b_dec=jnp.zeros(4, jnp.float32),
+    activation="topk", k=2,
+  )  # fmt: skip
+  (tmp_path / "file").write_text("x")
+  for save in (sae.save_saelens, sae.save_sparsify):
+    with pytest.raises(sae.SAEError, match="cannot save the dictionary to .*file/d") as e:
+      save(d, tmp_path / "file" / "d")
+    assert e.value.fields["code"] == "sae_save_failed"

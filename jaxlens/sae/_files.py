@@ -344,8 +344,9 @@ def save_saelens(sae, path) -> Path:
   Raises:
     SAEError: ``sae_architecture_unsupported`` (a dictionary SAELens has no class for:
       a BatchTopK SAE, which SAELens saves as JumpReLU: ``sae.to_jumprelu(t)``),
-      ``sae_file_exists`` (``path`` is a file, or a non-empty directory without
-      ``cfg.json``).
+      ``sae_file_exists`` (``path`` is a file, a non-empty directory without
+      ``cfg.json``, or a dictionary's directory holding other files, which replacing it
+      would delete), ``sae_save_failed`` (the file system refused the write).
   """
   arch, cfg = _config_dict(sae)
   root = Path(path)
@@ -364,7 +365,21 @@ def save_saelens(sae, path) -> Path:
   from safetensors.flax import save
 
   weights = save({file_names.get(n, n): jnp.asarray(getattr(sae, n)) for n in names})
-  return write_directory(root, {WEIGHTS: weights, CFG: json.dumps(cfg, indent=2).encode()})
+  return _write_directory(root, {WEIGHTS: weights, CFG: json.dumps(cfg, indent=2).encode()})
+
+
+def _write_directory(root: Path, files: dict) -> Path:
+  """``write_directory``, its OS errors (an unwritable or missing parent, a full disk) as
+  ``sae_save_failed`` (they were raw ``OSError``s); nothing is left at ``root``."""
+  try:
+    return write_directory(root, files)
+  except OSError as error:
+    raise SAEError(
+      f"cannot save the dictionary to {root}: {type(error).__name__}: {error}",
+      code="sae_save_failed",
+      field=str(root),
+      fix="a writable directory with free space; an existing dictionary there is kept",
+    ) from None
 
 
 def _check_replaceable(root: Path, marker: str, own, what: str) -> None:

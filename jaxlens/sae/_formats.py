@@ -21,8 +21,9 @@ import numpy as np
 from jaxlens.internal import json_loads, require
 from jaxlens.sae._dictionaries import SAE, CrossLayerTranscoder, SAEError, Transcoder
 from jaxlens.sae._files import _check_replaceable, _dtype, _read_tensors, _require_finite
+from jaxlens.sae._files import _write_directory
 from jaxlens.sae._files import _safetensors
-from jaxlens.internal import path_argument, write_directory
+from jaxlens.internal import path_argument
 
 __all__ = [
   "zoo_site",
@@ -201,7 +202,7 @@ def _write_dir(root: Path, marker: str, files: dict, what: str) -> Path:
   into a temporary sibling renamed into place. An existing ``root`` is replaced only as
   ``_check_replaceable`` allows."""
   _check_replaceable(root, marker, {name.split("/")[0] for name in files}, what)
-  return write_directory(root, files)
+  return _write_directory(root, files)
 
 
 def _unsupported(writer: str, problems: list, fix: str) -> None:
