@@ -117,9 +117,10 @@ def test_loaders_refuse_float64_without_x64():
     config_from_hf(GPT2_CONFIG, dtype=jnp.float64)
 
 
-def test_empty_batches_are_refused(embedded):
+def test_empty_batches_and_an_ignored_argument_are_refused(embedded):
   """A batch of no examples made a NaN mean loss, reported as a diverged step
-  (``loss_not_finite``); an accuracy over no examples read as 0.0."""
+  (``loss_not_finite``); an accuracy over no examples read as 0.0; ``boundary_weight`` on a
+  method without a boundary was ignored."""
   model, variables, batches, _ = embedded
   das = jt.DAS(dim=2)
   params = _f64(das.init(jax.random.key(1), 8))
@@ -127,6 +128,8 @@ def test_empty_batches_are_refused(embedded):
   with pytest.raises(jl.InvalidArgumentError, match=r"batch 1: \['base'\] holds no examples") as e:
     jt.train_iit(model, variables, SITE, das, params, [batches[0], empty], steps=2, progress=False)
   assert e.value.fields["code"] == "invalid_argument"
+  with pytest.raises(jl.InvalidArgumentError, match="DAS's parameters have none"):
+    jt.train_iit(model, variables, SITE, das, params, batches, boundary_weight=1.0)  # ignored
   with pytest.raises(jl.InvalidArgumentError, match="iia: the batches hold no examples"):
     jt.iia(model, variables, SITE, das, params, [empty])
   with pytest.raises(jl.InvalidArgumentError, match="iia_multi: the batches hold no examples"):

@@ -660,6 +660,14 @@ def train_iit(
   steps_total = steps if steps is not None else (None if callable(batches) else len(batches))
   temperature_of = getattr(method, "temperature", None)
   _check_params(method, params)
+  if boundary_weight and not (isinstance(params, dict) and "boundary" in params):
+    raise InvalidArgumentError(  # (it was ignored: a loss without the term asked for)
+      f"boundary_weight={boundary_weight!r} weighs Boundless DAS's boundary; "
+      f"{type(method).__name__}'s parameters have none",
+      code="invalid_argument",
+      fix="boundary_weight=0.0, or method=BoundlessDAS()",
+      received=repr(boundary_weight),
+    )
   if cache_prefix:
     _cache.check_cacheable(frozen, batches)
     batches = _cache.iit_batches(model, variables, site, batches, method.needs_source)
