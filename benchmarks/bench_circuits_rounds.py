@@ -9,7 +9,7 @@ Usage::
 
   python benchmarks/bench_circuits_rounds.py [ROUNDS] [SEQ ...]   # default 3 rounds, 64 256
 
-Writes benchmarks/results/circuits_rounds.json and prints a table.
+Writes benchmarks/results/circuits_rounds_<seqs>.json and prints each row as JSON.
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def main(rounds: int, seqs: list[int]) -> list[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
   (HERE / "results").mkdir(exist_ok=True)
-  (HERE / "results" / "circuits_rounds.json").write_text(json.dumps(rows, indent=1))
+  (HERE / "results" / f"circuits_rounds_{'_'.join(map(str, seqs))}.json").write_text(
+    json.dumps(rows, indent=1)
+  )
   return rows
 
 
