@@ -543,6 +543,20 @@ def place_like(y, x):
   return y
 
 
+def auto_axes(mesh):
+  """``mesh`` with every axis Auto (None stays None): a tool that places a batch on a user's
+  mesh and lets XLA partition its step from the batch's sharding uses this. Under an Explicit
+  mesh (``jax.make_mesh``'s default) an array's sharding is part of its type, and operations
+  such as an embedding lookup (a gather of a replicated table by sharded token ids) or
+  ``top_k`` have no sharding rule: a raw ``ShardingTypeError``."""
+  if mesh is None:
+    return None
+  auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+  if tuple(getattr(mesh, "axis_types", ())) == auto:
+    return mesh
+  return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+
+
 def donor_value(value, x, ctx, verb, name, *, broadcast=False):
   """A value written verbatim into the site: same dtype, shape equal (or broadcast)."""
   weak = isinstance(value, (int, float, bool))

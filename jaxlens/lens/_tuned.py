@@ -23,7 +23,7 @@ import optax
 from jaxlens.lens._logit import check_layers, layer_count, residuals
 from jaxlens.lens._readout import LensError, readout
 from jaxlens.lens._torchfile import read_state_dict, write_state_dict
-from jaxlens.internal import path_argument
+from jaxlens.internal import auto_axes, path_argument
 
 __all__ = [
   "TrainResult",
@@ -431,7 +431,9 @@ def train_tuned_lens(
     if mesh is not None:
       from jax.sharding import NamedSharding, PartitionSpec
 
-      rows = NamedSharding(mesh, PartitionSpec(data_axis))
+      # Auto axes: XLA partitions the step from the batch's sharding (under an Explicit mesh,
+      # jax.make_mesh's default, the embedding lookup of sharded tokens has no sharding rule).
+      rows = NamedSharding(auto_axes(mesh), PartitionSpec(data_axis))
       tokens, mask = jax.device_put(tokens, rows), jax.device_put(mask, rows)
     lens, state, kl = _train_step(model, opt, variables, lens, state, tokens, mask)
     if not bool(jnp.all(jnp.isfinite(kl))):

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlens import core as jl
-from jaxlens.internal import Checkpoints, require, signature
+from jaxlens.internal import Checkpoints, auto_axes, require, signature
 from jaxlens.intervention import zero_ablate
 from jaxlens.sae._dictionaries import SAE, SAEError, Transcoder, batch_topk_relu
 from jaxlens.sae._splice import splice
@@ -1267,9 +1267,7 @@ def train(
       )
     # The step is partitioned by XLA from the batch's sharding (Auto axes): top_k over a
     # batch sharded in an Explicit mesh's types has no sharding rule.
-    mesh = jax.sharding.Mesh(
-      mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
-    )
+    mesh = auto_axes(mesh)
     replicated = NamedSharding(mesh, P())
     sharded = NamedSharding(mesh, P(axis))
     init_state = jax.jit(make_init(config, tx), out_shardings=replicated)

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxlens import internal
 from jaxlens.core import GradientContractError, InvalidArgumentError, depends_on, trace, when
-from jaxlens.internal import as_selector, check_every
+from jaxlens.internal import as_selector, auto_axes, check_every
 from jaxlens.intervention import at_positions, compose, replace_with
 from jaxlens.train import _cache
 from jaxlens.train._methods import frozen_leaves
@@ -111,17 +111,6 @@ def _check_mesh(mesh, axis):
       code="invalid_argument",
       fix=f"data_axis={mesh.axis_names[0]!r}",
     )
-
-
-def _auto_axes(mesh):
-  """``mesh`` with Auto axes: XLA partitions the step from the batch's sharding. Under an
-  Explicit mesh (``jax.make_mesh``'s default) the batch's sharding is part of its type, and
-  an embedding lookup (a gather of a replicated table by sharded token ids) has no sharding
-  rule: a raw ``ShardingTypeError`` on every model with ``nn.Embed``."""
-  if mesh is None:
-    return None
-  auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
-  return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
 def _check_rows(tree, mesh, axis, index):
@@ -386,7 +375,9 @@ def _loop(
     return new, state, value, _all_finite((value, grads)), _all_finite(data)
 
   _check_mesh(mesh, data_axis)
-  mesh = _auto_axes(mesh)
+  # XLA partitions the step from the batch's sharding (an Explicit mesh's types have no rule
+  # for an embedding lookup of sharded token ids).
+  mesh = auto_axes(mesh)
   first = _as_arrays(_batch_at(batches, 0), 0)
   _check_rows(first, mesh, data_axis, 0)
   first = _shard(first, mesh, data_axis)
