@@ -115,7 +115,7 @@ def estimate(graph, seq, **kw) -> int:
     n_active=n_active,
     n_features=n_active,
     n_logits=graph.n_logits,
-    batch_size=16,
+    batch_size=32,  # two batches of 16 rows run at once (two threads)
     itemsize=4,
     decoder_width=64,
     **kw,

@@ -823,6 +823,8 @@ def attribute(
   # Rows per call: the batch, at most _CPU_ROWS a device on CPU (where smaller batches keep
   # the backward's values in cache), a multiple of the devices.
   on_cpu = (jax.default_backend() if mesh is None else mesh.devices.flat[0].platform) == "cpu"
+  # Threads running the batches (without a mesh): on CPU as many as the cores, at most two.
+  workers = min(_CPU_WORKERS, os.cpu_count() or 1) if on_cpu and mesh is None else 1
   per_device = -(-batch_size // devices)
   rows_per_call = devices * (min(per_device, _CPU_ROWS) if on_cpu else per_device)
   consts = (variables, toks, rec, lr.const, tok, node_writes, errors, padded, slots)
@@ -901,7 +903,7 @@ def attribute(
       n_active=n_active,
       n_features=budget,
       n_logits=n_logits,
-      batch_size=rows_per_call,
+      batch_size=rows_per_call * workers,  # the batches that run at once
       itemsize=np_dtype.itemsize,
       decoder_width=width,
       n_dec=n_dec,
@@ -941,7 +943,6 @@ def attribute(
 
   # Threads for the feature rows' batches: a mesh's batches stay in one thread (a mesh over
   # processes runs them as collectives, in the same order on every process).
-  workers = min(_CPU_WORKERS, os.cpu_count() or 1) if on_cpu else 1
   pool = concurrent.futures.ThreadPoolExecutor(workers) if mesh is None else None
   if pool is not None and pool.submit(_trace_context).result() != _trace_context():
     # Under a thread-local configuration (``with jax.enable_x64():``, a dtype promotion
