@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlens.distributed import host_values
+from jaxlens import distributed
 from jaxlens.circuits._errors import CircuitError
 from jaxlens.circuits._freeze import Recording, frozen_forward, record
 from jaxlens.lens import readout
@@ -872,7 +872,7 @@ def attribute(
       cot = jax.device_put(cot, spread)
     out = program(part, source, *consts, cot)
     if not out.is_fully_addressable:  # a mesh over processes: every process gets every row
-      out = host_values(out)
+      out = distributed.host_values(out)
     out = np.asarray(out)[:k]
     # [features (padded to n_pad), errors, tokens] -> [features, errors, tokens]
     return np.concatenate([out[:, :n_active], out[:, n_pad:]], axis=1)
