@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlens import distributed
+from jaxlens.internal import auto_axes
 from jaxlens.circuits._errors import CircuitError
 from jaxlens.circuits._freeze import Recording, frozen_forward, record
 from jaxlens.lens import readout
@@ -851,10 +852,10 @@ def attribute(
     consts = jax.tree.map(jnp.asarray, consts)
     spread = None
   else:
-    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+    from jax.sharding import NamedSharding, PartitionSpec
 
     # Sharding propagation decides the layout (an Explicit mesh would type every scatter).
-    mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+    mesh = auto_axes(mesh)
     consts, source = jax.device_put((consts, source), NamedSharding(mesh, PartitionSpec()))
     spread = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
 
