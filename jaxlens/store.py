@@ -17,8 +17,8 @@ Guarantees:
 
 * **No partial batch is ever read back.** A shard is written to a temporary file
   and renamed into place (``os.replace``, atomic on POSIX), so a crash leaves
-  either the whole shard or no shard (and maybe a ``*.tmp`` that is ignored and
-  deleted on resume).
+  either the whole shard or no shard (and maybe a ``shard_*.safetensors.tmp`` that
+  is ignored and deleted on resume; no other file of the directory is touched).
 * **Resumable.** ``collect`` on an existing store checks that its sites, shapes
   and dtypes are the same, skips the batches already on disk (the iterator must
   yield the same batches in the same order) and appends the rest.
@@ -214,11 +214,23 @@ def _lock(root: Path):
   return handle
 
 
+def _is_shard_name(name: str) -> bool:
+  """Whether ``name`` is a shard's (``shard_NNNNNN.safetensors``)."""
+  index = name[len("shard_") : -len(".safetensors")]
+  return name.startswith("shard_") and name.endswith(".safetensors") and index.isdigit()
+
+
+def _is_own_tmp(name: str) -> bool:
+  """Whether ``name`` is a temporary file this module writes (``store.json.tmp``, or a shard's
+  ``shard_NNNNNN.safetensors.tmp``): a user's own ``*.tmp`` beside the store is not one."""
+  return name == _META + ".tmp" or (name.endswith(".safetensors.tmp") and _is_shard_name(name[:-4]))
+
+
 def _is_own(entry: Path) -> bool:
   """Whether ``entry`` is one of the files a store writes."""
   name = entry.name
-  own = name in (_META, _DONE) or name.endswith(".tmp")
-  return entry.is_file() and (own or (name.startswith("shard_") and name.endswith(".safetensors")))
+  own = name in (_META, _DONE) or _is_own_tmp(name)
+  return entry.is_file() and (own or _is_shard_name(name))
 
 
 def _prepare_locked(root: Path, meta: dict, overwrite: bool) -> set[int]:
@@ -253,7 +265,8 @@ def _prepare_locked(root: Path, meta: dict, overwrite: bool) -> set[int]:
       fix="another path, or collect(..., overwrite=True) to replace it",
     )
   for tmp in root.glob("*.tmp"):
-    tmp.unlink()
+    if _is_own_tmp(tmp.name):  # (a user's own *.tmp in the directory is left alone)
+      tmp.unlink()
   return _present(root)
 
 
@@ -397,12 +410,31 @@ def _check_batch(values: dict, meta: dict, index: int, root: Path) -> None:
     )
 
 
+def _check_finite(arrays: dict, index: int, root: Path) -> None:
+  """Refuses a batch whose site values hold NaN or infinity: stored, they would surface only
+  later (an SAE trained on the store stops at ``batch_not_finite``, a probe learns NaN)."""
+  for label, array in arrays.items():
+    if not np.issubdtype(array.dtype, np.inexact) or np.isfinite(array).all():
+      continue
+    bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+    raise StoreError(
+      f"batch {index} gives {label!r} with {bad} non-finite values (NaN or infinity) of "
+      f"{array.size}; the batches before it are stored",
+      code="store_batch_not_finite",
+      path=str(root),
+      site=label,
+      batch=index,
+      fix="find why the model overflows on this batch (its inputs, the dtype: float32 instead "
+      "of float16), or collect(..., allow_nonfinite=True) to store them as they are",
+    )
+
+
 class _Writer(threading.Thread):
   """Writes queued ``(index, {label: array})`` batches; remembers the first error."""
 
-  def __init__(self, root: Path, max_pending: int, on_written):
+  def __init__(self, root: Path, max_pending: int, on_written, allow_nonfinite: bool = False):
     super().__init__(daemon=True, name="jaxlens-store-writer")
-    self.root, self.on_written = root, on_written
+    self.root, self.on_written, self.allow_nonfinite = root, on_written, allow_nonfinite
     self.queue: queue.Queue = queue.Queue(maxsize=max_pending)
     self.error: BaseException | None = None
 
@@ -417,6 +449,8 @@ class _Writer(threading.Thread):
       try:
         arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in values.items()}
         del values, item
+        if not self.allow_nonfinite:
+          _check_finite(arrays, index, self.root)
         _save_shard(arrays, _shard(self.root, index))
         self.on_written(arrays)
       except OSError as error:
@@ -487,6 +521,7 @@ def collect(
   overwrite: bool = False,
   max_pending: int = 2,
   progress: bool = True,
+  allow_nonfinite: bool = False,
   method=None,
   **apply_kwargs,
 ) -> ActivationStore:
@@ -508,6 +543,8 @@ def collect(
     overwrite: replace an existing store at ``path`` instead of resuming it.
     max_pending: batches computed but not yet written that may wait in memory.
     progress: show a tqdm progress bar.
+    allow_nonfinite: store site values that hold NaN or infinity (refused by default:
+      ``store_batch_not_finite``).
     method, **apply_kwargs: passed to :func:`jaxlens.trace`.
 
   Returns:
@@ -517,7 +554,9 @@ def collect(
     StoreError: ``store_path_invalid``, ``store_not_empty``, ``store_mismatch``,
       ``store_locked`` (another collection is writing into ``path``), ``disk_full``,
       ``store_batch_invalid`` (a batch whose site values have no rows axis, or another
-      per-row shape or dtype than the first batch's; the batches before it are kept).
+      per-row shape or dtype than the first batch's; the batches before it are kept),
+      ``store_batch_not_finite`` (site values with NaN or infinity; the batches before it are
+      kept, so a corrected dataset resumes after them).
   """
   root = _as_path(path)
   selectors = _selectors(sites)
@@ -601,7 +640,7 @@ def collect(
       bar.update(1)
       bar.set_postfix(MB=f"{written['bytes'] / 2**20:.0f}", refresh=False)
 
-    writer = _Writer(root, max_pending, on_written)
+    writer = _Writer(root, max_pending, on_written, bool(allow_nonfinite))
     writer.start()
     index = 0
     try:
@@ -636,7 +675,15 @@ def _refuse_model_keyword(error: TypeError, apply_kwargs: dict) -> None:
   text = str(error)
   for name in apply_kwargs:
     if f"unexpected keyword argument '{name}'" in text:
-      own = ("sites", "num_batches", "overwrite", "max_pending", "progress", "method")
+      own = (
+        "sites",
+        "num_batches",
+        "overwrite",
+        "max_pending",
+        "progress",
+        "allow_nonfinite",
+        "method",
+      )
       close = difflib.get_close_matches(name, own, n=1)
       raise InvalidArgumentError(
         f"collect: the model takes no keyword {name!r} (collect passes the keywords it does "

@@ -156,6 +156,39 @@ def test_store_refuses_a_batch_of_another_row_shape(tmp_path):
   np.testing.assert_array_equal(s.array("layers_0")[4:], model.apply(variables, good[1]))
 
 
+def test_store_keeps_a_users_tmp_files_and_refuses_nan_activations(tmp_path):
+  """Resuming a store deleted every ``*.tmp`` in its directory, a user's own files too; and a
+  batch whose activations held NaN was stored (an SAE trained on it stopped much later at
+  ``batch_not_finite``). Now only the store's own temporary shards go, and a non-finite batch is
+  refused with the batches before it kept, unless ``allow_nonfinite=True``."""
+  from jaxlens import store
+
+  model = nn.Sequential([nn.Dense(5)])
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 3), jnp.float32))
+  good = [np.full((4, 3), i, np.float32) for i in range(3)]
+  bad = good[:2] + [np.full((4, 3), np.nan, np.float32)]
+  path = tmp_path / "s"
+  with pytest.raises(store.StoreError, match=r"batch 2 gives 'layers_0' with 20 non-finite") as e:
+    store.collect(model, variables, bad, path, sites=["layers_0"], progress=False)
+  assert (e.value.fields["code"], e.value.fields["site"], e.value.fields["batch"]) == (
+    "store_batch_not_finite",
+    "layers_0",
+    2,
+  )
+  notes = path / "notes.tmp"
+  notes.write_text("mine")
+  (path / "shard_000002.safetensors.tmp").write_bytes(b"half a shard")
+  s = store.collect(model, variables, good, path, sites=["layers_0"], progress=False)
+  assert s.complete and s.num_batches == 3 and notes.read_text() == "mine"
+  assert not (path / "shard_000002.safetensors.tmp").exists()
+  np.testing.assert_array_equal(s.array("layers_0")[8:], model.apply(variables, good[2]))
+  kept = store.collect(
+    model, variables, bad, tmp_path / "t", sites=["layers_0"], progress=False,
+    allow_nonfinite=True,
+  )  # fmt: skip
+  assert np.isnan(kept.array("layers_0")[8:]).all()
+
+
 def test_a_checkpoint_directory_holding_step_named_folders_is_refused(tmp_path):
   """A user's folders named as steps (``1``, ``7``) were read as a damaged checkpoint whose
   fix said to delete them (and orbax deletes old steps by number): refused, left as they were."""
