@@ -86,6 +86,28 @@ CONFIGS = {
     "tie_word_embeddings": True,
     "vocab_size": 128256,
   },
+  # Llama-3.2-1B's layout at tiny widths: a check of the benchmark's own plumbing (`--models
+  # tiny`), seconds instead of minutes
+  "tiny": {
+    "name": "Llama-3.2-1B layout, tiny",
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, **_LLAMA3_ROPE},
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 512,
+  },
   "8b": {
     "name": "Llama-3.1-8B",
     "architectures": ["LlamaForCausalLM"],
@@ -436,10 +458,16 @@ def child_jax(args) -> dict:
 
 def _graph(model, variables, cfg, args, base, weights) -> dict:
   """An attribution graph (``jaxlens.circuits.attribute``) of a ``--sweep-seq``-token prompt
-  through random transcoders on four layers (first, a third, two thirds, last; ``--features``
-  each, ``None`` elsewhere), each feature's encoder bias set so that about 1% of the prompt's
-  positions activate it, under a budget of ``--graph-nodes`` feature nodes: time, CPU time
-  and peak RSS of the one call (its compilation included)."""
+  through random transcoders of ``--features`` features, each feature's encoder bias set so
+  that about 1% of the prompt's positions activate it, under a budget of ``--graph-nodes``
+  feature nodes: time, CPU time and peak RSS of the one call (its compilation included).
+
+  ``--graph-layers four``: transcoders on four layers (first, a third, two thirds, last;
+  ``None`` elsewhere). ``--graph-layers all``: one on every layer (circuit-tracer needs one per
+  layer), the prompt's first token 0 (the stand-in tokenizer's special token) and its
+  activations zeroed as circuit-tracer does; the transcoders and the graph are then written to
+  ``--work`` for :mod:`benchmarks.bench_big_ct`, which builds the same graph in circuit-tracer.
+  """
   import jax
   import jax.numpy as jnp
 
@@ -447,8 +475,12 @@ def _graph(model, variables, cfg, args, base, weights) -> dict:
   from jaxlens import circuits, sae
 
   n, d = cfg["num_hidden_layers"], cfg["hidden_size"]
-  layers = sorted({0, n // 3, 2 * n // 3, n - 1})
-  tokens = jnp.asarray(_tokens(cfg["vocab_size"], args.sweep_seq, seed=3))
+  every = args.graph_layers == "all"
+  layers = list(range(n)) if every else sorted({0, n // 3, 2 * n // 3, n - 1})
+  toks = _tokens(cfg["vocab_size"], args.sweep_seq, seed=3)
+  if every:
+    toks[0, 0] = 0
+  tokens = jnp.asarray(toks)
   dtype = jax.tree.leaves(variables)[0].dtype
   inputs = jl.trace(
     model, variables, tokens, save=jl.module("blocks_*/ln_2"), keep_inputs=False
@@ -464,19 +496,43 @@ def _graph(model, variables, cfg, args, base, weights) -> dict:
   _reset_peak()
   t0, c0 = time.perf_counter(), time.process_time()
   graph = circuits.attribute(
-    model, variables, tokens, transcoders, max_feature_nodes=args.graph_nodes, batch_size=64
+    model,
+    variables,
+    tokens,
+    transcoders,
+    max_feature_nodes=args.graph_nodes,
+    batch_size=64,
+    zero_bos=every,
   )
   seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
   peak = _status("VmHWM:") - base
+  if every:
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    np.savez(
+      Path(args.work) / f"jax_{args.dtype}_graph.npz",
+      tokens=toks[0],
+      adjacency=f32(graph.adjacency),
+      active_features=np.asarray(graph.active_features),
+      activation_values=f32(graph.activation_values),
+      selected_features=np.asarray(graph.selected_features),
+      logit_tokens=np.asarray(graph.logit_tokens),
+      **{
+        f"tc{i}/{k}": f32(getattr(transcoders[i], k))
+        for i in layers
+        for k in ("W_enc", "b_enc", "W_dec", "b_dec")
+      },
+    )
   return {
     "layers": layers,
     "features_per_layer": args.features,
     "seq": args.sweep_seq,
+    "zero_bos": every,
     "active_features": int(len(graph.active_features)),
     "feature_nodes_budget": args.graph_nodes,
     "adjacency_shape": list(graph.adjacency.shape),
     "s": seconds,
     "cpu_s": cpu,
+    "load_average": os.getloadavg(),
     "peak_bytes": peak,
     "peak_over_weights": peak / weights,
   }
@@ -742,7 +798,7 @@ def _zoo_takes_rope_scaling(cfg: dict) -> bool:
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--models", default="1b,2b", help="comma-separated of 1b, 2b, 8b")
+  p.add_argument("--models", default="1b,2b", help="comma-separated of 1b, 2b, 8b, tiny")
   p.add_argument("--dtypes", default="float32,bfloat16")
   p.add_argument("--parts", default="load,trace,decode,sweep")
   p.add_argument("--torch", action="store_true", help="transformers' figures beside")
@@ -761,6 +817,26 @@ def parse_args(argv=None):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--features", type=int, default=4096, help="features of each graph transcoder")
   p.add_argument("--graph-nodes", dest="graph_nodes", type=int, default=128)
+  p.add_argument(
+    "--graph-layers",
+    dest="graph_layers",
+    choices=("four", "all"),
+    default="four",
+    help="transcoders on four layers, or on every layer (as circuit-tracer needs)",
+  )
+  p.add_argument(
+    "--ct",
+    action="store_true",
+    help="circuit-tracer's graph beside (float32, --graph-layers all; needs /work/venv-ct)",
+  )
+  p.add_argument("--ct-python", dest="ct_python", default="/work/venv-ct/bin/python")
+  p.add_argument(
+    "--sweep-cells",
+    dest="sweep_cells",
+    type=int,
+    default=0,
+    help="transformers' sweep: time only this many cells, spread over the grid (0: all)",
+  )
   p.add_argument("--dir", default=None, help="where to write the checkpoints (a temp dir)")
   p.add_argument("--keep", action="store_true", help="keep the checkpoints")
   p.add_argument("--out", default=str(DEFAULT_OUT))
@@ -800,6 +876,10 @@ def _child_argv(args, side, path, dtype, parts, threads=0) -> list[str]:
     str(args.features),
     "--graph-nodes",
     str(args.graph_nodes),
+    "--graph-layers",
+    args.graph_layers,
+    "--sweep-cells",
+    str(args.sweep_cells),
   ]
 
 
@@ -862,6 +942,10 @@ def main(argv=None) -> dict:
         rest = [p for p in parts if p not in ("load", "casts")]
         if rest and not args.no_jax:
           r["jax"] = _run_child(_child_argv(args, "jax", src, dtype, rest), need + 2, 3600)
+        if args.ct and "graph" in parts and dtype == "float32":
+          r["circuit_tracer"] = _run_ct(args, src, need + 2)
+          r["graph_agreement"] = _compare_graphs(args.work, dtype)
+          print("graph agreement", r["graph_agreement"], flush=True)
         if args.torch:
           # load, trace and decode at each thread count; the sweep (hundreds of forwards) at
           # the count that decoded faster
@@ -916,6 +1000,56 @@ def kept_section(page: Path) -> str | None:
     return None
   end = text.find("\n## ", start + len(SECTION))
   return text[start : end if end >= 0 else len(text)].rstrip("\n")
+
+
+def _run_ct(args, path: Path, need_gb: float) -> dict:
+  """circuit-tracer's graph of the jaxlens child's transcoders and prompt
+  (benchmarks/bench_big_ct.py, in circuit-tracer's environment)."""
+  if _available_gb() < need_gb:
+    return {"skipped": f"{_available_gb():.1f} GB available, {need_gb:.1f} GB needed"}
+  script = Path(__file__).resolve().parent / "bench_big_ct.py"
+  cmd = [args.ct_python, str(script), "--path", str(path), "--work", str(args.work)]
+  cmd += ["--nodes", str(args.graph_nodes), "--repeats", str(args.repeats)]
+  print("$", " ".join(cmd), flush=True)
+  try:
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+  except subprocess.TimeoutExpired:
+    return {"error": "timed out after 3600 s"}
+  sys.stderr.write(run.stderr[-3000:])
+  if run.returncode != 0:
+    return {"error": run.stderr[-2000:]}
+  return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _compare_graphs(work: Path, dtype: str) -> dict:
+  """jaxlens's graph against circuit-tracer's: the same active features (and their
+  activations), the same selected feature nodes and logit targets, and the adjacency's largest
+  difference relative to its largest entry (float32 rounding: about 1e-6 to 1e-4)."""
+  a_file, b_file = Path(work) / f"jax_{dtype}_graph.npz", Path(work) / f"ct_{dtype}_graph.npz"
+  if not (a_file.exists() and b_file.exists()):
+    return {"missing": [str(f) for f in (a_file, b_file) if not f.exists()]}
+  a, b = np.load(a_file), np.load(b_file)
+  out: dict = {
+    "active_features": [len(a["active_features"]), len(b["active_features"])],
+    "same_active_features": bool(np.array_equal(a["active_features"], b["active_features"])),
+    "same_selected": bool(np.array_equal(a["selected_features"], b["selected_features"])),
+    "same_logit_tokens": bool(np.array_equal(a["logit_tokens"], b["logit_tokens"])),
+    "adjacency_shapes": [list(a["adjacency"].shape), list(b["adjacency"].shape)],
+  }
+  if out["same_active_features"]:
+    va, vb = a["activation_values"].astype(np.float64), b["activation_values"].astype(np.float64)
+    out["activations_rel_max_diff"] = float(np.abs(va - vb).max() / np.abs(vb).max())
+  if a["adjacency"].shape == b["adjacency"].shape:
+    x, y = a["adjacency"].astype(np.float64), b["adjacency"].astype(np.float64)
+    scale = np.abs(y).max()
+    out["adjacency_rel_max_diff"] = float(np.abs(x - y).max() / scale)
+    # a small slice: the first 8 feature rows against every source, entry by entry
+    big = np.abs(y[:8]) > 1e-3 * scale
+    out["slice_rows_8_entries_over_1e-3"] = int(big.sum())
+    out["slice_rel_max_diff"] = float((np.abs(x[:8] - y[:8])[big] / np.abs(y[:8])[big]).max())
+  for f in (a_file, b_file):
+    f.unlink()
+  return out
 
 
 def _compare(work: Path, dtype: str, r: dict) -> None:
