@@ -337,3 +337,28 @@ def test_a_dictionary_writer_refused_by_the_file_system_is_typed(tmp_path):
     with pytest.raises(sae.SAEError, match="cannot save the dictionary to .*file/d") as e:
       save(d, tmp_path / "file" / "d")
     assert e.value.fields["code"] == "sae_save_failed"
+
+
+def test_lenses_refuse_a_model_that_is_not_a_zoo_decoder():
+  """The demo GPT has layer sites but no zoo configuration, ``resid_post`` sites or readout:
+  the lenses raised ``unknown_site`` for ``block_1/resid_post``, a raw ``AttributeError``
+  (``config``) or the model's own ``TypeError`` (``attention_mask``); each is now
+  ``lens_unsupported_model``."""
+  from jaxlens import lens
+  from jaxlens.models import init_gpt
+
+  model, variables, tokens = init_gpt(
+    0, n_layers=2, d_model=16, n_heads=2, max_len=8, vocab_size=32, batch=2
+  )
+  tokens = np.asarray(tokens)
+  calls = [
+    lambda: lens.logit_lens(model, variables, tokens),
+    lambda: lens.patchscope(model, variables, tokens, tokens),
+    lambda: lens.fit_jacobian_lens(model, variables, tokens, skip_first_positions=1),
+    lambda: lens.TunedLens.lstsq(model, variables, [tokens]),
+    lambda: lens.train_tuned_lens(model, variables, [tokens], steps=1),
+  ]
+  for call in calls:
+    with pytest.raises(lens.LensError, match="GPT has no final norm and unembedding") as e:
+      call()
+    assert e.value.fields["code"] == "lens_unsupported_model"

@@ -25,9 +25,17 @@ __all__ = [
 
 
 def layer_count(model) -> int:
-  """The model's number of blocks (``len(model.layer_sites())``)."""
+  """The model's number of blocks (``len(model.layer_sites())``).
+
+  Raises:
+    LensError: ``lens_unsupported_model`` for a model that is not a decoder of the zoo (the
+      lenses read its configuration, its ``resid_pre``/``resid_post`` sites and its final norm
+      and unembedding).
+  """
   if not hasattr(model, "layer_sites") or not hasattr(model, "block_site"):
     raise unsupported(model, "layer sites (jaxlens.protocol.LayeredModel)")
+  if getattr(model, "config", None) is None or not hasattr(model, "unembed"):
+    raise unsupported(model, "final norm and unembedding")
   return len(model.layer_sites())
 
 

@@ -60,8 +60,8 @@ class TunedLens(NamedTuple):
   @classmethod
   def for_model(cls, model, dtype=None) -> TunedLens:
     """Zero translators sized for ``model`` (a decoder of :mod:`jaxlens.models`)."""
-    cfg = model.config
-    return cls.zeros(layer_count(model), cfg.d_model, dtype or cfg.dtype)
+    n = layer_count(model)  # (refuses a model that is not a decoder of the zoo)
+    return cls.zeros(n, model.config.d_model, dtype or model.config.dtype)
 
   @classmethod
   def lstsq(cls, model, variables, batches: Iterable, *, ridge: float = 1e-3) -> TunedLens:
