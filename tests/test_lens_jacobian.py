@@ -5,6 +5,7 @@ gradient. (Agreement with TransformerLens 4.3.0 itself: benchmarks/jacobian_lens
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import jax
@@ -118,6 +119,31 @@ def test_merge_is_weighted_by_prompt_counts(gpt2, fitted):
   with pytest.raises(lens.LensError) as e:
     lens.JacobianLens.merge([a, other])
   assert e.value.fields["code"] == "lens_file_mismatch"
+
+
+def test_batches_on_threads_give_the_same_fit(gpt2, fitted):
+  from jax._src.config import trace_context
+
+  from jaxlens.lens import _jacobian
+
+  model, variables = gpt2
+  kw = dict(skip_first_positions=SKIP, dim_batch=4)
+  one = lens.fit_jacobian_lens(model, variables, PROMPTS, threads=1, **kw)
+  two = lens.fit_jacobian_lens(model, variables, PROMPTS, threads=2, **kw)
+  for layer in fitted.source_layers:  # the sums are added in the batches' order: bit for bit
+    np.testing.assert_array_equal(one.jacobians[layer], two.jacobians[layer])
+    np.testing.assert_allclose(two.jacobians[layer], fitted.jacobians[layer], atol=1e-6)
+  # the workers (not this thread) run under the caller's thread-local configuration, and the
+  # results come in order
+  main = threading.get_ident()
+  with jax.numpy_dtype_promotion("standard"), jax.enable_x64(False):
+    want = trace_context()
+    got = list(
+      _jacobian._in_order(
+        lambda i: (i, trace_context(), threading.get_ident() == main), [(i,) for i in range(7)], 2
+      )
+    )
+  assert got == [(i, want, False) for i in range(7)]
 
 
 def test_artifact_round_trip_and_refusals(gpt2, fitted, tmp_path):
@@ -287,3 +313,4 @@ def test_fit_refusals(gpt2):
   assert code(lambda: fit([np.arange(3)])) == "lens_data_invalid"  # all too short
   assert code(lambda: fit(PROMPTS, dim_batch=0)) == "invalid_argument"
   assert code(lambda: fit(PROMPTS, length_bucket=0)) == "invalid_argument"
+  assert code(lambda: fit(PROMPTS, threads=0)) == "invalid_argument"

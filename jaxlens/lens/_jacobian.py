@@ -17,8 +17,11 @@ backward passes).
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -287,6 +290,71 @@ def _prompt_sums(model, variables, tokens, lengths, *, layers, skip, dim_batch):
   return jnp.moveaxis(out, 1, 0)
 
 
+_CPU_THREADS = 2  # batches in flight on a CPU, at most (and at most the usable cores)
+
+
+def _threads(threads: int | None, n_batches: int) -> int:
+  """How many threads run the fit's batches: ``threads``, or by default on a CPU the cores this
+  process may use (at most :data:`_CPU_THREADS`), else 1; never more than the batches."""
+  if threads is None:
+    if jax.default_backend() != "cpu":
+      threads = 1
+    else:
+      cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+      threads = min(_CPU_THREADS, cores or 1)
+  return max(1, min(int(threads), n_batches))
+
+
+try:  # what jax.jit keys its traces on: the configuration, thread-local parts included
+  from jax._src.config import trace_context as _trace_context
+except ImportError:  # pragma: no cover - a jax without it: the options that matter here
+
+  def _trace_context():
+    return (jax.config.jax_enable_x64, jax.config.jax_numpy_dtype_promotion)
+
+
+def _in_order(fn, batches: Sequence[tuple], threads: int):
+  """Yields ``fn(*batch)`` for each batch, in the batches' order, computed by ``threads``
+  threads with at most ``2 * threads`` batches in flight.
+
+  A new thread does not inherit the caller's thread-local JAX configuration (``with
+  jax.enable_x64(...)``, a dtype-promotion context): each worker enters the caller's x64 and
+  promotion settings, and when the configuration a worker traces under still differs from the
+  caller's, the batches run in the calling thread. The first batch of each shape is waited for
+  before the next is queued, so each program is traced and compiled once."""
+  pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
+  x64 = bool(jax.config.jax_enable_x64)
+  promotion = jax.config.jax_numpy_dtype_promotion
+
+  def call(work, *args):
+    with jax.enable_x64(x64), jax.numpy_dtype_promotion(promotion):
+      return work(*args)
+
+  if pool is not None and pool.submit(call, _trace_context).result() != _trace_context():
+    pool.shutdown()
+    pool = None
+  in_flight: collections.deque = collections.deque()
+  seen: set = set()
+  try:
+    for batch in batches:
+      if pool is None:
+        yield fn(*batch)
+        continue
+      done = pool.submit(call, fn, *batch)
+      shape = tuple(np.shape(a) for a in batch)
+      if shape not in seen:
+        seen.add(shape)
+        done.result()
+      in_flight.append(done)
+      while len(in_flight) > 2 * threads:
+        yield in_flight.popleft().result()
+    while in_flight:
+      yield in_flight.popleft().result()
+  finally:
+    if pool is not None:
+      pool.shutdown(cancel_futures=True)
+
+
 def _prompt_list(prompts, max_seq_len: int) -> list[np.ndarray]:
   if hasattr(prompts, "ndim") and getattr(prompts, "ndim", 0) == 2:
     rows = list(np.asarray(prompts))
@@ -315,6 +383,7 @@ def fit_jacobian_lens(
   dim_batch: int = 32,
   prompt_batch: int = 1,
   length_bucket: int = 16,
+  threads: int | None = None,
   metadata: Mapping[str, Any] | None = None,
 ) -> JacobianLens:
   """Fits a Jacobian lens: per source layer, the average Jacobian of the last block's output
@@ -327,6 +396,9 @@ def fit_jacobian_lens(
   count equally. Each prompt is padded at the end to a multiple of ``length_bucket`` tokens
   (the padding takes no part in the estimate: attention is causal), so prompts of many
   lengths share a few compiled programs; ``prompt_batch`` prompts of one bucket run together.
+  On a CPU the batches run on two threads at once (one program keeps about one core busy), and
+  their sums are added in the calling thread in the batches' order, so the result does not
+  depend on ``threads``.
 
   Args:
     model: a decoder of :mod:`jaxlens.models`.
@@ -343,6 +415,8 @@ def fit_jacobian_lens(
     prompt_batch: prompts of one bucket run together.
     length_bucket: prompts are padded to a multiple of it (at most ``max_seq_len`` and the
       model's ``max_len``); 1 compiles a program per prompt length.
+    threads: batches run at once, each from its own thread (XLA releases the GIL while a
+      program runs). Default: on a CPU, the cores this process may use, at most 2; else 1.
     metadata: extra provenance kept in the lens (JSON-like values).
 
   Returns:
@@ -372,6 +446,7 @@ def fit_jacobian_lens(
     ("dim_batch", dim_batch, 1),
     ("prompt_batch", prompt_batch, 1),
     ("length_bucket", length_bucket, 1),
+    ("threads", 1 if threads is None else threads, 1),
   ):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
       raise LensError(
@@ -414,29 +489,36 @@ def fit_jacobian_lens(
       fix="longer prompts, or a smaller skip_first_positions",
     )
   d = int(model.config.d_model)
-  total = np.zeros((len(layers), d, d), np.float64)
   longest = min(max_seq_len, getattr(model.config, "max_len", None) or max_seq_len)
   by_length: dict[int, list[np.ndarray]] = {}
   for r in kept:
     n_tokens = int(r.shape[0])
     padded = max(n_tokens, min(-(-n_tokens // length_bucket) * length_bucket, longest))
     by_length.setdefault(padded, []).append(r)
+  batches = []
   for padded, group in by_length.items():
     for start in range(0, len(group), prompt_batch):
       chunk = group[start : start + prompt_batch]
       tokens = np.zeros((len(chunk), padded), np.int32)
       for row, r in zip(tokens, chunk):
         row[: r.shape[0]] = r
-      sums = _prompt_sums(
-        model,
-        variables,
-        jnp.asarray(tokens),
-        jnp.asarray([r.shape[0] for r in chunk], jnp.int32),
-        layers=tuple(layers),
-        skip=int(skip_first_positions),
-        dim_batch=int(dim_batch),
-      )
-      total += np.asarray(sums, np.float64)
+      batches.append((tokens, np.asarray([r.shape[0] for r in chunk], np.int32)))
+
+  def sums(tokens, lengths):
+    out = _prompt_sums(
+      model,
+      variables,
+      jnp.asarray(tokens),
+      jnp.asarray(lengths),
+      layers=tuple(layers),
+      skip=int(skip_first_positions),
+      dim_batch=int(dim_batch),
+    )
+    return np.asarray(out)  # waits for the program in this thread
+
+  total = np.zeros((len(layers), d, d), np.float64)
+  for part in _in_order(sums, batches, _threads(threads, len(batches))):
+    total += part.astype(np.float64)
   count = len(kept)
   info = {
     **dict(metadata or {}),
