@@ -16,6 +16,9 @@ import pytest
 from jaxlens import circuits, sae
 from jaxlens.models import GPT2, Gemma3, Gemma3Config, GPT2Config, Llama, LlamaConfig
 
+# One worker for this file and tests/test_circuits_on_disk.py, which reuses its graphs.
+pytestmark = pytest.mark.xdist_group("circuits")
+
 VOCAB, D, L, SAE_WIDTH = 31, 16, 2, 24
 F64 = jnp.float64
 TOKENS = jnp.asarray([1, 5, 7, 3, 9], jnp.int32)

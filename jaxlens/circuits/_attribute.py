@@ -554,6 +554,7 @@ except ImportError:  # pragma: no cover - a jax without it: the options that mat
 
 
 _CPU_ROWS = 16  # rows per call and device on CPU
+_FLUSH_BYTES = 256 * 2**20  # a graph on disk: rows written between flushes
 _CPU_WORKERS = 2  # threads running batches on CPU, at most (and at most the cores)
 _POSITION_GROUPS = 4  # at most, for split_rows
 _GROUP_POSITIONS = 16  # at least, per group
@@ -583,6 +584,7 @@ def memory_estimate(
   decoder_width: int = 1,
   n_dec: int = 1,
   row_top_k: int | None = None,
+  on_disk: bool = False,
 ) -> int:
   """Bytes :func:`attribute` adds at its peak, estimated from the graph's sizes: the square
   adjacency (written in place; with a node budget also the budget's dense rows, with
@@ -591,11 +593,15 @@ def memory_estimate(
   forward's values and residuals (the attention patterns dominate: ``n_layers * n_heads *
   seq**2``), and XLA's compiled programs (a constant and a term per token, fitted to measured
   peaks: within 4% of the measured increase from 16 to 256 tokens on
-  ``benchmarks/bench_circuits_vs_ct.py``'s model)."""
+  ``benchmarks/bench_circuits_vs_ct.py``'s model). ``on_disk``: the adjacency is written to a
+  file (``attribute(graph_path=...)``), so it is not counted (its pages are the page cache's,
+  which the system reclaims)."""
   n = n_active + (n_layers + 1) * seq + n_logits
   n_rows = n_features + n_logits
   if row_top_k is not None:  # the kept entries, listed then assembled (int64 coordinates)
     graph = n_rows * min(row_top_k, n) * (2 * itemsize + 28) // itemsize
+  elif on_disk:  # written to its file as the rows come
+    graph = 0
   elif n_features == n_active:  # the adjacency, written in place
     graph = (n_features + (n_layers + 1) * seq + n_logits) ** 2
   else:  # the budget's dense rows, their kept columns, and the adjacency
@@ -629,6 +635,7 @@ def attribute(
   row_threshold: float | None = None,
   mesh=None,
   split_rows: bool | None = None,
+  graph_path=None,
 ) -> Graph:
   """The attribution graph of ``tokens`` through ``transcoders`` (circuit-tracer's
   ``attribute``).
@@ -686,19 +693,49 @@ def attribute(
       the sources of earlier layers and positions (less than half the work at 4 layers, for
       up to ``4 * n_layers`` more compiled programs); ``None``: from 1,024 active features and 128
       a layer. The graph is the same.
+    graph_path: a new directory to write the graph to as its rows are computed (the format
+      :func:`save_graph` writes, built under a temporary name beside it and renamed into place
+      when whole; nothing is left on an error): the adjacency is then a read-only
+      ``numpy.memmap`` of that file, so a graph larger than memory is built, pruned and scored
+      (:func:`prune` and :func:`graph_scores` work on it in blocks of rows). Every active
+      feature (no ``max_feature_nodes``), dense rows (no ``row_top_k`` or ``row_threshold``).
 
   Returns:
-    A :class:`Graph` (its adjacency dense, or sparse with ``row_top_k`` or
-    ``row_threshold``).
+    A :class:`Graph` (its adjacency dense, a memmap with ``graph_path``, or sparse with
+    ``row_top_k`` or ``row_threshold``).
 
   Raises:
     CircuitError: ``invalid_argument`` (an empty prompt, a budget, batch size or
       ``row_top_k`` that is not a positive int, a ``row_threshold`` outside ``[0, 1]``, a
       ``mesh`` that is not a ``jax.sharding.Mesh``), ``index_out_of_range`` (a token outside the vocabulary),
       ``circuit_transcoder_mismatch``, ``circuit_unsupported_model``,
-      ``circuit_memory_budget`` (the estimate exceeds ``memory_budget``).
+      ``circuit_memory_budget`` (the estimate exceeds ``memory_budget``);
+      with ``graph_path``: ``circuit_file_exists`` (the path exists), ``circuit_graph_path``
+      (its directory is missing, or its file system has not room for the adjacency: checked
+      before the rows), ``circuit_save_failed`` (the file system refused), ``invalid_argument``
+      (with ``max_feature_nodes``, ``row_top_k`` or ``row_threshold``).
   """
   toks = _check_tokens(model, tokens)
+  if graph_path is not None:
+    from jaxlens.circuits._ondisk import check_graph_path
+
+    graph_path = check_graph_path(graph_path)
+    given = [
+      name
+      for name, value in (
+        ("max_feature_nodes", max_feature_nodes),
+        ("row_top_k", row_top_k),
+        ("row_threshold", row_threshold),
+      )
+      if value is not None
+    ]
+    if given:
+      raise CircuitError(
+        f"graph_path writes the dense graph of every active feature; {given[0]} was given",
+        code="invalid_argument",
+        received=given[0],
+        fix="graph_path=... alone (the graph on disk holds every row), or no graph_path",
+      )
   _positive_int(batch_size, "batch_size")
   _positive_int(memory_budget, "memory_budget", allow_none=True)
   _positive_int(max_n_logits, "max_n_logits")
@@ -908,6 +945,7 @@ def attribute(
       decoder_width=width,
       n_dec=n_dec,
       row_top_k=row_top_k,
+      on_disk=graph_path is not None,
     )
     if need > memory_budget:
       raise CircuitError(
@@ -923,16 +961,41 @@ def attribute(
   exact = budget == n_active
   # Where the rows go: a dense (n, n) adjacency written in place (every feature kept), the
   # dense rows of a budget (columns chosen at the end), or the kept entries of each row.
+  writer = None
   if sparse:
     kept: list = []
+  elif exact and graph_path is not None:
+    from jaxlens.circuits._ondisk import GraphWriter
+
+    writer = GraphWriter(
+      graph_path,
+      n,
+      np_dtype,
+      {
+        "input_tokens": np.asarray(toks),
+        "active_features": active,
+        "activation_values": values,
+        "selected_features": np.arange(n_active),
+        "logit_tokens": np.asarray(logit_idx),
+        "logit_probabilities": np.asarray(logit_p, np_dtype),
+      },
+      n_layers,
+    )
+    full = writer.adjacency
   elif exact:
     full = np.zeros((n, n), np_dtype)
   else:
     edge = np.zeros((budget + n_logits, total_nodes), np_dtype)
   row_to_node = np.zeros(budget + n_logits, np.int64)
+  written = [0]  # bytes written to a graph on disk since its last flush
 
   def store(st, rows, nodes):
     row_to_node[st : st + len(rows)] = nodes
+    if writer is not None:  # bound the dirty pages: flushed every _FLUSH_BYTES
+      written[0] += rows.nbytes
+      if written[0] >= _FLUSH_BYTES:
+        full.flush()
+        written[0] = 0
     if sparse:
       kept.extend(_kept_entries(rows, row_top_k, row_threshold))
     elif exact:  # a feature's row is its node; a logit's is among the last
@@ -941,69 +1004,74 @@ def attribute(
     else:
       edge[st : st + len(rows), :logit_offset] = rows
 
-  # Threads for the feature rows' batches: a mesh's batches stay in one thread (a mesh over
-  # processes runs them as collectives, in the same order on every process).
-  pool = concurrent.futures.ThreadPoolExecutor(workers) if mesh is None else None
-  if pool is not None and pool.submit(_trace_context).result() != _trace_context():
-    # Under a thread-local configuration (``with jax.enable_x64():``, a dtype promotion
-    # context...) that a new thread does not inherit: the batches run in this thread.
-    pool.shutdown()
-    pool = None
+  try:  # a graph on disk is removed on any error
+    # Threads for the feature rows' batches: a mesh's batches stay in one thread (a mesh over
+    # processes runs them as collectives, in the same order on every process).
+    pool = concurrent.futures.ThreadPoolExecutor(workers) if mesh is None else None
+    if pool is not None and pool.submit(_trace_context).result() != _trace_context():
+      # Under a thread-local configuration (``with jax.enable_x64():``, a dtype promotion
+      # context...) that a new thread does not inherit: the batches run in this thread.
+      pool.shutdown()
+      pool = None
 
-  def run_batch(fn, idx):
-    if pool is not None:
-      return pool.submit(fn, idx)
-    done: concurrent.futures.Future = concurrent.futures.Future()
-    done.set_result(fn(idx))
-    return done
+    def run_batch(fn, idx):
+      if pool is not None:
+        return pool.submit(fn, idx)
+      done: concurrent.futures.Future = concurrent.futures.Future()
+      done.set_result(fn(idx))
+      return done
 
-  for s in range(0, n_logits, rows_per_call):
-    vecs = np.asarray(logit_vecs[s : s + rows_per_call])
-    store(s, logit_rows(vecs), np.arange(s, s + len(vecs)) + logit_offset)
-  st = n_logits
-  visited = np.zeros(n_active, bool)
-  n_visited = 0
-  try:
-    while n_visited < budget:
-      if exact:
-        pending = np.arange(n_active)
-      else:
-        so_far = _csr(kept, total_nodes, np_dtype) if sparse else edge[:st]
-        influence = partial_influences(so_far, logit_p, row_to_node[:st])
-        rank = np.argsort(-influence[:n_active], kind="stable")
-        size = min(update_interval * batch_size, budget - n_visited)
-        pending = rank[~visited[rank]][:size]
-      if split_rows:  # the batches of each layer and position group, in that order
-        key = active[pending, 0] * n_groups + group_of[pending]
-        pending = pending[np.argsort(key, kind="stable")]
-        groups = np.split(pending, np.flatnonzero(np.diff(np.sort(key, kind="stable"))) + 1)
-      else:
-        groups = [pending]
-      # Batches run on `workers` threads (XLA releases the GIL while a program runs), at most
-      # `2 * workers` in flight; the main thread stores each finished batch in order, meanwhile.
-      # A group's first batch is waited for before the next is queued, so each program is
-      # traced and compiled once.
-      in_flight: collections.deque = collections.deque()
-      for group in groups:
-        for s in range(0, len(group), rows_per_call):
-          idx = group[s : s + rows_per_call]
-          n_visited += len(idx)
-          done = run_batch(feature_rows, idx)
-          if s == 0 and pool is not None:
-            done.result()
-          in_flight.append((st, idx, done))
-          st += len(idx)
-          while len(in_flight) > (0 if pool is None else 2 * workers):
-            at, rows_idx, got = in_flight.popleft()
-            store(at, got.result(), rows_idx)
-            visited[rows_idx] = True
-      while in_flight:
-        at, rows_idx, got = in_flight.popleft()
-        store(at, got.result(), rows_idx)
-        visited[rows_idx] = True
-  finally:
-    if pool is not None:
-      pool.shutdown(cancel_futures=True)
+    for s in range(0, n_logits, rows_per_call):
+      vecs = np.asarray(logit_vecs[s : s + rows_per_call])
+      store(s, logit_rows(vecs), np.arange(s, s + len(vecs)) + logit_offset)
+    st = n_logits
+    visited = np.zeros(n_active, bool)
+    n_visited = 0
+    try:
+      while n_visited < budget:
+        if exact:
+          pending = np.arange(n_active)
+        else:
+          so_far = _csr(kept, total_nodes, np_dtype) if sparse else edge[:st]
+          influence = partial_influences(so_far, logit_p, row_to_node[:st])
+          rank = np.argsort(-influence[:n_active], kind="stable")
+          size = min(update_interval * batch_size, budget - n_visited)
+          pending = rank[~visited[rank]][:size]
+        if split_rows:  # the batches of each layer and position group, in that order
+          key = active[pending, 0] * n_groups + group_of[pending]
+          pending = pending[np.argsort(key, kind="stable")]
+          groups = np.split(pending, np.flatnonzero(np.diff(np.sort(key, kind="stable"))) + 1)
+        else:
+          groups = [pending]
+        # Batches run on `workers` threads (XLA releases the GIL while a program runs), at most
+        # `2 * workers` in flight; the main thread stores each finished batch in order, meanwhile.
+        # A group's first batch is waited for before the next is queued, so each program is
+        # traced and compiled once.
+        in_flight: collections.deque = collections.deque()
+        for group in groups:
+          for s in range(0, len(group), rows_per_call):
+            idx = group[s : s + rows_per_call]
+            n_visited += len(idx)
+            done = run_batch(feature_rows, idx)
+            if s == 0 and pool is not None:
+              done.result()
+            in_flight.append((st, idx, done))
+            st += len(idx)
+            while len(in_flight) > (0 if pool is None else 2 * workers):
+              at, rows_idx, got = in_flight.popleft()
+              store(at, got.result(), rows_idx)
+              visited[rows_idx] = True
+        while in_flight:
+          at, rows_idx, got = in_flight.popleft()
+          store(at, got.result(), rows_idx)
+          visited[rows_idx] = True
+    finally:
+      if pool is not None:
+        pool.shutdown(cancel_futures=True)
+  except BaseException:
+    if writer is not None:
+      writer.abort()
+    raise
   selected = np.flatnonzero(visited)
   if sparse:
     # Rows in node order, columns renumbered to the kept features.
@@ -1016,7 +1084,7 @@ def attribute(
     )
     adjacency = _csr(kept, n, np_dtype, rows=target, columns=columns)
   elif exact:
-    adjacency = full
+    adjacency = full if writer is None else writer.finish()
   else:
     edge = edge[:, np.concatenate([selected, np.arange(n_active, total_nodes)])]
     edge = edge[np.argsort(row_to_node, kind="stable")]

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxlens.circuits._attribute import Graph
 from jaxlens.circuits._errors import CircuitError
+from jaxlens.circuits._ondisk import open_safetensors, sha256_file
 from jaxlens.circuits._prune import entries, is_sparse, prune
 from jaxlens.sae import CrossLayerTranscoder, Transcoder
 from jaxlens.internal import path_argument, write_directory
@@ -94,8 +95,12 @@ def _corrupt(path, why) -> CircuitError:
 
 
 @path_argument(CircuitError)
-def load_graph(path) -> Graph:
-  """Reads a graph :func:`save_graph` wrote.
+def load_graph(path, *, mmap: bool = False) -> Graph:
+  """Reads a graph :func:`save_graph` (or ``attribute(..., graph_path=...)``) wrote.
+
+  ``mmap=True``: a dense adjacency is not read into memory but opened as a read-only
+  ``numpy.memmap`` of the file (the file is hashed a block at a time), so a graph larger than
+  memory opens; :func:`prune` and :func:`graph_scores` work on it in blocks of rows.
 
   Raises:
     CircuitError: ``circuit_file_missing`` (no ``graph.json`` or ``graph.safetensors``),
@@ -127,16 +132,25 @@ def load_graph(path) -> Graph:
       received=repr(meta.get("version")),
       fix="a newer jaxlens",
     )
-  data = files[1].read_bytes()
-  if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+  if mmap:
+    digest = sha256_file(files[1])
+  else:
+    data = files[1].read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+  if digest != meta.get("sha256"):
     raise _corrupt(path, "graph.safetensors does not match the SHA-256 graph.json holds")
   n_layers = meta.get("n_layers")
   if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers <= 0:
     raise _corrupt(path, f"n_layers {n_layers!r} is not a positive int")
-  try:
-    arrays = load(data)
-  except Exception as error:  # safetensors raises its own SafetensorError
-    raise _corrupt(path, f"graph.safetensors does not read ({error})") from error
+  if mmap:
+    arrays, mapped = open_safetensors(files[1], lambda why: _corrupt(path, why))
+    if mapped is not None:
+      arrays["adjacency"] = mapped
+  else:
+    try:
+      arrays = load(data)
+    except Exception as error:  # safetensors raises its own SafetensorError
+      raise _corrupt(path, f"graph.safetensors does not read ({error})") from error
   csr = ("adjacency_data", "adjacency_indices", "adjacency_indptr")
   sparse = "adjacency" not in arrays and all(name in arrays for name in csr)
   missing = [

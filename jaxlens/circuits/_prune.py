@@ -1,8 +1,16 @@
 """Influence, pruning and the graph's scores, as circuit-tracer defines them (``graph.py``),
-with the cumulative-influence thresholds found by selection instead of a full sort."""
+with the cumulative-influence thresholds found by selection instead of a full sort.
+
+A graph on disk (its adjacency a ``numpy.memmap``, as ``attribute(..., graph_path=...)`` and
+``load_graph(..., mmap=True)`` give) is worked in blocks of rows: its influence in one backward
+pass over the rows (a graph's edges go from earlier layers to later ones, so each block's
+influence is complete once the later rows are done), the edge threshold by bisection over the
+scores' bit patterns (a histogram a pass), so that no more than a block of rows and the
+kept nodes' vectors is ever in memory."""
 
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple
 
 import numpy as np
@@ -13,6 +21,7 @@ __all__ = [
   "PruneResult",
   "block",
   "entries",
+  "is_on_disk",
   "is_sparse",
   "compute_influence",
   "find_threshold",
@@ -26,6 +35,11 @@ __all__ = [
 def is_sparse(matrix) -> bool:
   """Whether ``matrix`` is a ``scipy.sparse`` matrix or array (a graph with sparse rows)."""
   return hasattr(matrix, "tocsr") and not isinstance(matrix, np.ndarray)
+
+
+def is_on_disk(matrix) -> bool:
+  """Whether ``matrix`` is a ``numpy.memmap`` (a graph on disk: worked in blocks of rows)."""
+  return isinstance(matrix, np.memmap)
 
 
 def _coordinates(csr):
@@ -171,6 +185,8 @@ def prune(graph, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> P
   """
   _check_fraction(node_threshold, "node_threshold")
   _check_fraction(edge_threshold, "edge_threshold")
+  if is_on_disk(graph.adjacency):
+    return _prune_blocked(graph, node_threshold, edge_threshold)
   if is_sparse(graph.adjacency):
     return _prune_sparse(graph, node_threshold, edge_threshold)
   a = np.asarray(graph.adjacency)
@@ -248,6 +264,8 @@ def graph_scores(graph) -> tuple[float, float]:
   """
   sl = graph.node_slices()
   weights = graph.logit_weights()
+  if is_on_disk(graph.adjacency):
+    return _graph_scores_blocked(graph, sl, weights)
   adjacency = graph.adjacency if is_sparse(graph.adjacency) else np.asarray(graph.adjacency)
   normalized = normalize_matrix(adjacency)
   influence = compute_influence(normalized, weights)
@@ -264,3 +282,190 @@ def graph_scores(graph) -> tuple[float, float]:
   out = influence + weights
   completeness = (non_error * out).sum() / out.sum()
   return float(replacement), float(completeness)
+
+
+# A graph on disk: the bytes of rows read at a time (a block of rows and its normalised copy,
+# in float64 for the products, is what the passes hold beside the node vectors).
+_BLOCK_BYTES = 32 * 2**20
+# The passes over a graph on disk, by kind (tests check which way its influence went).
+PASSES: collections.Counter = collections.Counter()
+
+
+class _Rows:
+  """The square matrix ``adjacency[nodes][:, nodes]`` (``nodes`` ascending; None: every node),
+  read a block of rows at a time: from the file, or from memory once it is small enough."""
+
+  def __init__(self, adjacency, nodes=None):
+    self.dtype = adjacency.dtype
+    self.m = adjacency.shape[0] if nodes is None else len(nodes)
+    self.step = max(1, _BLOCK_BYTES // max(1, self.m * self.dtype.itemsize))
+    self.source, self.nodes = adjacency, nodes
+    if nodes is not None and self.m <= self.step:  # the kept nodes' block fits: read it once
+      self.source, self.nodes = self.block(0, self.m), None
+
+  def block(self, lo: int, hi: int):
+    if self.nodes is None:
+      return np.array(self.source[lo:hi])
+    return np.asarray(self.source[self.nodes[lo:hi]])[:, self.nodes]
+
+  def starts(self):
+    return range(0, self.m, self.step)
+
+
+def _influence_blocked(rows: _Rows, weights, eps, on_block=None):
+  """``compute_influence(|A| / row sums, weights)`` over ``rows`` (plus the row sums), the
+  rows read a block at a time.
+
+  One backward pass when every edge into a row that has edges comes from a later row (a
+  graph's: its targets are features ordered by layer, then logits; errors and tokens have
+  no row): each block's influence is then complete once the later blocks are done, and the
+  edges within a block are a triangular solve. Otherwise (an edited graph), the power series
+  by passes, as :func:`compute_influence`. ``on_block(lo, hi, normalized)`` sees each block.
+  """
+  from scipy.linalg import solve_triangular
+
+  m = rows.m
+  sums = np.zeros(m, rows.dtype)
+  influence = np.zeros(m)
+  w = np.asarray(weights, np.float64)
+  ordered = True
+  for lo in reversed(rows.starts()):
+    hi = min(lo + rows.step, m)
+    r = np.abs(rows.block(lo, hi))
+    sums[lo:hi] = r.sum(axis=1)
+    r /= np.maximum(sums[lo:hi], eps)[:, None]
+    if on_block is not None:
+      on_block(lo, hi, r)
+    if not ordered or not sums[lo:hi].any():
+      continue
+    has_row = sums[lo:] > 0  # columns at or after the block whose node has a row
+    inner = r[:, lo:hi]
+    if np.triu(inner)[:, has_row[: hi - lo]].any() or r[:, hi:][:, has_row[hi - lo :]].any():
+      ordered = False
+      continue
+    below = np.tril(inner, -1).astype(np.float64)
+    y = solve_triangular(np.eye(hi - lo) - below.T, w[lo:hi] + influence[lo:hi], lower=False)
+    influence += y @ r
+  PASSES["backward"] += 1
+  if ordered:
+    return influence, sums
+  # The power series, a pass over the rows a term.
+  current = w
+  influence = np.zeros(m)
+  for _ in range(1000):
+    nxt = np.zeros(m)
+    for lo in rows.starts():
+      hi = min(lo + rows.step, m)
+      if current[lo:hi].any():
+        nxt += current[lo:hi] @ (np.abs(rows.block(lo, hi)) / np.maximum(sums[lo:hi], eps)[:, None])
+    PASSES["series"] += 1
+    if not nxt.any():
+      return influence, sums
+    influence += nxt
+    current = nxt
+  raise CircuitError(
+    "the influence did not converge in 1000 iterations: the adjacency has a cycle",
+    code="circuit_not_acyclic",
+    fix="an adjacency whose edges all go forward (a graph from circuits.attribute)",
+  )
+
+
+def _bits(scores):
+  """The scores' bit patterns as int64 (ordered as the scores, which are >= 0)."""
+  return scores.view(np.int32 if scores.dtype.itemsize == 4 else np.int64).astype(np.int64)
+
+
+def _edge_threshold_blocked(rows: _Rows, row_weights, threshold):
+  """:func:`find_threshold` of the scores ``|A| / row sums * row_weights[:, None]`` over
+  ``rows``, never holding them all: bisection over the scores' bit patterns, a histogram of
+  2**16 bins a pass (two passes in float32, four in float64). Returns ``(t, row sums)``."""
+  dtype = rows.dtype
+  sums = np.zeros(rows.m, dtype)
+  for lo in rows.starts():
+    hi = min(lo + rows.step, rows.m)
+    sums[lo:hi] = np.abs(rows.block(lo, hi)).sum(axis=1)
+  if threshold >= 1.0:
+    return dtype.type(0), sums
+  denominators = np.maximum(sums, 1e-10)
+  bins = 1 << 16
+  lo_bits, hi_bits = 0, int(_bits(np.asarray([np.finfo(dtype).max], dtype))[0]) + 1
+  above, need = 0.0, None
+  while hi_bits - lo_bits > 1:
+    width = -(-(hi_bits - lo_bits) // bins)
+    hist = np.zeros(bins)
+    for lo in rows.starts():
+      hi = min(lo + rows.step, rows.m)
+      scores = np.abs(rows.block(lo, hi)) / denominators[lo:hi, None] * row_weights[lo:hi, None]
+      b = _bits(scores.ravel())
+      sel = (b >= lo_bits) & (b < hi_bits)
+      hist += np.bincount((b[sel] - lo_bits) // width, scores.ravel()[sel], minlength=bins)[:bins]
+    if need is None:  # the first pass covers every score
+      need = threshold * hist.sum()
+    from_top = above + np.cumsum(hist[::-1])
+    k = int(np.searchsorted(from_top, need))  # the first bin (from the top) that reaches it
+    if k >= bins:  # rounding: the total falls short of need; keep the smallest scores
+      k = bins - 1
+    at = bins - 1 - k
+    above = from_top[k - 1] if k > 0 else above
+    lo_bits, hi_bits = lo_bits + at * width, min(lo_bits + (at + 1) * width, hi_bits)
+  t = np.asarray([lo_bits], np.int32 if dtype.itemsize == 4 else np.int64).view(dtype)[0]
+  return t, sums
+
+
+def _prune_blocked(graph, node_threshold, edge_threshold) -> PruneResult:
+  """:func:`prune` of a graph on disk, in blocks of rows: the node influence in one pass over
+  the file, then the edge influence, threshold and kept edges over the kept nodes' rows only
+  (their columns restricted to the kept nodes: the pruned matrix is zero elsewhere). The edge
+  mask is a CSR array of the kept edges."""
+  from scipy import sparse
+
+  a = graph.adjacency
+  n = a.shape[0]
+  n_logits, n_tokens, n_features = graph.n_logits, graph.n_pos, graph.n_features
+  weights = graph.logit_weights()
+  node_influence = _influence_blocked(_Rows(a), weights, 1e-10)[0].astype(a.dtype)
+  node_mask = node_influence >= find_threshold(node_influence, node_threshold)
+  node_mask[n - n_logits - n_tokens :] = True
+  kept = np.flatnonzero(node_mask)
+  rows = _Rows(a, kept)
+  edge_influence, _ = _influence_blocked(rows, weights[kept], 1e-10)
+  row_weights = (edge_influence + weights[kept]).astype(a.dtype)
+  t, sums = _edge_threshold_blocked(rows, row_weights, edge_threshold)
+  r_all, c_all = [], []
+  denominators = np.maximum(sums, 1e-10)
+  for lo in rows.starts():
+    hi = min(lo + rows.step, rows.m)
+    scores = np.abs(rows.block(lo, hi)) / denominators[lo:hi, None] * row_weights[lo:hi, None]
+    r, c = np.nonzero(scores >= t if t > 0 else scores > 0)
+    r_all.append(kept[r + lo])
+    c_all.append(kept[c])
+  r = np.concatenate(r_all) if r_all else np.zeros(0, np.int64)
+  c = np.concatenate(c_all) if c_all else np.zeros(0, np.int64)
+  keep = np.ones(len(r), bool)
+  inner = n - n_logits - n_tokens
+  while True:
+    old = node_mask.copy()
+    node_mask[:inner] &= np.bincount(c[keep], minlength=n)[:inner] > 0
+    node_mask[:n_features] &= np.bincount(r[keep], minlength=n)[:n_features] > 0
+    keep &= node_mask[r] & node_mask[c]
+    if np.array_equal(node_mask, old):
+      break
+  edge_mask = sparse.csr_array((np.ones(int(keep.sum()), bool), (r[keep], c[keep])), shape=(n, n))
+  return PruneResult(node_mask, edge_mask, _cumulative(node_influence))
+
+
+def _graph_scores_blocked(graph, sl, weights) -> tuple[float, float]:
+  """:func:`graph_scores` of a graph on disk: one pass over its rows."""
+  n = graph.adjacency.shape[0]
+  from_errors = np.zeros(n)
+
+  def errors_share(lo, hi, normalized):
+    from_errors[lo:hi] = normalized[:, sl["errors"]].sum(axis=-1)
+
+  influence, _ = _influence_blocked(_Rows(graph.adjacency), weights, 1e-10, errors_share)
+  influence = influence.astype(graph.adjacency.dtype)
+  token = influence[sl["tokens"]].sum()
+  error = influence[sl["errors"]].sum()
+  out = influence + weights
+  completeness = ((1 - from_errors) * out).sum() / out.sum()
+  return float(token / (token + error)), float(completeness)
