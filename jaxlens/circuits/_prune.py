@@ -298,10 +298,16 @@ class _Rows:
   def __init__(self, adjacency, nodes=None):
     self.dtype = adjacency.dtype
     self.m = adjacency.shape[0] if nodes is None else len(nodes)
-    self.step = max(1, _BLOCK_BYTES // max(1, self.m * self.dtype.itemsize))
+    # a block's rows are read whole (every column) before the kept columns are taken
+    self.step = max(1, _BLOCK_BYTES // max(1, adjacency.shape[1] * self.dtype.itemsize))
     self.source, self.nodes = adjacency, nodes
-    if nodes is not None and self.m <= self.step:  # the kept nodes' block fits: read it once
-      self.source, self.nodes = self.block(0, self.m), None
+    if nodes is not None and self.m**2 * self.dtype.itemsize <= _BLOCK_BYTES:
+      # the kept nodes' square fits in a block: read it once
+      self.source, self.nodes = (
+        np.concatenate([self.block(lo, min(lo + self.step, self.m)) for lo in self.starts()]),
+        None,
+      )
+      self.step = max(1, _BLOCK_BYTES // max(1, self.m * self.dtype.itemsize))
 
   def block(self, lo: int, hi: int):
     if self.nodes is None:
