@@ -23,7 +23,7 @@ from jaxlens import internal
 from jaxlens.core import GradientContractError, InvalidArgumentError, depends_on, trace, when
 from jaxlens.internal import as_selector, auto_axes, check_every
 from jaxlens.intervention import at_positions, compose, replace_with
-from jaxlens.train import _cache
+from jaxlens.train import _cache, _outputs
 from jaxlens.train._methods import frozen_leaves
 
 
@@ -467,18 +467,15 @@ def _co_optimizer(optimizer, params, variables):
   return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
 
 
-def _run_edited(model, site, edit, positions):
+def _spec(site, edit, positions, value=None):
+  """The rule writing ``edit`` at ``site`` (at ``positions``); with ``value``, the whole site
+  is first replaced by that cached value, so nothing the output depends on reads the site's
+  live value (nor what the model computed before it)."""
   if positions is not None:
     edit = at_positions(positions, edit)
-  return when(site, edit).bind(model)
-
-
-def _run_cached(model, site, edit, positions, value):
-  """The model with the whole site replaced by its cached ``value``, ``edit`` applied on top
-  (at ``positions``): nothing the output depends on reads the site's live value."""
-  if positions is not None:
-    edit = at_positions(positions, edit)
-  return when(site, compose(replace_with(value), edit)).bind(model)
+  if value is not None:
+    edit = compose(replace_with(value), edit)
+  return when(site, edit)
 
 
 def intervened_output(
@@ -494,6 +491,7 @@ def intervened_output(
   temperature=None,
   subspaces=None,
   site_values=None,
+  output_positions=None,
 ):
   """The model's output on ``base`` with ``method``'s edit at ``site`` (source: ``source``'s run).
 
@@ -514,6 +512,19 @@ def intervened_output(
       interchange methods): the whole site is replaced by the base's value and the edit
       reads the source's, so no source run is made and, under ``jax.jit``, the model's
       computation before the site is dead code (``cache_prefix=True`` in the loops).
+    output_positions: a ``(batch, k)`` int array: the output only at these positions of
+      each row, ``(batch, k, ...)`` (``out[b, output_positions[b, j]]``), as a loss on a
+      few tokens reads it. On a :class:`jaxlens.protocol.Decoder` whose ``site`` (a label)
+      lies before its last block, the last block runs its queries, and the unembedding
+      runs, at these positions only (the keys and values at every position); any other
+      model or site computes the whole output and gathers it. The same values either way,
+      to rounding.
+
+  Raises:
+    InvalidArgumentError: ``invalid_argument`` (no ``source`` for an interchange, malformed
+      ``site_values``, ``subspaces`` for a method without them); ``shape_mismatch`` /
+      ``index_out_of_range`` (``output_positions`` not ``(batch, k)`` ints in
+      ``[0, seq)``).
   """
   selector = as_selector(site)
   donor = None
@@ -550,9 +561,12 @@ def intervened_output(
       )
     extra["subspaces"] = subspaces
   edit = method.edit(params, donor, temperature, **extra)
-  if site_values is not None:
-    return _run_cached(model, selector, edit, positions, site_values["base"])(variables, base)
-  return _run_edited(model, selector, edit, positions)(variables, base)
+  cached = None if site_values is None else site_values["base"]
+  spec = _spec(selector, edit, positions, cached)
+  if output_positions is not None:
+    at = _outputs.check_positions(output_positions, base)
+    return _outputs.output_at(model, variables, spec, base, at, [site])
+  return spec.bind(model)(variables, base)
 
 
 def _cross_entropy(logits, labels):
@@ -937,6 +951,14 @@ def train_reft(
   _check_params(method, params)
   optimizer = _optax().adam(4e-3) if optimizer is None else optimizer
   data = answer_batch(pairs, pad_token)
+  # The loss reads the logits at the answer's positions only: each row's, padded to the
+  # widest answer (weight 0), so the last block and the unembedding run there alone.
+  answers = _outputs.answer_positions(data["weights"])
+  if answers is not None:
+    at, real = answers
+    data["targets"] = np.take_along_axis(data["targets"], at, axis=1)
+    data["weights"] = np.take_along_axis(data["weights"], at, axis=1) * real
+    data["at"] = at
   n = len(pairs)
   batch_size = min(batch_size, n)
   per_epoch = n // batch_size
@@ -963,11 +985,11 @@ def train_reft(
   selector = as_selector(site)
 
   def loss_of(p, v, batch, step):
-    if _cache.CACHE_KEY in batch:
-      run = _run_cached(model, selector, method.edit(p), None, batch[_cache.CACHE_KEY])
+    spec = _spec(selector, method.edit(p), None, batch.get(_cache.CACHE_KEY))
+    if "at" in batch:
+      out = _outputs.output_at(model, v, spec, batch["tokens"], batch["at"], [site])
     else:
-      run = _run_edited(model, selector, method.edit(p), None)
-    out = run(v, batch["tokens"])
+      out = spec.bind(model)(v, batch["tokens"])
     ce = _cross_entropy(out, batch["targets"])
     w = batch["weights"].astype(ce.dtype)
     return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
