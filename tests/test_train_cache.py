@@ -179,3 +179,47 @@ def test_cache_prefix_refuses_what_it_would_get_wrong(lm):
   rparams = reft.init(jax.random.key(2), D, dtype=jnp.float64)
   with pytest.raises(jl.InvalidArgumentError, match=r"\[prefix_not_cacheable\].*other examples"):
     jt.train_reft(mixing, mixing_vars, "layers_4", reft, rparams, _pairs(), batch_size=4, **kw)
+
+
+def test_train_multi_and_iia_cached_equal_uncached(lm):
+  """train_multi with two placements at two sites and two sources (the placement listed
+  first runs second: the base's cache holds the site that runs first), and iia: cached ==
+  uncached."""
+  model, variables = lm
+  das = jt.DAS(dim=2)
+  params = {
+    "late": das.init(jax.random.key(1), D, dtype=jnp.float64),
+    "early": das.init(jax.random.key(2), D, dtype=jnp.float64),
+  }
+  ats = [
+    jt.At(SITE, das, params="late", source=0, positions=[S - 1]),
+    jt.At("layers_1", das, params="early", source=1, positions=[S - 2]),
+  ]
+  batches = [
+    {"base": b["base"], "sources": [b["source"], b["base"][::-1]], "label": b["label"]}
+    for b in _batches()
+  ]
+  kw = dict(steps=3, optimizer=optax.adam(0.05), progress=False)
+  plain = jt.train_multi(model, variables, ats, params, batches, **kw)
+  cached = jt.train_multi(model, variables, ats, params, batches, cache_prefix=True, **kw)
+  assert not _close(plain.params, params)
+  np.testing.assert_allclose(cached.losses, plain.losses, rtol=0, atol=1e-12)
+  assert _close(cached.params, plain.params)
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[prefix_not_cacheable\].*frozen=False"):
+    jt.train_multi(model, variables, ats, params, batches, frozen=False, cache_prefix=True, **kw)
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[prefix_not_cacheable\].*fixed dataset"):
+    jt.train_multi(model, variables, ats, params, lambda s: batches[0], cache_prefix=True, **kw)
+
+  # iia, its labels the uncached predictions on half of the rows (accuracy 1/2).
+  evals = _batches(2, b=8, seed=4)
+  p = plain.params["late"]
+  kw = dict(positions=[S - 1])
+  for b in evals:
+    out = jt.intervened_output(model, variables, SITE, das, p, b["base"], b["source"], **kw)
+    guess = np.asarray(jnp.argmax(out[:, -1], -1))
+    b["label"] = np.where(np.arange(8) % 2, guess, (guess + 1) % V).astype(np.int32)
+  want = jt.iia(model, variables, SITE, das, p, evals, **kw)
+  got = jt.iia(model, variables, SITE, das, p, evals, cache_prefix=True, **kw)
+  assert got == want == 0.5
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[prefix_not_cacheable\].*fires 2 times"):
+    jt.iia(model, variables, jl.func("tanh"), das, p, evals, cache_prefix=True, **kw)

@@ -58,10 +58,18 @@ def check_cacheable(frozen: bool, batches) -> None:
 
 def _capture(model, selector):
   """A jitted capture of the site's value (the variables an argument: XLA would fold them)."""
+  capture = _capture_sites(model, [selector])
+  return lambda variables, inputs: capture(variables, inputs)[0][0]
+
+
+def _capture_sites(model, selectors):
+  """A jitted capture of several sites' values: ``(values in the order of selectors, the
+  order in which their sites ran)``. Each selector must select one site, outside a scanned
+  stack, and the model must draw no random numbers."""
 
   @jax.jit
   def run(variables, inputs):
-    return trace(model, variables, inputs, save=selector, keep_inputs=False)
+    return trace(model, variables, inputs, save=list(selectors), keep_inputs=False)
 
   flax_errors = _flax_errors()
 
@@ -75,24 +83,31 @@ def _capture(model, selector):
         "example",
         fix="a deterministic model (deterministic=True, use_running_average=True), or "
         "cache_prefix=False",
-        site=str(selector),
+        site=str(selectors[0]),
       ) from e
-    if len(t.labels) != 1:
-      raise _refuse(
-        f"the site {selector!r} fires {len(t.labels)} times in one call ({list(t.labels)}); "
-        "the cache holds one value per example",
-        fix="a selector of one site (jl.label(...)), or cache_prefix=False",
-        site=str(selector),
-      )
-    info = t.infos.get(t.labels[0])
-    if info is not None and (info.layers or info.layer is not None):
-      raise _refuse(
-        f"the site {t.labels[0]!r} is inside a scanned stack of layers; the cache holds one "
-        "value per example, not one per layer",
-        fix="an unscanned model, or cache_prefix=False",
-        site=t.labels[0],
-      )
-    return t[t.labels[0]].out
+    values, firsts = [], []
+    for selector in selectors:
+      hits = list(t.labels)
+      if len(selectors) > 1:
+        hits = [lbl for lbl in hits if t.infos.get(lbl) and selector.matches(t.infos[lbl])]
+      if len(hits) != 1:
+        raise _refuse(
+          f"the site {selector!r} fires {len(hits)} times in one call ({hits}); "
+          "the cache holds one value per example",
+          fix="a selector of one site (jl.label(...)), or cache_prefix=False",
+          site=str(selector),
+        )
+      info = t.infos.get(hits[0])
+      if info is not None and (info.layers or info.layer is not None):
+        raise _refuse(
+          f"the site {hits[0]!r} is inside a scanned stack of layers; the cache holds one "
+          "value per example, not one per layer",
+          fix="an unscanned model, or cache_prefix=False",
+          site=hits[0],
+        )
+      values.append(t[hits[0]].out)
+      firsts.append(t.labels.index(hits[0]))
+    return values, firsts
 
   return capture
 
@@ -186,3 +201,31 @@ def reft_rows(model, variables, site, tokens, batch_size: int, first_rows) -> np
       fix="a model whose rows do not interact, or cache_prefix=False",
     )
   return cache
+
+
+def multi_batches(model, variables, sites, sources, batches, base_key: str) -> list:
+  """``batches`` with the site values :func:`jaxlens.train.multi_output` reads from its
+  cache, captured once: under ``CACHE_KEY``, ``{"base": {"<j>": value}, "sources": {"<i>":
+  {"<j>": value}}}``, ``j`` the index of a site in ``sites`` (distinct selectors) and ``i``
+  a source's. The base holds only the site that runs first (every later site depends on
+  the edit there), each source the sites its placements read."""
+  capture_all = _capture_sites(model, sites)
+  first = None
+  out = []
+  for batch in batches:
+    if first is None:  # which site runs first: one capture of every site on the base
+      _, order = capture_all(variables, batch[base_key])
+      first = int(np.argmin(order))
+      capture_base = _capture_sites(model, [sites[first]])
+      capture_source = {i: _capture_sites(model, [sites[j] for j in js]) for i, js in sources}
+    cache = {"base": {str(first): capture_base(variables, batch[base_key])[0][0]}, "sources": {}}
+    given = batch.get("sources")
+    if given is None and "source" in batch:
+      given = [batch["source"]]
+    for i, js in sources:
+      if given is None or not 0 <= i < len(given):
+        continue  # refused by multi_output, with the sources the batch holds
+      values, _ = capture_source[i](variables, given[i])
+      cache["sources"][str(i)] = {str(j): v for j, v in zip(js, values)}
+    out.append({**batch, CACHE_KEY: cache})
+  return out

@@ -746,9 +746,20 @@ def iia(
   positions=None,
   readout: Callable = last_position,
   temperature=None,
+  cache_prefix: bool = False,
 ) -> float:
   """Interchange intervention accuracy: the fraction of examples whose intervened output
-  predicts the counterfactual label (``argmax(readout(output)) == label``)."""
+  predicts the counterfactual label (``argmax(readout(output)) == label``).
+
+  With ``cache_prefix=True`` the site's values on each batch's base and source are captured
+  first (:func:`jaxlens.train.site_values`) and the evaluation replaces the site with them,
+  as :func:`train_iit`'s ``cache_prefix`` does: the same predictions, by the program a
+  cached training step runs (the prefix before the site is dead code in it, and no source
+  run is made). One call does the same work either way (the capture runs the prefix).
+  Refused with ``prefix_not_cacheable`` where a cached value would be wrong (a model that
+  draws random numbers or writes a collection, a site that fires several times per call
+  or inside a scanned stack).
+  """
 
   # The variables are an argument, not a closure constant (XLA would fold a model's weights).
   @jax.jit
@@ -764,12 +775,15 @@ def iia(
       positions=positions,
       temperature=temperature,
       subspaces=batch.get("subspaces"),
+      site_values=batch.get(_cache.CACHE_KEY),
     )
     guess = jnp.argmax(readout(out), axis=-1)
     return jnp.sum(guess == jnp.asarray(batch["label"]).astype(guess.dtype)), guess.size
 
   batches = [batches] if isinstance(batches, dict) else list(batches)
   _check_batches(batches, ("base", "source", "label") if method.needs_source else ("base", "label"))
+  if cache_prefix:
+    batches = _cache.iit_batches(model, variables, site, batches, method.needs_source)
   right = total = 0
   for batch in batches:
     h, n = hits(params, variables, batch)

@@ -22,7 +22,7 @@ import numpy as np
 from jaxlens import intervention as ji
 from jaxlens.core import InvalidArgumentError, trace, when
 from jaxlens.internal import as_selector
-from jaxlens.train import _loops
+from jaxlens.train import _cache, _loops
 from jaxlens.train._loops import last_position
 
 
@@ -114,7 +114,29 @@ def _per_name(value, name):
   return value
 
 
-def multi_output(model, variables, ats, params, batch, *, temperatures=None):
+def _distinct_sites(ats):
+  """The placements' distinct sites (selectors) and each placement's index among them."""
+  sites, keys, index = [], [], []
+  for a in ats:
+    selector = as_selector(a.site)
+    key = repr(selector)
+    if key not in keys:
+      keys.append(key)
+      sites.append(selector)
+    index.append(keys.index(key))
+  return sites, index
+
+
+def _cached_sources(ats, index):
+  """``[(source i, [site indices its interchange placements read]), ...]``."""
+  out: dict[int, list[int]] = {}
+  for a, j in zip(ats, index):
+    if a.method.needs_source and j not in out.setdefault(int(a.source), []):
+      out[int(a.source)].append(j)
+  return sorted(out.items())
+
+
+def multi_output(model, variables, ats, params, batch, *, temperatures=None, site_values=None):
   """The model's output on ``batch["base"]`` with every placement live.
 
   Args:
@@ -126,13 +148,20 @@ def multi_output(model, variables, ats, params, batch, *, temperatures=None):
       (optional: a mask for every placement, or ``{params name: mask}``), "positions"
       (the named per-example positions)}``.
     temperatures: ``{params name: temperature}`` for methods with a schedule.
+    site_values: the cached site values ``train_multi(cache_prefix=True)`` captures (the
+      site that runs first on the base, replaced whole; each source's value at the sites
+      its placements read, so no source run is made).
   """
   ats = _check_ats(ats, params)
+  sites, index = _distinct_sites(ats)
   sources = batch.get("sources")
   if sources is None and "source" in batch:
     sources = [batch["source"]]
   donors = {}
   for i in sorted({a.source for a in ats if a.method.needs_source}):
+    if site_values is not None and str(i) in site_values["sources"]:
+      donors[i] = site_values["sources"][str(i)]
+      continue
     if sources is None or not 0 <= i < len(sources):
       raise InvalidArgumentError(
         f"a placement reads source {i}; the batch holds "
@@ -143,7 +172,10 @@ def multi_output(model, variables, ats, params, batch, *, temperatures=None):
     saved = [as_selector(a.site) for a in ats if a.method.needs_source and a.source == i]
     donors[i] = trace(model, variables, sources[i], save=saved, keep_inputs=False)
   spec = None
-  for a in ats:
+  if site_values is not None:  # the first site's cached value on the base, replaced whole
+    ((first, value),) = site_values["base"].items()
+    spec = when(sites[int(first)], ji.replace_with(value))
+  for a, j in zip(ats, index):
     kwargs = {}
     sub = _per_name(batch.get("subspaces"), a.params)
     if sub is not None:
@@ -156,7 +188,9 @@ def multi_output(model, variables, ats, params, batch, *, temperatures=None):
       kwargs["subspaces"] = sub
     t = None if temperatures is None else temperatures.get(a.params)
     if a.method.needs_source:
-      edit = a.method.edit(params[a.params], donors[a.source], t, **kwargs)
+      donor = donors[a.source]
+      donor = donor[str(j)] if isinstance(donor, dict) else donor
+      edit = a.method.edit(params[a.params], donor, t, **kwargs)
     else:
       edit = a.method.edit(params[a.params], None, t, **kwargs)
     if isinstance(a.positions, str):
@@ -202,6 +236,7 @@ def train_multi(
   checkpoint_every: int = 50,
   progress: bool = True,
   nonfinite: str = "raise",
+  cache_prefix: bool = False,
 ):
   """Trains every placement together: several sites, sources and tied weights in one step.
 
@@ -218,9 +253,22 @@ def train_multi(
     batches: a sequence of batches (cycled) or a function of the step.
     steps, optimizer, readout, frozen, mesh, data_axis, checkpoint, checkpoint_every,
       progress, nonfinite: as :func:`train_iit` (default optimiser ``optax.adam(1e-3)``).
+    cache_prefix: capture, once per batch before the first step, the base's value at the
+      placements' site that runs first and each source's value at the sites its placements
+      read; each step then replaces that first site whole with its cached value and
+      applies every edit on top, with no source run (as :func:`train_iit`'s
+      ``cache_prefix``: the same losses and parameters, to rounding; the prefix before the
+      first site is dead code in the step's program). Needs ``frozen=True`` and a sequence
+      of batches.
 
   Returns:
     a :class:`TrainResult` whose ``params`` is the dict of named parameters.
+
+  Raises:
+    InvalidArgumentError: ``prefix_not_cacheable`` (``cache_prefix=True`` with
+      ``frozen=False``, batches given as a function of the step, a model that draws random
+      numbers or writes a collection, a placement's site that fires several times per call
+      or inside a scanned stack); the errors of :func:`train_iit`.
   """
   ats = _check_ats(ats, params)
   try:
@@ -232,15 +280,23 @@ def train_multi(
   _loops._check_batches(batches, keys)
   optimizer = _loops._optax().adam(1e-3) if optimizer is None else optimizer
   steps_total = steps if steps is not None else (None if callable(batches) else len(batches))
+  if cache_prefix:
+    _cache.check_cacheable(frozen, batches)
+    sites, index = _distinct_sites(ats)
+    sources = _cached_sources(ats, index)
+    base_key = "tokens" if reft else "base"
+    batches = _cache.multi_batches(model, variables, sites, sources, batches, base_key)
 
   def loss_of(p, v, batch, step):
     temps = _temperatures(ats, step, steps_total)
+    cached = {"site_values": batch.get(_cache.CACHE_KEY)}
     if reft:
-      out = multi_output(model, v, ats, p, {**batch, "base": batch["tokens"]}, temperatures=temps)
+      base = {**batch, "base": batch["tokens"]}
+      out = multi_output(model, v, ats, p, base, temperatures=temps, **cached)
       ce = _loops._cross_entropy(out, batch["targets"])
       w = batch["weights"].astype(ce.dtype)
       return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
-    out = multi_output(model, v, ats, p, batch, temperatures=temps)
+    out = multi_output(model, v, ats, p, batch, temperatures=temps, **cached)
     return jnp.mean(_loops._cross_entropy(readout(out), batch["label"]))
 
   return _loops._loop(
