@@ -119,6 +119,33 @@ def unstack_blocks(variables):
   return out
 
 
+@jax.custom_jvp
+def _layer_of_bits(stacked, layer):
+  bits = jax.lax.bitcast_convert_type(stacked, jnp.uint16)
+  one = jax.lax.dynamic_index_in_dim(bits, layer, keepdims=False)
+  return jax.lax.bitcast_convert_type(one, stacked.dtype)
+
+
+@_layer_of_bits.defjvp
+def _layer_of_bits_jvp(primals, tangents):
+  stacked, layer = primals
+  return _layer_of_bits(stacked, layer), jax.lax.dynamic_index_in_dim(
+    tangents[0], layer, keepdims=False
+  )
+
+
+def layer_of(stacked, layer):
+  """Slice ``layer`` (an int or a traced int scalar) of a stacked array.
+
+  A bfloat16 array is sliced as its bits (uint16): XLA:CPU computes a dynamic slice of a
+  bfloat16 array in float32, and in a loop over the layers it widens the whole stack once,
+  before the loop (a float32 copy of every stacked weight: twice the bfloat16 weights).
+  """
+  if jnp.dtype(stacked.dtype) == jnp.bfloat16:
+    return _layer_of_bits(stacked, layer)
+  return jax.lax.dynamic_index_in_dim(stacked, layer, keepdims=False)
+
+
 class ScanForm:
   """:class:`jaxlens.protocol.Scannable` for a zoo decoder with a ``config.scan_layers`` option
   (a mixin of ``Llama`` and ``GPT2``, next to ``LayerSites``): the sweeps run its blocks as one
@@ -152,9 +179,7 @@ class ScanForm:
     params = variables["params"]
     if not self.config.scan_layers:
       return params[f"blocks_{layer}"]
-    return jax.tree.map(
-      lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), params["blocks"]
-    )
+    return jax.tree.map(lambda a: layer_of(a, layer), params["blocks"])
 
   @nn.nowrap
   def block_window(self, layer):

@@ -55,16 +55,26 @@ class Runs:
     self.n_layers = len(model.layer_sites())
     form = model.scanned(variables) if isinstance(model, Scannable) else None
     self.loop = form is not None
+    given = model, variables
     if self.loop:
       model, variables = form
     self.model, self.variables = model, variables
+    # The two runs below go through the unrolled form (when given it) if any weight is
+    # bfloat16: nn.scan slices the stacked weights with a dynamic slice, which XLA:CPU computes
+    # in float32 after widening the whole stack (a float32 copy of every block's weights,
+    # twice their bfloat16 bytes); the block loop reads its layers without it
+    # (jaxlens.models.scan.layer_of).
+    scan_runs = self.loop and not (
+      given[0] is not model
+      and any(jnp.dtype(a.dtype) == jnp.bfloat16 for a in jax.tree.leaves(given[1]))
+    )
     names = ("resid_pre", "attn/k", "attn/v")
     last = self.n_layers - 1
     batch = corrupt.shape[0]
     # One forward over the corrupt and the clean rows together: one copy of the model in the
     # compiled program instead of two (the clean rows' keys and values go unused).
     both = jnp.concatenate([corrupt, clean])
-    if self.loop:
+    if scan_runs:
       stacked = {n: module(model.stack_site(n)) for n in names}
       final = module(model.stack_site("resid_post"), layer=last)
       t = trace(model, variables, both, keep_inputs=False, save=[*stacked.values(), final])
@@ -76,10 +86,10 @@ class Runs:
         return t[final].out
 
     else:
-      at = model.block_site
+      at = given[0].block_site
       t = trace(
-        model,
-        variables,
+        given[0],
+        given[1],
         both,
         keep_inputs=False,
         save=[module(at(j, n)) for j in range(self.n_layers) for n in names]
