@@ -371,7 +371,9 @@ def collected(tmp_path_factory):
     0, n_layers=1, d_model=8, n_heads=2, max_len=4, vocab_size=8, batch=2
   )
   path = tmp_path_factory.mktemp("store") / "acts"
-  s = store.collect(model, variables, [tokens, tokens + 1], path, sites=["block_0"], progress=False)
+  s = store.collect(
+    model, variables, [tokens, (tokens + 1) % 8], path, sites=["block_0"], progress=False
+  )
   return model, variables, tokens, path, s.array("block_0")
 
 

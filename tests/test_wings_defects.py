@@ -11,6 +11,7 @@ import pytest
 import jaxlens as jl
 
 from jaxlens import train as jt
+from jaxlens.core import JaxlensWarning
 
 SITE = "layers_1"
 
@@ -362,3 +363,50 @@ def test_lenses_refuse_a_model_that_is_not_a_zoo_decoder():
     with pytest.raises(lens.LensError, match="GPT has no final norm and unembedding") as e:
       call()
     assert e.value.fields["code"] == "lens_unsupported_model"
+
+
+def test_a_checkpoint_tensor_the_configuration_leaves_out_is_named(tmp_path):
+  """A checkpoint holding a tensor no parameter reads (attention biases in a Llama checkpoint
+  whose config says none) loaded without a word; it loads as in transformers, with an
+  ``unused_tensors`` warning naming it, and a clean checkpoint loads without one."""
+  import json
+  import warnings
+
+  from safetensors.numpy import save_file
+
+  import jaxlens.models as jm
+
+  config = {
+    "model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 16,
+    "max_position_embeddings": 8, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+  }  # fmt: skip
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  rng = np.random.default_rng(0)
+  shapes = {
+    "model.embed_tokens.weight": (16, 8), "model.norm.weight": (8,),
+    "self_attn.q_proj.weight": (8, 8), "self_attn.k_proj.weight": (8, 8),
+    "self_attn.v_proj.weight": (8, 8), "self_attn.o_proj.weight": (8, 8),
+    "mlp.gate_proj.weight": (16, 8), "mlp.up_proj.weight": (16, 8),
+    "mlp.down_proj.weight": (8, 16), "input_layernorm.weight": (8,),
+    "post_attention_layernorm.weight": (8,),
+    # a buffer older transformers saved: not a weight, never reported
+    "self_attn.rotary_emb.inv_freq": (2,),
+  }  # fmt: skip
+  weights = {
+    (k if k.startswith("model.") else f"model.layers.0.{k}"): rng.normal(size=s).astype("f4")
+    for k, s in shapes.items()
+  }
+  save_file(weights, str(tmp_path / "model.safetensors"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    clean = jm.load_hf(tmp_path)
+  weights["model.layers.0.self_attn.q_proj.bias"] = np.ones(8, np.float32)
+  save_file(weights, str(tmp_path / "model.safetensors"))
+  with pytest.warns(JaxlensWarning, match=r"q_proj\.bias") as record:
+    loaded = jm.load_hf(tmp_path)
+  assert [w.message.fields["code"] for w in record] == ["unused_tensors"]
+  tokens = np.array([[1, 2, 3]])
+  np.testing.assert_array_equal(
+    loaded.model.apply(loaded.variables, tokens), clean.model.apply(clean.variables, tokens)
+  )

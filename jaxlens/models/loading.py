@@ -18,7 +18,9 @@ import io
 import json
 import math
 import mmap
+import re
 import struct
+import warnings
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -40,7 +42,7 @@ from jaxlens.models.gpt2 import GPT2, GPT2Config
 from jaxlens.models.gpt_neox import GPTNeoX, GPTNeoXConfig
 from jaxlens.models.llama import Llama, LlamaConfig
 from jaxlens.internal import path_argument
-from jaxlens.core import InvalidArgumentError
+from jaxlens.core import InvalidArgumentError, JaxlensWarning
 
 __all__ = [
   "LoadError",
@@ -365,17 +367,58 @@ _PREFIXES = ("model.", "transformer.", "bert.", "gpt_neox.")
 _ALIASES = {"lm_head.weight": "embed_out.weight"}
 
 
-def _lookup(tensors: Mapping[str, Any], name: str):
-  """The tensor called ``name``, also without its family prefix (checkpoints of the base
-  model, ``GPT2Model`` / ``BertModel`` / ``LlamaModel``, omit it); None if absent."""
+def _lookup_key(tensors: Mapping[str, Any], name: str) -> str | None:
+  """The key under which ``tensors`` holds ``name``: the name itself, an older alias, or the
+  name without its family prefix (checkpoints of the base model, ``GPT2Model`` /
+  ``BertModel`` / ``LlamaModel``, omit it); None if absent."""
   if name in tensors:
-    return tensors[name]
+    return name
   if name in _ALIASES and _ALIASES[name] in tensors:
-    return tensors[_ALIASES[name]]
+    return _ALIASES[name]
   for prefix in _PREFIXES:
     if name.startswith(prefix) and name[len(prefix) :] in tensors:
-      return tensors[name[len(prefix) :]]
+      return name[len(prefix) :]
   return None
+
+
+def _lookup(tensors: Mapping[str, Any], name: str):
+  """The tensor called ``name`` (see :func:`_lookup_key`); None if absent."""
+  key = _lookup_key(tensors, name)
+  return None if key is None else tensors[key]
+
+
+# Tensors a checkpoint may hold that are not weights of the model: causal-mask and rotary
+# buffers older transformers saved (GPT-2's ``attn.bias``/``attn.masked_bias``, GPT-NeoX's
+# ``attention.bias``, ``rotary_emb.inv_freq``), BERT's ``position_ids`` buffer and its
+# pre-training heads (``cls.*``), which transformers also skips without a word.
+_NOT_WEIGHTS = re.compile(
+  r"(\.attn\.(masked_)?bias|\.attention\.(masked_)?bias|rotary_emb\.inv_freq|position_ids"
+  r"|num_batches_tracked)$|^cls\."
+)
+
+
+def _warn_unused(tensors: Mapping[str, Any], used: set, config) -> None:
+  """Warns about the checkpoint's tensors no parameter was read from (``unused_tensors``): a
+  checkpoint of a variant the configuration does not describe (biases where the config says
+  none, a head the family has not) loads, as in transformers, but not silently."""
+  unused = [
+    k
+    for k in tensors
+    if k not in used
+    and not _NOT_WEIGHTS.search(k)
+    and not (getattr(config, "tie_embeddings", False) and k.endswith("lm_head.weight"))
+  ]
+  if unused:
+    warnings.warn(
+      JaxlensWarning(
+        f"{len(unused)} tensor(s) of the checkpoint are not used by the {type(config).__name__} "
+        f"it describes, for example {sorted(unused)[:4]}: check that config.json matches the "
+        "weights (a bias or head the configuration leaves out is ignored)",
+        code="unused_tensors",
+        tensor=sorted(unused)[0],
+      ),
+      stacklevel=3,
+    )
 
 
 def _as_numpy(x):
@@ -459,10 +502,19 @@ def params_from_hf(config, tensors: Mapping[str, Any]):
   """
   shapes, block = _param_shapes(config)
   params: dict = {}
+  used: set = set()
+
+  def lookup(tensors, name):
+    key = _lookup_key(tensors, name)
+    if key is None:
+      return None
+    used.add(key)
+    return tensors[key]
+
   for path, name, fn in _MAPS[type(config)](config):
-    raw = _lookup(tensors, name)
+    raw = lookup(tensors, name)
     if raw is None:  # a MoE's experts, stacked from a file's per-expert tensors
-      raw = moe.hf_tensor(tensors, name, _lookup)
+      raw = moe.hf_tensor(tensors, name, lookup)
     expected = block if path[0].startswith("blocks_") else shapes[path[0]]
     for p in path[1:]:
       expected = expected[p]
@@ -505,6 +557,7 @@ def params_from_hf(config, tensors: Mapping[str, Any]):
       name=name,
       release=getattr(tensors, "release", None),
     )
+  _warn_unused(tensors, used, config)
   return {"params": params}
 
 
