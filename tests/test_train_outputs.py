@@ -163,3 +163,37 @@ def test_output_positions_are_checked(decoders):
     jt.intervened_output(
       model, variables, site, method, params, tokens, output_positions=np.full((B, 2), S)
     )
+  # A concrete array closed over by a jitted function is checked too (on the host).
+  outside = jnp.full((B, 2), -1, jnp.int32)
+  with pytest.raises(jl.InvalidArgumentError, match=r"\[index_out_of_range\].*from -1 to -1"):
+    jax.jit(
+      lambda: jt.intervened_output(
+        model, variables, site, method, params, tokens, output_positions=outside
+      )
+    )()
+
+
+def test_train_iit_reads_the_last_position_only(decoders):
+  """train_iit's default readout on a zoo decoder computes the output at the last position
+  alone: the losses and parameters of a readout that reads it from the whole output."""
+  model, variables = decoders["gpt2"]
+  rng = np.random.default_rng(4)
+  batches = [
+    {
+      "base": rng.integers(0, V, (B, S)).astype(np.int32),
+      "source": rng.integers(0, V, (B, S)).astype(np.int32),
+      "label": rng.integers(0, V, (B,)).astype(np.int32),
+    }
+  ]
+  das = jt.DAS(dim=4)
+  params = das.init(jax.random.key(5), 16, dtype=F64)
+  # SGD: adam's first steps divide by |gradient| + 1e-8, which turns a rounding difference
+  # of a gradient entry near 1e-8 into a thousand times larger difference in the update.
+  kw = dict(steps=2, optimizer=optax.sgd(1.0), positions=[S - 2], progress=False)
+  site = "blocks_0/resid_post"
+  fast = jt.train_iit(model, variables, site, das, params, batches, cache_prefix=True, **kw)
+  whole = jt.train_iit(
+    model, variables, site, das, params, batches, readout=lambda o: o[:, -1], **kw
+  )
+  np.testing.assert_allclose(fast.losses, whole.losses, rtol=0, atol=1e-12)
+  assert _close(fast.params, whole.params) and not _close(fast.params, params)

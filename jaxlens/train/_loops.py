@@ -22,6 +22,7 @@ import numpy as np
 from jaxlens import internal
 from jaxlens.core import GradientContractError, InvalidArgumentError, depends_on, trace, when
 from jaxlens.internal import as_selector, auto_axes, check_every
+from jaxlens.protocol import Decoder
 from jaxlens.intervention import at_positions, compose, replace_with
 from jaxlens.train import _cache, _outputs
 from jaxlens.train._methods import frozen_leaves
@@ -569,6 +570,16 @@ def intervened_output(
   return spec.bind(model)(variables, base)
 
 
+def _last_only(model, readout, base):
+  """With the default readout on a zoo decoder's tokens, the output at the last position
+  only (``(batch, 1)`` positions: the last block's query and the unembedding there alone;
+  ``last_position`` reads the same logits from it); None otherwise."""
+  if readout is not last_position or not isinstance(model, Decoder) or np.ndim(base) != 2:
+    return None
+  b, s = np.shape(base)
+  return jnp.full((b, 1), s - 1, jnp.int32)
+
+
 def _cross_entropy(logits, labels):
   logp = jax.nn.log_softmax(logits.astype(jnp.float32) if logits.dtype == jnp.bfloat16 else logits)
   return -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
@@ -708,6 +719,7 @@ def train_iit(
       temperature=t,
       subspaces=batch.get("subspaces"),
       site_values=batch.get(_cache.CACHE_KEY),
+      output_positions=_last_only(model, readout, batch["base"]),
     )
     logits = readout(out)
     classes["n"] = _check_labels(logits, batch["label"])
@@ -776,6 +788,7 @@ def iia(
       temperature=temperature,
       subspaces=batch.get("subspaces"),
       site_values=batch.get(_cache.CACHE_KEY),
+      output_positions=_last_only(model, readout, batch["base"]),
     )
     guess = jnp.argmax(readout(out), axis=-1)
     return jnp.sum(guess == jnp.asarray(batch["label"]).astype(guess.dtype)), guess.size

@@ -42,8 +42,10 @@ def check_positions(output_positions, inputs) -> jax.Array:
       expected=f"(batch={shape[0] if shape else '?'}, k) int",
       received=list(pos.shape),
     )
-  if not isinstance(pos, jax.core.Tracer) and pos.size:
-    low, high = int(pos.min()), int(pos.max())
+  if not isinstance(output_positions, jax.core.Tracer) and pos.size:
+    # Read on the host: under jax.jit a jnp reduction of even a concrete array is traced.
+    host = np.asarray(output_positions)
+    low, high = int(host.min()), int(host.max())
     if low < 0 or high >= shape[1]:
       raise InvalidArgumentError(
         f"output_positions must lie in [0, {shape[1]}) (the inputs' length), got values "
