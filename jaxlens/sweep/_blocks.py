@@ -112,14 +112,19 @@ class Runs:
     block's attention sees the corrupt run's first ``past`` keys and values, then ``x``'s,
     as ``mask`` allows."""
 
+    def past_of(stacked, j):
+      # x may hold several cells' sequences for each of the runs' (cell-major)
+      a = stacked[j][:, :past]
+      return jnp.tile(a, (x.shape[0] // a.shape[0],) + (1,) * (a.ndim - 1))
+
     def block(j, x):
       return self.model.run_block(
         self.variables,
         j,
         x,
         positions,
-        past_keys=self.keys[j][:, :past],
-        past_values=self.values[j][:, :past],
+        past_keys=past_of(self.keys, j),
+        past_values=past_of(self.values, j),
         mask=mask,
       )
 

@@ -161,25 +161,34 @@ def _cells(model, variables, clean, corrupt, cells, *, metric, sites, batch_size
 
 def _residual_cells(model, variables, clean, corrupt, cells, rows, metric, batch_size):
   """A causal decoder's residual-stream rows (stream indices ``rows``), one block loop
-  (``jaxlens.sweep._blocks``): the program holds one block whatever the layers and cells."""
+  (``jaxlens.sweep._blocks``): the program holds one block whatever the layers and cells.
+
+  A row's cells (``batch_size`` at a time) run as one batch of sequences through the blocks,
+  the metric then ``vmap``ped over them: a bfloat16 weight is widened once for all of them
+  (under ``vmap`` each cell would widen its own copy, ``compact.times_wide``'s added zero
+  depending on the cell's values)."""
   runs = Runs(model, variables, clean, corrupt)
-  seq = corrupt.shape[1]
+  batch, seq = corrupt.shape[:2]
   positions = jnp.arange(seq, dtype=jnp.int32)[None]
   causal = jnp.tril(jnp.ones((seq, seq), bool))[None, None]
 
-  def row(start):
+  def group(start, ps):
     clean_in, corrupt_in = runs.donor[start], runs.stream[start]
+    here = (jnp.arange(seq, dtype=jnp.int32) == ps[:, None])[:, None, :, None]
+    x = jnp.where(here, clean_in[None], corrupt_in[None])  # (cells, batch, seq, d)
+    x = runs.run_from(start, x.reshape((-1,) + x.shape[2:]), positions, causal, past=0)
+    logits = runs.unembed(x)
+    logits = logits.reshape((ps.shape[0], batch) + logits.shape[1:])
+    return jax.vmap(lambda out: _check_scalar(metric(out)))(logits)
 
-    def one(position):
-      x = jnp.where(
-        (jnp.arange(seq, dtype=jnp.int32) == position)[None, :, None], clean_in, corrupt_in
-      )
-      x = runs.run_from(start, x, positions, causal, past=0)
-      return _check_scalar(metric(runs.unembed(x)))
-
-    if batch_size is None:
-      return jax.vmap(one)(cells)
-    return jax.lax.map(one, cells, batch_size=batch_size)
+  def row(start):
+    n = cells.shape[0]
+    if batch_size is None or batch_size >= n:
+      return group(start, cells)
+    k = -(-n // batch_size)
+    padded = jnp.concatenate([cells, jnp.broadcast_to(cells[:1], (k * batch_size - n,))])
+    out = jax.lax.map(lambda ps: group(start, ps), padded.reshape(k, batch_size))
+    return out.reshape(-1)[:n]
 
   # The rows one after another: each row's block loop starts at its own layer.
   return jax.lax.map(row, jnp.asarray(rows, jnp.int32))
@@ -307,8 +316,9 @@ def patching_sweep(
   else is edited. The whole grid is one jitted call: the cells are a batch of
   edits, vectorised with ``jax.vmap`` (in chunks of ``batch_size`` when given). On a causal
   decoder's residual stream (the zoo's default sites, in either form, ``scan_layers`` or not)
-  the rows run one after another, each through the blocks after its layer in one ``lax`` loop:
-  the compiled program does not grow with the number of layers or cells.
+  the rows run one after another, each through the blocks after its layer in one ``lax`` loop,
+  a row's cells as one batch of sequences: the compiled program does not grow with the number
+  of layers or cells.
 
   Args:
     model: an unbound linen module whose sites ``sites`` return
