@@ -105,7 +105,10 @@ class GraphWriter:
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     self.offset = 8 + len(text) + len(body)
-    self.tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+      self.tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    except OSError as error:
+      raise _failed(path, error) from error
     try:
       self.file = self.tmp / "graph.safetensors"
       with open(self.file, "wb") as f:
