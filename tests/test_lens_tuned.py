@@ -151,8 +151,9 @@ def test_save_is_atomic(llama, trained, tmp_path, monkeypatch):
     raise OSError("disk full")
 
   monkeypatch.setattr(zipfile.ZipFile, "writestr", broken)
-  with pytest.raises(OSError, match="disk full"):
+  with pytest.raises(lens.LensError, match="disk full") as e:
     lens.save_tuned_lens(path, lens.TunedLens.for_model(model), model, variables)
+  assert e.value.code == "lens_save_failed"
   assert (path / "params.pt").read_bytes() == before
   assert sorted(p.name for p in path.iterdir()) == ["config.json", "params.pt"]
 

@@ -410,3 +410,85 @@ def test_a_checkpoint_tensor_the_configuration_leaves_out_is_named(tmp_path):
   np.testing.assert_array_equal(
     loaded.model.apply(loaded.variables, tokens), clean.model.apply(clean.variables, tokens)
   )
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+  """A directory nothing can be created in, holding a user's file: ``chattr +i`` as root (root
+  ignores permission bits), ``chmod 555`` otherwise."""
+  import os
+  import subprocess
+
+  path = tmp_path / "read_only"
+  path.mkdir()
+  (path / "mine.txt").write_text("mine")
+  if os.geteuid() == 0:
+    made = subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+  else:
+    path.chmod(0o555)
+    made = True
+  try:
+    (path / "probe").touch()
+  except OSError:
+    pass
+  else:
+    made = False
+  try:
+    if not made:  # (a file system without the immutable attribute, such as tmpfs)
+      pytest.skip("this file system cannot make a read-only directory for root")
+    yield path
+  finally:
+    if os.geteuid() == 0:
+      subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+    path.chmod(0o755)
+
+
+def test_writers_refuse_a_read_only_directory_with_their_own_codes(read_only_dir):
+  """Every writer of the newer wings given a directory it cannot write into raises its typed
+  error and leaves the directory as it was: the lens writers raised a raw ``PermissionError``
+  and the spec writer said ``spec_target_exists`` (no such target existed)."""
+  from jaxlens import circuits, lens, sae, store
+  from jaxlens.internal import Checkpoints
+
+  model = jm_llama()
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
+  tiny = nn.Sequential([nn.Dense(5)])
+  tiny_vars = tiny.init(jax.random.key(0), jnp.zeros((1, 3), jnp.float32))
+  dictionary = sae.SAE.init(jax.random.key(0), 8, 12)
+  jacobian = lens.JacobianLens({0: np.eye(8, dtype=np.float32)}, n_prompts=1, d_model=8)
+  ro = read_only_dir
+  writes = {
+    "store_path_invalid": lambda: store.collect(
+      tiny,
+      tiny_vars,
+      [np.ones((2, 3), np.float32)],
+      ro / "acts",
+      sites=["layers_0"],
+      progress=False,
+    ),  # fmt: skip
+    "sae_save_failed": lambda: sae.save_saelens(dictionary, ro / "sae"),
+    "checkpoint_save_failed": lambda: Checkpoints(ro / "ckpt", 1).save(1, {"a": jnp.ones(2)}),
+    "spec_save_failed": lambda: jl.save_spec(jl.when(jl.module("x"), jl.zero_ablate()), ro / "s"),
+    "circuit_save_failed": lambda: circuits.save_transcoders(
+      [sae.Transcoder.init(jax.random.key(1), 8, 12)], ro / "tc"
+    ),
+    "lens_save_failed": lambda: lens.save_tuned_lens(
+      ro / "tuned", lens.TunedLens.for_model(model), model, variables
+    ),
+  }
+  for code, write in writes.items():
+    with pytest.raises(jl.JaxlensError) as e:
+      write()
+    assert e.value.fields["code"] == code, (code, e.value)
+  with pytest.raises(lens.LensError) as e:
+    lens.save_jacobian_lens(ro / "j.pt", jacobian)
+  assert e.value.fields["code"] == "lens_save_failed"
+  assert sorted(p.name for p in ro.iterdir()) == ["mine.txt"]
+
+
+def jm_llama():
+  import jaxlens.models as jm
+
+  return jm.Llama(
+    jm.LlamaConfig(vocab_size=16, d_model=8, n_layers=2, n_heads=2, n_kv_heads=2, d_mlp=16)
+  )

@@ -385,11 +385,14 @@ def save_rules(rules, path) -> Path:
   try:
     path.mkdir(parents=True, exist_ok=True)
   except OSError as error:
+    # A file (or a file among the parents) in the way is a target that exists; a directory
+    # the file system refuses to write into (read-only, no permission, full) is a failed save.
+    exists = isinstance(error, (FileExistsError, NotADirectoryError))
     raise SpecFormatError(
       f"cannot create {path}: {error}",
-      code="spec_target_exists",
+      code="spec_target_exists" if exists else "spec_save_failed",
       site=str(path),
-      fix="save to a writable directory",
+      fix="save to a new directory" if exists else "save to a writable directory",
     ) from None
   with _locked(path):
     # What a writer killed mid-save left behind (its lock died with it; a live writer holds

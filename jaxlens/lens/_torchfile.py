@@ -226,7 +226,10 @@ def write_object(path, obj) -> None:
   buf = io.BytesIO()
   _Writer(buf, protocol=2).dump(state)
   archive = path.stem or "archive"
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  try:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  except OSError as error:
+    raise save_failed(path, error) from error
   try:
     with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
       z.writestr(f"{archive}/data.pkl", buf.getvalue())
@@ -235,9 +238,22 @@ def write_object(path, obj) -> None:
         z.writestr(f"{archive}/data/{key}", data)
       z.writestr(f"{archive}/version", "3\n")
     os.replace(tmp, path)
-  except BaseException:
+  except BaseException as error:
     Path(tmp).unlink(missing_ok=True)
+    if isinstance(error, OSError):
+      raise save_failed(path, error) from error
     raise
+
+
+def save_failed(path: Path, error: OSError) -> LensError:
+  """The file system refused to write a lens file (a read-only or missing directory, a full
+  disk); nothing of the file is left behind."""
+  return LensError(
+    f"cannot write the lens file {path}: {error}",
+    code="lens_save_failed",
+    path=str(path),
+    fix="a path in a writable directory with room for the file",
+  )
 
 
 def write_state_dict(path, arrays: dict[str, np.ndarray]) -> None:

@@ -22,7 +22,7 @@ import optax
 
 from jaxlens.lens._logit import check_layers, layer_count, residuals
 from jaxlens.lens._readout import LensError, readout
-from jaxlens.lens._torchfile import read_state_dict, write_state_dict
+from jaxlens.lens._torchfile import read_state_dict, save_failed, write_state_dict
 from jaxlens.internal import auto_axes, path_argument
 
 __all__ = [
@@ -461,13 +461,18 @@ def unembed_hash(model, variables) -> str:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  try:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  except OSError as error:
+    raise save_failed(path, error) from error
   try:
     with os.fdopen(fd, "wb") as f:
       f.write(data)
     os.replace(tmp, path)
-  except BaseException:
+  except BaseException as error:
     Path(tmp).unlink(missing_ok=True)
+    if isinstance(error, OSError):
+      raise save_failed(path, error) from error
     raise
 
 
@@ -479,10 +484,17 @@ def save_tuned_lens(path, lens: TunedLens, model, variables, *, model_name: str 
 
   Returns:
     The directory.
+
+  Raises:
+    LensError: ``lens_save_failed`` when the file system refuses a write (nothing of the file
+      is left behind).
   """
   _check_lens(model, lens)
   path = Path(path)
-  path.mkdir(parents=True, exist_ok=True)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as error:
+    raise save_failed(path, error) from error
   arrays = {}
   for i in range(lens.weight.shape[0]):
     arrays[f"{i}.weight"] = np.asarray(lens.weight[i])
