@@ -122,3 +122,13 @@ def test_an_error_mid_way_leaves_no_file_and_bad_paths_are_refused(tmp_path, mon
   monkeypatch.setattr("shutil.disk_usage", lambda path: type("Usage", (), {"free": 1000})())
   refused("circuit_graph_path", "GiB free", graph_path=tmp_path / "g")
   assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_the_memory_estimate_of_a_graph_on_disk_leaves_out_the_adjacency():
+  sizes = dict(
+    n_layers=4, seq=1000, d_model=64, d_in=64, n_heads=4, n_active=46_000, n_features=46_000
+  )
+  sizes.update(n_logits=10, batch_size=32, itemsize=4, decoder_width=64)
+  n = 46_000 + 5 * 1000 + 10
+  dense = circuits.memory_estimate(**sizes)
+  assert dense - circuits.memory_estimate(**sizes, on_disk=True) == 4 * n * n
