@@ -14,6 +14,9 @@ time per step are reported:
   jaxlens step both as it runs the model (the base run and the source run up to the site)
   and with the site's values cached (``cache_prefix=True``: ``jt.site_values`` once, then
   ``jt.intervened_output(..., site_values=)``, whose prefix is dead code in the program);
+  both read the logits at the last position only (``output_positions=``, as
+  ``jt.train_iit`` does with its default readout: the last block's query and the
+  unembedding there alone);
 * a LoReFT training step (rank 4 at every position of the same site, loss on the last half of
   the tokens): pyvene with pyreft's ``LoreftIntervention`` formula as a pyvene intervention /
   jaxlens, uncached and cached (tokens per second, and the ratio; target >= 3x). The loss
@@ -179,11 +182,15 @@ def main(argv=None):
   opt_j = optax.adam(1e-3)
   state = {"p": params, "s": opt_j.init(params)}
   jb, js, jlab = jnp.asarray(base), jnp.asarray(source), jnp.asarray(label)
+  # The loss reads the last position's logits: computed there alone, as train_iit does.
+  last = jnp.full((b, 1), s - 1, jnp.int32)
 
   @jax.jit
   def jax_das_step(p, st, v):
     def loss(p):
-      o = jt.intervened_output(lm.model, v, site, method, p, jb, js, positions=[s - 1])
+      o = jt.intervened_output(
+        lm.model, v, site, method, p, jb, js, positions=[s - 1], output_positions=last
+      )
       logp = jax.nn.log_softmax(o[:, -1])
       return -jnp.mean(jnp.take_along_axis(logp, jlab[:, None], 1))
 
@@ -203,7 +210,16 @@ def main(argv=None):
   def jax_das_cached_step(p, st, v, cache):
     def loss(p):
       o = jt.intervened_output(
-        lm.model, v, site, method, p, jb, js, positions=[s - 1], site_values=cache
+        lm.model,
+        v,
+        site,
+        method,
+        p,
+        jb,
+        js,
+        positions=[s - 1],
+        site_values=cache,
+        output_positions=last,
       )
       logp = jax.nn.log_softmax(o[:, -1])
       return -jnp.mean(jnp.take_along_axis(logp, jlab[:, None], 1))
