@@ -313,7 +313,13 @@ except ImportError:  # pragma: no cover - a jax without it: the options that mat
     return (jax.config.jax_enable_x64, jax.config.jax_numpy_dtype_promotion)
 
 
-def _in_order(fn, batches: Sequence[tuple], threads: int):
+# Programs known to be compiled: (program key, argument shapes, configuration), the most recent
+# _COMPILED_MAX; a batch whose program is not among them runs alone first (see _in_order).
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+_COMPILED_MAX = 64
+
+
+def _in_order(fn, batches: Sequence[tuple], threads: int, program: Any = None):
   """Yields ``fn(*batch)`` for each batch, in the batches' order, computed by ``threads``
   threads with at most ``2 * threads`` batches in flight.
 
@@ -321,7 +327,8 @@ def _in_order(fn, batches: Sequence[tuple], threads: int):
   jax.enable_x64(...)``, a dtype-promotion context): each worker enters the caller's x64 and
   promotion settings, and when the configuration a worker traces under still differs from the
   caller's, the batches run in the calling thread. The first batch of each shape is waited for
-  before the next is queued, so each program is traced and compiled once."""
+  before the next is queued, so each program is traced and compiled once, unless an earlier call
+  ran it (``program`` names the program apart from the batch's shapes: its static arguments)."""
   pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
   x64 = bool(jax.config.jax_enable_x64)
   promotion = jax.config.jax_numpy_dtype_promotion
@@ -334,17 +341,18 @@ def _in_order(fn, batches: Sequence[tuple], threads: int):
     pool.shutdown()
     pool = None
   in_flight: collections.deque = collections.deque()
-  seen: set = set()
   try:
     for batch in batches:
       if pool is None:
         yield fn(*batch)
         continue
       done = pool.submit(call, fn, *batch)
-      shape = tuple(np.shape(a) for a in batch)
-      if shape not in seen:
-        seen.add(shape)
+      key = (program, tuple(np.shape(a) for a in batch), _trace_context())
+      if key not in _COMPILED:
         done.result()
+        _COMPILED[key] = None
+        while len(_COMPILED) > _COMPILED_MAX:
+          _COMPILED.popitem(last=False)
       in_flight.append(done)
       while len(in_flight) > 2 * threads:
         yield in_flight.popleft().result()
@@ -517,7 +525,14 @@ def fit_jacobian_lens(
     return np.asarray(out)  # waits for the program in this thread
 
   total = np.zeros((len(layers), d, d), np.float64)
-  for part in _in_order(sums, batches, _threads(threads, len(batches))):
+  program = (
+    model,
+    tuple(layers),
+    int(skip_first_positions),
+    int(dim_batch),
+    jax.tree.structure(variables),
+  )
+  for part in _in_order(sums, batches, _threads(threads, len(batches)), program):
     total += part.astype(np.float64)
   count = len(kept)
   info = {
