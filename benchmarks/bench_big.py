@@ -993,8 +993,9 @@ def main(argv=None) -> dict:
             )
         _compare(args.work, dtype, r)
         print(json.dumps({cfg["name"]: {dtype: r}}, indent=1, default=float), flush=True)
-        for d in (one, shards):
-          shutil.rmtree(d, ignore_errors=True)
+        if not args.keep:
+          for d in (one, shards):
+            shutil.rmtree(d, ignore_errors=True)
       if m != "8b" and "casts" in parts:
         # the casts: the bfloat16 file into a float32 model and the float32 file into bfloat16
         res["casts"] = {}
@@ -1077,8 +1078,13 @@ def _compare_graphs(work: Path, dtype: str) -> dict:
     big = np.abs(y[:8]) > 1e-3 * scale
     out["slice_rows_8_entries_over_1e-3"] = int(big.sum())
     out["slice_rel_max_diff"] = float((np.abs(x[:8] - y[:8])[big] / np.abs(y[:8])[big]).max())
-  for f in (a_file, b_file):
-    f.unlink()
+  out["logit_tokens"] = [a["logit_tokens"].tolist(), b["logit_tokens"].tolist()]
+  n = len(b["logit_tokens"])
+  if a["adjacency"].shape == b["adjacency"].shape and n:
+    rows = (np.abs(a["adjacency"][-n:] - b["adjacency"][-n:])).max()
+    out["logit_rows_rel_max_diff"] = float(rows / np.abs(b["adjacency"][-n:]).max())
+  for f in (a_file, b_file):  # kept under --keep, for a second look
+    f.rename(f.with_suffix(".compared.npz"))
   return out
 
 

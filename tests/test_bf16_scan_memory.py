@@ -1,9 +1,9 @@
 """A bfloat16 model's stacked weights stay bfloat16 in the compiled sweep: XLA:CPU computes a
-dynamic slice of a bfloat16 array in float32, and in a loop over the layers it widened the whole
-stack of every weight once, before the loop (a float32 copy of the block weights: the patching
-sweep of Llama-3.2-1B in bfloat16 peaked at 3.3x its weights). The block loop slices the
-stack's bits (``jaxlens.models.scan.layer_of``) and the sweep's two runs go through the unrolled
-form."""
+concatenation and a dynamic slice of a bfloat16 array in float32, and in a loop over the layers
+it widened the whole stack of every weight once, before the loop (a float32 copy of the block
+weights: the patching sweep of Llama-3.2-1B in bfloat16 peaked at 3.3x its weights). The stack
+is built and sliced as its bits (``jaxlens.models.scan.stack_blocks``, ``layer_of``) and the
+sweep's two runs go through the unrolled form."""
 
 import dataclasses
 import re
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxlens.models import Llama, LlamaConfig
-from jaxlens.models.scan import layer_of
+from jaxlens.models.scan import layer_of, stack_blocks
 from jaxlens.sweep import _patching
 
 L = 3  # not the number of cells (4), so a stack's shape is not a batch of cells'
@@ -60,9 +60,14 @@ def test_the_sweep_holds_no_float32_stack_of_a_weight(bf16_sweep):
   model, variables, *_, compiled = bf16_sweep
   kernels = {a.shape for a in jax.tree.leaves(variables["params"]["blocks_0"]) if jnp.ndim(a) == 2}
   stacks = {f"f32[{L},{a},{b}]" for a, b in kernels}
-  buffers = _materialized(compiled.as_text())
+  hlo = compiled.as_text()
+  buffers = _materialized(hlo)
   assert not stacks & set(buffers), sorted(stacks & set(buffers))
   assert any(b.startswith("u16[") for b in buffers)  # the stack, as its bits
+  # Nor a stack concatenated in float32 inside a fusion (at this size XLA fuses it with its
+  # consumer; at Llama-3.2-1B's it was a buffer of 1 GB a weight).
+  concatenated = set(re.findall(r"= (f32\[[0-9,]+\])\S* concatenate\(", hlo))
+  assert not stacks & concatenated, sorted(stacks & concatenated)
 
 
 def test_the_bfloat16_sweep_equals_the_replayed_cells(bf16_sweep):
@@ -77,14 +82,25 @@ def test_the_bfloat16_sweep_equals_the_replayed_cells(bf16_sweep):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_layer_of_slices_and_differentiates_like_dynamic_index(dtype):
-  stacked = jnp.arange(3 * 5, dtype=dtype).reshape(3, 5) - 7
-  layer = jnp.int32(2)
-  got = jax.jit(layer_of)(stacked, layer)
+def test_stacked_layers_slice_and_differentiate_like_jnp(dtype):
+  rows = [jnp.arange(5, dtype=dtype) + 5 * i - 7 for i in range(3)]
+
+  def stacked(rows):
+    v = {"params": {f"blocks_{i}": {"w": r} for i, r in enumerate(rows)}}
+    return stack_blocks(v, 3)["params"]["blocks"]["w"]
+
+  got = jax.jit(stacked)(rows)
   assert got.dtype == jnp.dtype(dtype)
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(stacked[2], np.float32))
+  np.testing.assert_array_equal(
+    np.asarray(got, np.float32), np.asarray(jnp.stack(rows), np.float32)
+  )
+  layer = jnp.int32(2)
+  one = jax.jit(layer_of)(got, layer)
+  assert one.dtype == jnp.dtype(dtype)
+  np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(rows[2], np.float32))
   weights = jnp.arange(5, dtype=dtype)
-  grad = jax.grad(lambda s: (layer_of(s, layer) * weights).sum().astype(jnp.float32))(stacked)
-  want = np.zeros((3, 5), np.float32)
-  want[2] = np.arange(5)
-  np.testing.assert_array_equal(np.asarray(grad, np.float32), want)
+  grads = jax.grad(lambda r: (layer_of(stacked(r), layer) * weights).sum().astype(jnp.float32))(
+    rows
+  )
+  for i, g in enumerate(grads):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.arange(5) * (i == 2))

@@ -99,7 +99,7 @@ def stack_blocks(variables, n_layers: int):
     tree = dict(tree)
     blocks = [tree.pop(f"blocks_{i}") for i in range(n_layers) if f"blocks_{i}" in tree]
     if blocks:
-      tree["blocks"] = jax.tree.map(lambda *a: jnp.stack(a), *blocks)
+      tree["blocks"] = jax.tree.map(lambda *a: _stack(a), *blocks)
     out[collection] = tree
   return out
 
@@ -117,6 +117,25 @@ def unstack_blocks(variables):
         tree[f"blocks_{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
     out[collection] = tree
   return out
+
+
+@jax.custom_jvp
+def _stack_bits(arrays):
+  bits = jnp.stack([jax.lax.bitcast_convert_type(a, jnp.uint16) for a in arrays])
+  return jax.lax.bitcast_convert_type(bits, arrays[0].dtype)
+
+
+@_stack_bits.defjvp
+def _stack_bits_jvp(primals, tangents):
+  return _stack_bits(primals[0]), jnp.stack(tangents[0])
+
+
+def _stack(arrays):
+  """``jnp.stack(arrays)``; bfloat16 arrays are stacked as their bits (uint16): XLA:CPU
+  concatenates bfloat16 arrays in float32 (a float32 copy of the whole stack)."""
+  if jnp.dtype(arrays[0].dtype) == jnp.bfloat16:
+    return _stack_bits(tuple(arrays))
+  return jnp.stack(arrays)
 
 
 @jax.custom_jvp
