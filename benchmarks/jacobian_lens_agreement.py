@@ -353,6 +353,13 @@ def bench_shape(shape: dict, *, repeats: int, dim_batch: int) -> dict:
     f"least CPU), target 3x "
     f"{'met' if out['speedup_wall'] >= 3 else 'NOT met'}; load {min(load):.1f}-{max(load):.1f}"
   )
+  if "jaxlens 1 thread" in out and ours_name != "jaxlens 1 thread":
+    one = out["jaxlens 1 thread"]
+    out["speedup_wall_1_thread"] = out[best]["wall_ms"] / one["wall_ms"]
+    out["summary"] += (
+      f" (jaxlens at 1 thread: {one['prompts_per_s']:.2f} prompts/s, "
+      f"{out['speedup_wall_1_thread']:.2f}x)"
+    )
   return out
 
 
