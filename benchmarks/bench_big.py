@@ -15,11 +15,15 @@ fresh process so that its peak resident memory (``VmHWM``) is its own:
   process; target >= 0.8 of the floor), beside transformers' ``generate``;
 * ``products`` (no checkpoint): one token times one bfloat16 ``2048 x 8192`` kernel, each way
   XLA:CPU might compute it (:func:`child_products`), against a jitted sum's bandwidth;
-* ``graph``: ``jaxlens.circuits.attribute`` through random transcoders on four layers
-  (:func:`_graph`): time and peak RSS;
+* ``graph``: ``jaxlens.circuits.attribute`` through random transcoders on four layers, or on
+  every layer (``--graph-layers all``) (:func:`_graph`): time and peak RSS; with ``--ct``,
+  circuit-tracer 0.5.0's graph of the same weights, transcoders and prompt
+  (``benchmarks/bench_big_ct.py``, in /work/venv-ct), and the two graphs compared;
 * ``sweep``: ``jl.sweep.patching_sweep`` over every layer's residual stream x every position
-  of a 16-token prompt (1B shape only): time and peak RSS, beside the same grid of eager torch
-  forward hooks.
+  of a ``--sweep-seq``-token prompt (1B shape only): time and peak RSS, beside the same grid by
+  transformers' forward hooks, one forward per cell (``--sweep-cells``: a measured subset).
+
+``--models tiny`` runs Llama-3.2-1B's layout at tiny widths (a check of the plumbing).
 
 Torch runs at one thread and at its default (two here); the table gives the better, with its CPU
 time beside its wall time. The 8B model is written in bfloat16 only (float32 would not fit in
@@ -32,6 +36,10 @@ Usage::
 
   python benchmarks/bench_big.py --models 1b --parts load,trace,decode,sweep [--torch]
   python benchmarks/bench_big.py --models 8b --parts load,decode --dtypes bfloat16
+  python benchmarks/bench_big.py --models 1b --dtypes float32 --parts graph --graph-layers all \
+    --features 1024 --ct --repeats 2
+  python benchmarks/bench_big.py --models 1b --dtypes float32 --parts sweep --torch \
+    --sweep-seq 8 --sweep-cells 64
 """
 
 from __future__ import annotations
