@@ -173,25 +173,47 @@ def test_output_positions_are_checked(decoders):
 
 def test_train_iit_reads_the_last_position_only(decoders):
   """train_iit's default readout on a zoo decoder computes the output at the last position
-  alone: the losses and parameters of a readout that reads it from the whole output."""
+  alone: the losses and parameters of SGD on a loss that reads it from the whole output."""
   model, variables = decoders["gpt2"]
   rng = np.random.default_rng(4)
-  batches = [
-    {
-      "base": rng.integers(0, V, (B, S)).astype(np.int32),
-      "source": rng.integers(0, V, (B, S)).astype(np.int32),
-      "label": rng.integers(0, V, (B,)).astype(np.int32),
-    }
-  ]
+  batch = {
+    "base": rng.integers(0, V, (B, S)).astype(np.int32),
+    "source": rng.integers(0, V, (B, S)).astype(np.int32),
+    "label": rng.integers(0, V, (B,)).astype(np.int32),
+  }
   das = jt.DAS(dim=4)
   params = das.init(jax.random.key(5), 16, dtype=F64)
+  site = "blocks_0/resid_post"
   # SGD: adam's first steps divide by |gradient| + 1e-8, which turns a rounding difference
   # of a gradient entry near 1e-8 into a thousand times larger difference in the update.
-  kw = dict(steps=2, optimizer=optax.sgd(1.0), positions=[S - 2], progress=False)
-  site = "blocks_0/resid_post"
-  fast = jt.train_iit(model, variables, site, das, params, batches, **kw)
-  whole = jt.train_iit(
-    model, variables, site, das, params, batches, readout=lambda o: o[:, -1], **kw
+  fast = jt.train_iit(
+    model,
+    variables,
+    site,
+    das,
+    params,
+    [batch],
+    steps=2,
+    optimizer=optax.sgd(1.0),
+    positions=[S - 2],
+    progress=False,
   )
-  np.testing.assert_allclose(fast.losses, whole.losses, rtol=0, atol=1e-12)
-  assert _close(fast.params, whole.params) and not _close(fast.params, params)
+
+  @jax.jit
+  def grad(p):
+    def loss(p):
+      out = jt.intervened_output(
+        model, variables, site, das, p, batch["base"], batch["source"], positions=[S - 2]
+      )
+      logp = jax.nn.log_softmax(out[:, -1])  # the whole output's last position
+      return -jnp.mean(jnp.take_along_axis(logp, jnp.asarray(batch["label"])[:, None], 1))
+
+    return jax.value_and_grad(loss)(p)
+
+  p, losses = params, []
+  for _ in range(2):
+    value, g = grad(p)
+    p = jax.tree.map(lambda a, b: a - b, p, g)  # the rotation's base gets no gradient
+    losses.append(float(value))
+  np.testing.assert_allclose(fast.losses, losses, rtol=0, atol=1e-12)
+  assert _close(fast.params, p) and not _close(p, params)
