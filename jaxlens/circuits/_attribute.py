@@ -20,6 +20,7 @@ from jaxlens import distributed
 from jaxlens.internal import auto_axes
 from jaxlens.circuits._errors import CircuitError
 from jaxlens.circuits._freeze import Recording, frozen_forward, record
+from jaxlens.circuits._ondisk import GraphWriter, check_graph_path
 from jaxlens.lens import readout
 from jaxlens.circuits._prune import partial_influences
 from jaxlens.sae import CrossLayerTranscoder, Transcoder
@@ -717,8 +718,6 @@ def attribute(
   """
   toks = _check_tokens(model, tokens)
   if graph_path is not None:
-    from jaxlens.circuits._ondisk import check_graph_path
-
     graph_path = check_graph_path(graph_path)
     given = [
       name
@@ -965,8 +964,6 @@ def attribute(
   if sparse:
     kept: list = []
   elif exact and graph_path is not None:
-    from jaxlens.circuits._ondisk import GraphWriter
-
     writer = GraphWriter(
       graph_path,
       n,
