@@ -492,3 +492,23 @@ def jm_llama():
   return jm.Llama(
     jm.LlamaConfig(vocab_size=16, d_model=8, n_layers=2, n_heads=2, n_kv_heads=2, d_mlp=16)
   )
+
+
+def test_a_file_of_the_model_directory_and_a_non_zoo_model_are_named(tmp_path):
+  """``load_hf`` given the directory's ``config.json`` said "config.json is not a readable zip
+  archive (truncated or corrupt)"; ``circuits.attribute`` given the demo GPT raised a raw
+  ``AttributeError`` (``config``)."""
+  from jaxlens import circuits
+  from jaxlens.models import init_gpt, load_hf
+
+  (tmp_path / "config.json").write_text("{}")
+  with pytest.raises(jl.JaxlensError, match="is a file, not a model directory") as e:
+    load_hf(tmp_path / "config.json")
+  assert e.value.fields["code"] == "file_not_found"
+  assert repr(str(tmp_path)) in e.value.fields["fix"]
+  model, variables, tokens = init_gpt(
+    0, n_layers=1, d_model=8, n_heads=2, max_len=4, vocab_size=8, batch=1
+  )
+  with pytest.raises(jl.JaxlensError, match="GPT is not a decoder of jaxlens.models") as e:
+    circuits.attribute(model, variables, np.asarray(tokens)[0], [None])
+  assert e.value.fields["code"] == "circuit_unsupported_model"

@@ -303,6 +303,16 @@ def _check_graph(graph) -> None:
 
 
 def _check_tokens(model, tokens):
+  if getattr(model, "config", None) is None or not hasattr(model.config, "n_layers"):
+    # (the demo GPT has layer sites but no zoo configuration: config.n_layers raised a raw
+    # AttributeError)
+    raise CircuitError(
+      f"{type(model).__name__} is not a decoder of jaxlens.models: an attribution graph reads "
+      "its configuration and the sites the zoo names",
+      code="circuit_unsupported_model",
+      received=type(model).__name__,
+      fix="a decoder of jaxlens.models with scan_layers=False",
+    )
   t = np.asarray(tokens)
   if t.ndim == 2 and t.shape[0] == 1:
     t = t[0]

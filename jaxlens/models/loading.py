@@ -668,6 +668,15 @@ class _Source:
         tensor=None,
         fix="pass a directory holding config.json",
       )
+    if self.path.is_file() and self.path.suffix in (".json", ".safetensors", ".bin", ".gguf"):
+      # (a file of the model's directory, such as its config.json or model.safetensors, was
+      # read as a damaged zip archive)
+      raise LoadError(
+        f"{self.path} is a file, not a model directory or a zip archive of one",
+        code="file_not_found",
+        tensor=self.path.name,
+        fix=f"pass its directory: load_hf({str(self.path.parent)!r})",
+      )
     try:
       self.zip = zipfile.ZipFile(self.path) if self.path.is_file() else None
     except (zipfile.BadZipFile, OSError) as e:
