@@ -32,6 +32,20 @@ __all__ = [
 ]
 
 
+def _drop_dangling(node_mask, keep, r, c, inner: int, n_features: int) -> None:
+  """Drops, in place until nothing changes, the nodes among the first ``inner`` (features and
+  errors) without a kept outgoing edge (column ``c``) and the features without a kept incoming
+  one (row ``r``), and the edges ``keep`` marks that touch a dropped node."""
+  n = len(node_mask)
+  while True:
+    old = node_mask.copy()
+    node_mask[:inner] &= np.bincount(c[keep], minlength=n)[:inner] > 0
+    node_mask[:n_features] &= np.bincount(r[keep], minlength=n)[:n_features] > 0
+    keep &= node_mask[r] & node_mask[c]
+    if np.array_equal(node_mask, old):
+      break
+
+
 def is_sparse(matrix) -> bool:
   """Whether ``matrix`` is a ``scipy.sparse`` matrix or array (a graph with sparse rows)."""
   return hasattr(matrix, "tocsr") and not isinstance(matrix, np.ndarray)
@@ -242,14 +256,7 @@ def _prune_sparse(graph, node_threshold, edge_threshold) -> PruneResult:
   edge_influence = compute_influence(normalized, weights) + weights
   edge_scores = normalized.data * edge_influence[r]
   keep = edge_scores >= find_threshold(edge_scores, edge_threshold)
-  inner = n - n_logits - n_tokens
-  while True:
-    old = node_mask.copy()
-    node_mask[:inner] &= np.bincount(c[keep], minlength=n)[:inner] > 0
-    node_mask[:n_features] &= np.bincount(r[keep], minlength=n)[:n_features] > 0
-    keep &= node_mask[r] & node_mask[c]
-    if np.array_equal(node_mask, old):
-      break
+  _drop_dangling(node_mask, keep, r, c, n - n_logits - n_tokens, n_features)
   edge_mask = sparse.csr_array((keep, a.indices.copy(), a.indptr.copy()), shape=a.shape)
   edge_mask.eliminate_zeros()
   return PruneResult(node_mask, edge_mask, _cumulative(node_influence))
@@ -448,14 +455,7 @@ def _prune_blocked(graph, node_threshold, edge_threshold) -> PruneResult:
   r = np.concatenate(r_all) if r_all else np.zeros(0, np.int64)
   c = np.concatenate(c_all) if c_all else np.zeros(0, np.int64)
   keep = np.ones(len(r), bool)
-  inner = n - n_logits - n_tokens
-  while True:
-    old = node_mask.copy()
-    node_mask[:inner] &= np.bincount(c[keep], minlength=n)[:inner] > 0
-    node_mask[:n_features] &= np.bincount(r[keep], minlength=n)[:n_features] > 0
-    keep &= node_mask[r] & node_mask[c]
-    if np.array_equal(node_mask, old):
-      break
+  _drop_dangling(node_mask, keep, r, c, n - n_logits - n_tokens, n_features)
   edge_mask = sparse.csr_array((np.ones(int(keep.sum()), bool), (r[keep], c[keep])), shape=(n, n))
   return PruneResult(node_mask, edge_mask, _cumulative(node_influence))
 
