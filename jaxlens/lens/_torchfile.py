@@ -226,17 +226,29 @@ def write_object(path, obj) -> None:
   buf = io.BytesIO()
   _Writer(buf, protocol=2).dump(state)
   archive = path.stem or "archive"
-  try:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-  except OSError as error:
-    raise save_failed(path, error) from error
-  try:
-    with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
+
+  def fill(f):
+    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
       z.writestr(f"{archive}/data.pkl", buf.getvalue())
       z.writestr(f"{archive}/byteorder", "little")
       for key, data in blobs:
         z.writestr(f"{archive}/data/{key}", data)
       z.writestr(f"{archive}/version", "3\n")
+
+  write_atomic(path, fill)
+
+
+def write_atomic(path: Path, fill) -> None:
+  """Writes ``path`` atomically: ``fill(f)`` writes a temporary file in the same directory,
+  which is then renamed over ``path``; on any error the temporary file is removed, and an
+  ``OSError`` is ``lens_save_failed``."""
+  try:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  except OSError as error:
+    raise save_failed(path, error) from error
+  try:
+    with os.fdopen(fd, "wb") as f:
+      fill(f)
     os.replace(tmp, path)
   except BaseException as error:
     Path(tmp).unlink(missing_ok=True)

@@ -9,8 +9,6 @@ import functools
 import hashlib
 import itertools
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -22,7 +20,7 @@ import optax
 
 from jaxlens.lens._logit import check_layers, layer_count, residuals
 from jaxlens.lens._readout import LensError, readout
-from jaxlens.lens._torchfile import read_state_dict, save_failed, write_state_dict
+from jaxlens.lens._torchfile import read_state_dict, save_failed, write_atomic, write_state_dict
 from jaxlens.internal import auto_axes, path_argument
 
 __all__ = [
@@ -460,22 +458,6 @@ def unembed_hash(model, variables) -> str:
     return hashlib.sha256(str.encode(np.array_str(matrix, precision=1))).hexdigest()
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-  try:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-  except OSError as error:
-    raise save_failed(path, error) from error
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-    os.replace(tmp, path)
-  except BaseException as error:
-    Path(tmp).unlink(missing_ok=True)
-    if isinstance(error, OSError):
-      raise save_failed(path, error) from error
-    raise
-
-
 def save_tuned_lens(path, lens: TunedLens, model, variables, *, model_name: str = "") -> Path:
   """Writes ``lens`` as the ``tuned-lens`` package does (``TunedLens.save``): a directory
   with ``params.pt`` (translator ``i``'s ``{i}.weight``, ``{i}.bias``) and ``config.json``
@@ -509,7 +491,7 @@ def save_tuned_lens(path, lens: TunedLens, model, variables, *, model_name: str 
     "unembed_hash": unembed_hash(model, variables),
     "lens_type": "linear_tuned_lens",
   }
-  _atomic_write(path / "config.json", json.dumps(config).encode())
+  write_atomic(path / "config.json", lambda f: f.write(json.dumps(config).encode()))
   return path
 
 
