@@ -13,20 +13,21 @@ Usage::
 """
 
 import json
+import os
 import resource
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from circuit_tracer import attribute
-from circuit_tracer.replacement_model import ReplacementModel
-from circuit_tracer.transcoder import SingleLayerTranscoder, TranscoderSet
-from transformer_lens import HookedTransformerConfig
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _ct_model import build, weights  # noqa: E402
 
 seq = int(sys.argv[1])
 repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-L, D, V, F = 4, 64, 512, 256
 
 
 def peak_mb():
@@ -38,62 +39,8 @@ def cpu_s():
   return r.ru_utime + r.ru_stime
 
 
-torch.manual_seed(0)
-cfg = HookedTransformerConfig(
-  n_layers=L,
-  d_model=D,
-  n_ctx=max(seq, 16),
-  d_head=16,
-  n_heads=4,
-  d_mlp=4 * D,
-  d_vocab=V,
-  act_fn="gelu_new",
-  normalization_type="LN",
-  dtype=torch.float32,
-  device="cpu",
-  positional_embedding_type="standard",
-)
-g = torch.Generator().manual_seed(1)
-tcs = {}
-for i in range(L):
-  t = SingleLayerTranscoder(
-    D, F, torch.nn.ReLU(), i, dtype=torch.float32, device=torch.device("cpu")
-  )
-  with torch.no_grad():
-    t.W_enc.copy_(torch.randn(F, D, generator=g) * 0.3)
-    t.b_enc.copy_(torch.randn(F, generator=g) * 0.1 - 4.0)  # a few percent fire
-    t.W_dec.copy_(torch.randn(F, D, generator=g) * 0.2)
-    t.b_dec.copy_(torch.randn(D, generator=g) * 0.05)
-  tcs[i] = t
-tset = TranscoderSet(
-  tcs, feature_input_hook="ln2.hook_normalized", feature_output_hook="hook_mlp_out"
-)
-model = ReplacementModel.from_config(cfg, tset, backend="transformerlens")
-
-
-class Tok:
-  all_special_ids = [0]
-  bos_token_id = 0
-  pad_token_id = 0
-  eos_token_id = 0
-  vocab_size = V
-  padding_side = "right"
-
-  def decode(self, ids):
-    ids = ids if isinstance(ids, list) else [int(ids)] if np.ndim(ids) == 0 else list(ids)
-    return " ".join(f"t{int(i)}" for i in ids)
-
-
-model.tokenizer = Tok()
-rng = np.random.default_rng(0)
-tokens = torch.tensor(np.concatenate([[0], rng.integers(1, V, seq - 1)]))
-out = {
-  f"w/{k}": v.detach().numpy() for k, v in model.state_dict().items() if "transcoders" not in k
-}
-for i in range(L):
-  for k in ("W_enc", "b_enc", "W_dec", "b_dec"):
-    out[f"tc{i}/{k}"] = getattr(tcs[i], k).detach().numpy()
-out["tokens"] = tokens.numpy()
+model, tcs, tokens = build(seq)
+out = weights(model, tcs, tokens)
 default = torch.get_num_threads()
 runs = {"1": [], str(default): []}
 cpus = {"1": [], str(default): []}
@@ -119,6 +66,5 @@ result = {
   "rss_before_mb": before,
   "threads_default": default,
 }
-Path = __import__("pathlib").Path
 Path(f"/tmp/ct/bench_{seq}.json").write_text(json.dumps(result, indent=1))
 print(json.dumps(result))
