@@ -3,7 +3,8 @@ benchmarks/bench_circuits_memory_ct.py (run in /work/venv-ct: circuit-tracer 0.5
 transformers 4.56-4.57): a random GPT-2-layout TransformerLens model (4 layers, d_model 64, 4
 heads, vocabulary 512) with random per-layer ReLU transcoders of 256 features, built offline (the
 tokenizer attribute is a stand-in, since ``set_tokenizer`` downloads one), and the weights in the
-layout benchmarks/bench_circuits_vs_ct.py and bench_circuits_memory.py read back for jaxlens."""
+layout benchmarks/bench_circuits_vs_ct.py and bench_circuits_memory.py read back for jaxlens.
+``Tok`` also serves benchmarks/circuits_agreement_ct.py and bench_big_ct.py."""
 
 import numpy as np
 import torch
@@ -15,14 +16,16 @@ L, D, V, F = 4, 64, 512, 256
 
 
 class Tok:
-  """What circuit-tracer reads of a tokenizer: the special ids and ``decode``."""
+  """What circuit-tracer reads of a tokenizer: the special ids (token 0) and ``decode``."""
 
   all_special_ids = [0]
   bos_token_id = 0
   pad_token_id = 0
   eos_token_id = 0
-  vocab_size = V
   padding_side = "right"
+
+  def __init__(self, vocab_size: int):
+    self.vocab_size = vocab_size
 
   def decode(self, ids):
     ids = ids if isinstance(ids, list) else [int(ids)] if np.ndim(ids) == 0 else list(ids)
@@ -63,7 +66,7 @@ def build(seq: int):
     tcs, feature_input_hook="ln2.hook_normalized", feature_output_hook="hook_mlp_out"
   )
   model = ReplacementModel.from_config(cfg, tset, backend="transformerlens")
-  model.tokenizer = Tok()
+  model.tokenizer = Tok(V)
   rng = np.random.default_rng(0)
   tokens = torch.tensor(np.concatenate([[0], rng.integers(1, V, seq - 1)]))
   return model, tcs, tokens

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +42,9 @@ from circuit_tracer.replacement_model.replacement_model_transformerlens import (
 from circuit_tracer.transcoder import SingleLayerTranscoder, TranscoderSet
 from safetensors import safe_open
 from transformer_lens import HookedTransformerConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ct_model import Tok  # noqa: E402
 
 
 def _status(key: str) -> int:
@@ -157,23 +161,6 @@ def load_weights(model, path: Path, cfg: dict) -> None:
   missing = set(sd) - written
   if missing:  # init_weights=False leaves them uninitialised
     raise RuntimeError(f"parameters not written: {sorted(missing)[:5]}")
-
-
-class Tok:
-  """The stand-in tokenizer circuit-tracer reads (special token 0)."""
-
-  all_special_ids = [0]
-  bos_token_id = 0
-  pad_token_id = 0
-  eos_token_id = 0
-  padding_side = "right"
-
-  def __init__(self, vocab_size):
-    self.vocab_size = vocab_size
-
-  def decode(self, ids):
-    ids = ids if isinstance(ids, list) else [int(ids)] if np.ndim(ids) == 0 else list(ids)
-    return " ".join(f"t{int(i)}" for i in ids)
 
 
 def main(argv=None) -> dict:

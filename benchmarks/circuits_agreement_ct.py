@@ -22,6 +22,9 @@ from circuit_tracer.replacement_model import ReplacementModel
 from circuit_tracer.transcoder import SingleLayerTranscoder, TranscoderSet
 from circuit_tracer.graph import prune_graph, compute_graph_scores
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ct_model import Tok  # noqa: E402
+
 kind = sys.argv[1] if len(sys.argv) > 1 else "plain"
 skip = kind == "skip"
 torch.manual_seed(0)
@@ -151,20 +154,7 @@ with torch.no_grad():  # random LN gains and biases too (init leaves them 1 and 
       p.add_(torch.randn(p.shape, generator=g) * 0.1)
 
 
-class Tok:
-  all_special_ids = [0]
-  bos_token_id = 0
-  pad_token_id = 0
-  eos_token_id = 0
-  vocab_size = V
-  padding_side = "right"
-
-  def decode(self, ids):
-    ids = ids if isinstance(ids, list) else [int(ids)] if np.ndim(ids) == 0 else list(ids)
-    return " ".join(f"t{int(i)}" for i in ids)
-
-
-model.tokenizer = Tok()
+model.tokenizer = Tok(V)
 tokens = torch.tensor([0, 5, 7, 3, 9, 2, 11, 4])
 import os
 
