@@ -72,6 +72,14 @@ BLOCK_SITES = {
 }
 
 
+def _numpy_init(model):
+  """Normal(0, 0.3) parameters drawn with numpy in the shapes of ``model.init`` (no initialiser
+  compiled or run eagerly), for the tests whose claim does not depend on the draw."""
+  rng = np.random.default_rng(0)
+  shapes = jax.eval_shape(model.init, jax.random.key(0), TOKENS)
+  return jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), shapes)
+
+
 def _init(model):
   method = "pool" if isinstance(model, Bert) else None
   return jax.jit(lambda key: model.init(key, TOKENS, method=method))(jax.random.key(0))
@@ -122,40 +130,53 @@ def test_a_named_site_on_every_door(llama, tmp_path):
   model, variables = llama
   site = jl.module("blocks_1/mlp_out")
   spec = jl.when(site, jl.zero_ablate())
-  live = spec.bind(model)(variables, TOKENS)
-  captured = jl.trace(model, variables, TOKENS, intervene=spec).output
-  base = jl.trace(model, variables, TOKENS)
-  replayed = base.fork().do(site, jl.zero_ablate()).output
-  rerun = base.do(site, jl.zero_ablate(), model=model, inputs=(TOKENS,)).output
-  set_only = (
-    base.do(site, jl.zero_ablate(), intervention=jl.InterventionOptions(engine="set_only"))
-    .run()
-    .output
-  )
   spec.save(tmp_path / "spec")
-  saved = jl.load_spec(tmp_path / "spec").bind(model)(variables, TOKENS)
-  assert not np.allclose(live, base.output)
-  for other in (captured, replayed, rerun, set_only, saved):
+  loaded = jl.load_spec(tmp_path / "spec")
+  some = jl.when(jl.units(jl.module("blocks_0/resid_post"), jnp.asarray([0, 2])), jl.zero_ablate())
+
+  @jax.jit
+  def doors(v):  # every door in one program
+    base = jl.trace(model, v, TOKENS)
+    set_only = jl.InterventionOptions(engine="set_only")
+    return (
+      spec.bind(model)(v, TOKENS),
+      base.output,
+      (
+        jl.trace(model, v, TOKENS, intervene=spec).output,
+        base.fork().do(site, jl.zero_ablate()).output,
+        base.do(site, jl.zero_ablate(), model=model, inputs=(TOKENS,)).output,
+        base.do(site, jl.zero_ablate(), intervention=set_only).run().output,
+        loaded.bind(model)(v, TOKENS),
+      ),
+      jax.grad(lambda w: spec.bind(model)(w, TOKENS).sum())(v)["params"],
+      jl.trace(model, v, TOKENS, intervene=some, save=jl.module("blocks_0/resid_post")),
+    )
+
+  live, plain, others, grads, t = doors(variables)
+  assert not np.allclose(live, plain)
+  for other in others:
     np.testing.assert_allclose(other, live, atol=1e-12)
   # Zeroing the MLP output cuts every gradient to that MLP's weights, and only those.
-  grads = jax.grad(lambda v: spec.bind(model)(v, TOKENS).sum())(variables)["params"]
   assert not np.asarray(grads["blocks_1"]["mlp"]["up_proj"]["kernel"]).any()
   assert np.asarray(grads["blocks_0"]["mlp"]["up_proj"]["kernel"]).any()
   # Selections work on named sites: zero two features of one layer's residual stream.
-  some = jl.when(jl.units(jl.module("blocks_0/resid_post"), jnp.asarray([0, 2])), jl.zero_ablate())
-  t = jl.trace(model, variables, TOKENS, intervene=some, save=jl.module("blocks_0/resid_post"))
   resid = np.asarray(t["blocks_0/resid_post"].out)
   assert not resid[..., [0, 2]].any() and resid[..., 1].all()
 
 
 @pytest.fixture(scope="module")
-def llama_logits(llama):
-  model, variables = llama
-  return np.asarray(jax.jit(model.apply)(variables, TOKENS))
+def llama_forward(llama):
+  """The float64 Llama's jitted forward (one compilation for the module's float64 runs)."""
+  return jax.jit(llama[0].apply)
+
+
+@pytest.fixture(scope="module")
+def llama_logits(llama, llama_forward):
+  return np.asarray(llama_forward(llama[1], TOKENS))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
-def test_dtypes_jit_vmap_grad(llama, llama_logits, dtype):
+def test_dtypes_jit_vmap_grad(llama, llama_forward, llama_logits, dtype):
   _, variables64 = llama
   model = Llama(LlamaConfig(**{**LLAMA.__dict__, "dtype": dtype}))
   variables = jax.tree.map(lambda a: a.astype(dtype), variables64)
@@ -180,9 +201,7 @@ def test_dtypes_jit_vmap_grad(llama, llama_logits, dtype):
   ref = (
     llama_logits
     if dtype != jnp.bfloat16
-    else np.asarray(
-      jax.jit(Llama(LLAMA).apply)(jax.tree.map(lambda a: a.astype(jnp.float64), variables), TOKENS)
-    )
+    else np.asarray(llama_forward(jax.tree.map(lambda a: a.astype(jnp.float64), variables), TOKENS))
   )
   tol = {jnp.float32: 1e-5, jnp.bfloat16: 0.05, jnp.float64: 1e-12}[dtype]
   scale = np.abs(ref).max()
@@ -202,19 +221,28 @@ def test_padding_masks(family):
   if name == "bert":  # right padding: the real positions keep their hidden states
     padded = jnp.concatenate([row, jnp.zeros((1, pad), jnp.int32)], 1)
     mask = jnp.asarray([[1] * 5 + [0] * pad])
-    out = model.apply(variables, padded, attention_mask=mask)
-    np.testing.assert_allclose(out[:, :5], model.apply(variables, row), atol=1e-10)
-    emb = model.apply(variables, padded, mask, method="sentence_embedding")
-    np.testing.assert_allclose(
-      emb, model.apply(variables, row, method="sentence_embedding"), atol=1e-10
-    )
+
+    @jax.jit
+    def run(v):
+      return (
+        model.apply(v, padded, attention_mask=mask),
+        model.apply(v, row),
+        model.apply(v, padded, mask, method="sentence_embedding"),
+        model.apply(v, row, method="sentence_embedding"),
+      )
+
+    out, alone, emb, emb_alone = run(variables)
+    np.testing.assert_allclose(out[:, :5], alone, atol=1e-10)
+    np.testing.assert_allclose(emb, emb_alone, atol=1e-10)
     return
   # left padding for a decoder: per-row positions and a key mask, as generation batches do
   padded = jnp.concatenate([jnp.zeros((1, pad), jnp.int32), row], 1)
   mask = jnp.asarray([[0] * pad + [1] * 5])
   positions = jnp.maximum(jnp.cumsum(mask, 1) - 1, 0)
-  out = model.apply(variables, padded, mask, positions)
-  np.testing.assert_allclose(out[:, pad:], model.apply(variables, row), atol=1e-10)
+  out, alone = jax.jit(lambda v: (model.apply(v, padded, mask, positions), model.apply(v, row)))(
+    variables
+  )
+  np.testing.assert_allclose(out[:, pad:], alone, atol=1e-10)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -504,7 +532,7 @@ def test_the_tied_unembedding_reads_the_table_as_stored(kind):
     "gpt_neox": lambda: _one_layer("gpt_neox", vocab, tie_embeddings=True),
     "gemma3": lambda: _one_layer("gemma3", vocab),
   }[kind]()
-  variables = model.init(jax.random.key(0), TOKENS)
+  variables = _numpy_init(model)
   table = variables["params"]["embed"]["embedding"]
   jaxpr = jax.make_jaxpr(model.apply)(variables, TOKENS).jaxpr
   transposed = {
@@ -533,7 +561,7 @@ def test_a_call_reads_the_stored_parameters_and_checks_their_shapes(kind, monkey
     "bert": lambda: Bert(BERT),
     "demo_gpt": lambda: GPT(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_len=8),
   }[kind]()
-  variables = model.init(jax.random.key(0), TOKENS)
+  variables = _numpy_init(model)
   expected = model.apply(variables, TOKENS)
 
   traced = []
