@@ -12,7 +12,8 @@ fresh process so that its peak resident memory (``VmHWM``) is its own:
   position's logits against transformers' (``output_hidden_states=True``);
 * ``decode``: greedy ``jl.generate`` tokens/s against the memory-bandwidth floor (the bytes of
   weights a step reads over the bandwidth of a jitted sum over 1 GiB, measured in the same
-  process; target >= 0.8 of the floor), beside transformers' ``generate``;
+  process; target >= 0.8 of the floor), with flax's ``(in, out)`` kernels and again with
+  ``load_hf(layout="rows")`` (``jax_rows`` in the results), beside transformers' ``generate``;
 * ``products`` (no checkpoint): one token times one bfloat16 ``2048 x 8192`` kernel, each way
   XLA:CPU might compute it (:func:`child_products`), against a jitted sum's bandwidth;
 * ``graph``: ``jaxlens.circuits.attribute`` through random transcoders on four layers, or on
@@ -296,7 +297,7 @@ def _tokens(vocab: int, seq: int, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(1, vocab, (1, seq)).astype(np.int32)
 
 
-def _jax_load(path, dtype):
+def _jax_load(path, dtype, layout="columns"):
   import jax
   import jax.numpy as jnp
 
@@ -306,7 +307,7 @@ def _jax_load(path, dtype):
   base = _status("VmRSS:")
   _reset_peak()
   t0, c0 = time.perf_counter(), time.process_time()
-  lm = load_hf(path, dtype=getattr(jnp, dtype))
+  lm = load_hf(path, dtype=getattr(jnp, dtype), layout=layout)
   jax.block_until_ready(lm.variables)
   load_s, load_cpu_s = time.perf_counter() - t0, time.process_time() - c0
   weights = sum(x.nbytes for x in jax.tree.leaves(lm.variables))
@@ -360,7 +361,8 @@ def child_jax(args) -> dict:
     jaxlens.models.compact.WIDEN_BYTES = args.widen_bytes
     jaxlens.models.compact.WIDEN_BYTES_FEW = args.widen_bytes
   out: dict = {"side": "jaxlens", "dtype": args.dtype}
-  lm, out["load"] = _jax_load(args.path, args.dtype)
+  lm, out["load"] = _jax_load(args.path, args.dtype, args.layout)
+  out["layout"] = args.layout
   cfg = json.loads((Path(args.path) / "config.json").read_text())
   model, variables = lm.model, lm.variables
   base = out["load"]["base_rss"]
@@ -883,6 +885,12 @@ def parse_args(argv=None):
   p.add_argument("--path", default=None)
   p.add_argument("--work", default=None)
   p.add_argument("--dtype", default="float32")
+  p.add_argument(
+    "--layout",
+    default="columns",
+    choices=("columns", "rows"),
+    help="a child's load_hf layout (the parent runs decode in both)",
+  )
   p.add_argument("--threads-one", dest="threads_one", type=int, default=0)
   return p.parse_args(argv)
 
@@ -980,6 +988,11 @@ def main(argv=None) -> dict:
         rest = [p for p in parts if p not in ("load", "casts")]
         if rest and not args.no_jax:
           r["jax"] = _run_child(_child_argv(args, "jax", src, dtype, rest), need + 2, 3600)
+        if "decode" in parts and not args.no_jax:
+          # the same decoding with every kernel kept as the checkpoint's (out, in) rows
+          r["jax_rows"] = _run_child(
+            _child_argv(args, "jax", src, dtype, ["decode"]) + ["--layout", "rows"], need + 2, 3600
+          )
         if args.ct and "graph" in parts and dtype == "float32":
           r["circuit_tracer"] = _run_ct(args, src, need + 2)
           r["graph_agreement"] = _compare_graphs(args.work, dtype)

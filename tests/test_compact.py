@@ -116,3 +116,103 @@ def test_bfloat16_weights_run_in_the_float32_model(tiny):
   assert out.dtype == jnp.float32
   ref = apply({"params": jax.tree.map(lambda a: a.astype(jnp.float32), b)}, TOKENS)
   np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def _tiny_checkpoint(path):
+  """A two-layer Llama checkpoint as transformers writes it (kernels ``(out, in)``), random."""
+  from safetensors.numpy import save_file
+
+  rng = np.random.default_rng(0)
+  v, d, f, h, kv = 32, 16, 24, 4, 2
+  config = {
+    "model_type": "llama",
+    "vocab_size": v,
+    "hidden_size": d,
+    "intermediate_size": f,
+    "num_hidden_layers": 2,
+    "num_attention_heads": h,
+    "num_key_value_heads": kv,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+  }
+  shapes = {
+    "model.embed_tokens.weight": (v, d),
+    "model.norm.weight": (d,),
+    "lm_head.weight": (v, d),
+  }
+  for i in range(2):
+    b = f"model.layers.{i}."
+    shapes |= {b + "input_layernorm.weight": (d,), b + "post_attention_layernorm.weight": (d,)}
+    for p, s in (("q", (d, d)), ("k", (d // h * kv, d)), ("v", (d // h * kv, d)), ("o", (d, d))):
+      shapes[b + f"self_attn.{p}_proj.weight"] = s
+    for p, s in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+      shapes[b + f"mlp.{p}_proj.weight"] = s
+  save_file(
+    {k: rng.standard_normal(s) * 0.3 for k, s in shapes.items()}, str(path / "model.safetensors")
+  )
+  (path / "config.json").write_text(__import__("json").dumps(config))
+  return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  return _tiny_checkpoint(tmp_path_factory.mktemp("rows"))
+
+
+def test_rows_layout_computes_what_columns_compute(checkpoint):
+  """``load_hf(layout="rows")`` keeps every kernel as the checkpoint's ``(out, in)`` rows; the
+  model's logits under an edit, generated tokens and weight gradients are the columns model's
+  (float64: to rounding)."""
+  from jaxlens.models import load_hf
+
+  path = checkpoint
+  cols, rows = load_hf(path, jnp.float64), load_hf(path, jnp.float64, layout="rows")
+  kernel = rows.variables["params"]["blocks_1"]["mlp"]["down_proj"]["kernel"]
+  assert isinstance(kernel, compact.Rows) and kernel.shape == (16, 24)  # (out, in)
+  np.testing.assert_array_equal(
+    kernel.values.T, cols.variables["params"]["blocks_1"]["mlp"]["down_proj"]["kernel"]
+  )
+  assert not isinstance(rows.variables["params"]["embed"]["embedding"], compact.Rows)
+  model, tokens = cols.model, jnp.asarray([[3, 1, 4, 1, 5, 9]])
+  site = jl.module("blocks_0/resid_mid")
+  steer = jl.when(site, jl.steer(jnp.ones(16, jnp.float64), 0.5))
+
+  @jax.jit
+  def run(v):
+    def loss(v):
+      logits = steer.bind(model)(v, tokens)
+      return jax.nn.logsumexp(logits[0, -1]), logits
+
+    return jax.grad(loss, has_aux=True)(v)
+
+  (g_c, out_c), (g_r, out_r) = run(cols.variables), run(rows.variables)
+  np.testing.assert_allclose(out_r, out_c, rtol=1e-12, atol=1e-12)
+  g_rows = g_r["params"]["blocks_0"]["attn"]["q_proj"]["kernel"]
+  assert isinstance(g_rows, compact.Rows)
+  np.testing.assert_allclose(
+    g_rows.values.T, g_c["params"]["blocks_0"]["attn"]["q_proj"]["kernel"], rtol=1e-10, atol=1e-12
+  )
+  gen_c = jl.generate(model, cols.variables, tokens, 3).tokens
+  np.testing.assert_array_equal(jl.generate(model, rows.variables, tokens, 3).tokens, gen_c)
+  # rows_params converts a loaded model's columns; dequantize turns rows back into columns
+  converted = compact.rows_params(cols.variables["params"])
+  assert jax.tree.all(jax.tree.map(np.array_equal, converted, rows.variables["params"]))
+  back = compact.dequantize(rows.variables["params"], jnp.float64)
+  assert jax.tree.all(jax.tree.map(np.array_equal, back, cols.variables["params"]))
+  with pytest.raises(LoadError, match="unknown layout='cols'") as e:
+    load_hf(path, layout="cols")
+  assert e.value.code == "invalid_argument"
+
+
+def test_bfloat16_rows_run_in_the_float32_model(checkpoint):
+  """bfloat16 rows in a float32 model go through the chunked widening product (times_wide over
+  the rows) and give the bfloat16 columns model's values."""
+  from jaxlens.models import load_hf
+
+  lm = load_hf(checkpoint, jnp.float32)
+  b = compact.compact_params(lm.variables["params"], "bfloat16")
+  r = compact.rows_params(b)
+  kernel = r["blocks_0"]["mlp"]["up_proj"]["kernel"]
+  assert isinstance(kernel, compact.Rows) and kernel.values.dtype == jnp.bfloat16
+  apply, tokens = jax.jit(lm.model.apply), jnp.asarray([[3, 1, 4, 1, 5]])
+  np.testing.assert_allclose(apply({"params": r}, tokens), apply({"params": b}, tokens), atol=1e-5)
