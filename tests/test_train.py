@@ -284,14 +284,20 @@ def test_loreft_finetuning_then_generation_per_row():
   model = Llama(
     LlamaConfig(vocab_size=24, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_mlp=24)
   )
-  variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-  # Larger weights than the default init, whose logits are nearly flat.
-  variables = jax.tree.map(lambda a: a * 20.0 if a.ndim == 2 else a, variables)
+
+  # The initialisations run as one program each (eagerly, each of their ops compiles its own).
+  @jax.jit
+  def init(key):
+    variables = model.init(key, jnp.zeros((1, 4), jnp.int32))
+    # Larger weights than the default init, whose logits are nearly flat.
+    return jax.tree.map(lambda a: a * 20.0 if a.ndim == 2 else a, variables)
+
+  variables = init(jax.random.key(0))
   rng = np.random.default_rng(0)
   pairs = [(rng.integers(1, 24, 4).tolist(), [7, 8]) for _ in range(12)]
   method = jt.LoReFT(rank=4)
   site = "blocks_1/resid_post"
-  params = method.init(jax.random.key(1), 16)
+  params = jax.jit(method.init, static_argnums=1)(jax.random.key(1), 16)
   before = jax.tree.map(np.asarray, variables)
   result = jt.train_reft(
     model,
@@ -320,7 +326,7 @@ def test_loreft_finetuning_then_generation_per_row():
   second = jnp.argmax(forward(variables, jnp.concatenate([prompts, first[:, None]], 1))[:, -1], -1)
   second = second.astype(jnp.int32)
   np.testing.assert_array_equal(jnp.stack([first, second], 1), out.tokens)
-  plain = jnp.argmax(model.apply(variables, prompts)[:, -1], -1)
+  plain = jnp.argmax(jax.jit(model.apply)(variables, prompts)[:, -1], -1)
   assert int(first[1]) == int(plain[1])  # the unselected row is the plain model's
 
 
