@@ -1,6 +1,7 @@
 """Low-rank DAS on SmolLM2-135M-Instruct: where "The capital of X is" keeps X.
 
-``PYTHONPATH=. python examples/das_smollm2.py [--steps 30] [--layers N]``
+``PYTHONPATH=. python examples/das_smollm2.py [--steps 30] [--site blocks_4/resid_post]
+[--layers N]``
 
 Four prompts "The capital of {France, Italy, Germany, Spain} is" (5 tokens each; the country is
 token 3). Interchange intervention training aligns a rank-4 subspace of the residual stream after
@@ -9,7 +10,7 @@ prompt, and the label is the source's capital. All 16 (base, source) pairs are t
 and the evaluation (a demonstration that the loop runs on the shipped model offline, not a
 held-out finding). ``--layers N`` runs the model cut after its first N blocks
 (``Pretrained.first_layers``): the same loop at a fraction of the compile time, whose labels are
-then read through the logit lens of block N - 1.
+then read through the logit lens of block N - 1 (with ``--site`` on one of those blocks).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ CAPITALS = [" Paris", " Rome", " Berlin", " Madrid"]
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=30)
+  parser.add_argument("--site", default=SITE, help="the residual stream site aligned")
   parser.add_argument(
-    "--layers", type=int, default=None, help="keep only the first N blocks (N > 4: a quick run)"
+    "--layers", type=int, default=None, help="keep only the first N blocks (past the site's)"
   )
   args = parser.parse_args(argv)
   lm = jm.smollm2()
@@ -51,7 +53,7 @@ def main(argv=None):
   result = jt.train_iit(
     lm.model,
     lm.variables,
-    SITE,
+    args.site,
     method,
     params,
     [batch],
@@ -60,9 +62,11 @@ def main(argv=None):
     positions=[POSITION],
   )
   seconds = time.perf_counter() - t0
-  iia = jt.iia(lm.model, lm.variables, SITE, method, result.params, batch, positions=[POSITION])
+  iia = jt.iia(
+    lm.model, lm.variables, args.site, method, result.params, batch, positions=[POSITION]
+  )
   report = {
-    "site": SITE,
+    "site": args.site,
     "position": POSITION,
     "rank": 4,
     "steps": args.steps,

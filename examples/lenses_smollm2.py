@@ -17,7 +17,10 @@ patchscopes and a tuned lens trained offline on a CPU.
    under ``--out`` (with ``report.json``). ``--init lstsq`` starts it from a least-squares fit
    (``TunedLens.lstsq``) instead of zeros.
 
-The numbers it prints are the ones quoted in docs/lenses.md.
+The numbers it prints are the ones quoted in docs/lenses.md. ``--layers N`` cuts the model
+after its first N blocks (``Pretrained.first_layers``): every step at a fraction of the compile
+time, a quick check that it runs rather than a result (the cut model's top token need not be
+" Paris").
 """
 
 from __future__ import annotations
@@ -77,10 +80,15 @@ def main(argv=None) -> dict:
   parser.add_argument("--held", type=int, default=8, help="held-out sequences")
   parser.add_argument("--new", type=int, default=4, help="tokens the patchscope generates")
   parser.add_argument("--every", type=int, default=1, help="patchscope every k-th layer")
+  parser.add_argument(
+    "--layers", type=int, default=None, help="keep only the first N blocks (a quick run)"
+  )
   args = parser.parse_args(argv)
   out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="lenses_"))
   out.mkdir(parents=True, exist_ok=True)
   lm = jm.smollm2() if args.model == "smollm2" else jm.gemma3()
+  if args.layers is not None:
+    lm = lm.first_layers(args.layers)
   model, variables = lm.model, lm.variables
   n = len(model.layer_sites())
   report: dict = {"model": args.model, "layers": n}

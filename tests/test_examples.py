@@ -79,14 +79,17 @@ def test_das_hierarchical_equality():
 
 @needs_smollm2
 def test_look_and_collect(tmp_path):
-  report = run("look_and_collect", ["--every", "29", "--batches", "1", "--out", str(tmp_path)])
+  # The model cut after block 2 (Pretrained.first_layers): every step runs on programs of three
+  # blocks instead of thirty. The whole model's Paris over Rome after "France" and not after
+  # "Italy" (the same demo.factual_recall) is checked in tests/test_zoo_real.py.
+  argv = ["--every", "2", "--batches", "1", "--layers", "3", "--out", str(tmp_path)]
+  report = run("look_and_collect", argv)
   written = {p.name for p in tmp_path.iterdir()}
   assert {"trace.html", "patching.png", "attribution.png", "top_sites.png"} <= written
   assert {"attention.png", "logit_lens.png", "acts"} <= written
-  assert report["patching_shape"][0] == 2  # layers 0 and 29 of 30
+  assert report["patching_shape"][0] == 2  # layers 0 and 2 of 3
   assert np.isfinite(report["correlation"]) and report["collected"] == 4
-  clean, corrupt = report["logit_diff"]
-  assert clean > corrupt  # Paris over Rome after "France", less so after "Italy"
+  assert all(np.isfinite(report["logit_diff"]))
 
 
 @needs_smollm2
@@ -102,14 +105,16 @@ def test_sae_smollm2(tmp_path):
 
 @needs_smollm2
 def test_das_smollm2():
-  report = run("das_smollm2", ["--steps", "2", "--layers", "5"])  # cut after the site's block
+  # The site after block 0, the model cut after it: programs of one block.
+  report = run("das_smollm2", ["--steps", "2", "--site", "blocks_0/resid_post", "--layers", "1"])
   assert report["steps"] == 2 and 0.0 <= report["iia"] <= 1.0
   assert math.isfinite(report["loss_first"]) and math.isfinite(report["loss_last"])
 
 
 @needs_smollm2
 def test_reft_smollm2(tmp_path):
-  argv = ["--steps", "2", "--batch", "2", "--held", "3", "--layers", "11"]  # cut after the site
+  argv = ["--steps", "2", "--batch", "2", "--held", "3"]
+  argv += ["--site", "blocks_0/resid_post", "--layers", "1"]  # the model cut after the site
   argv += ["--out", str(tmp_path / "reft.json")]
   report = run("reft_smollm2", argv)
   assert report["weights_unchanged"] and (tmp_path / "reft.json").is_file()
@@ -157,17 +162,19 @@ def test_lenses_smollm2_rows_for_gemma():
 
 @needs_smollm2
 def test_lenses_smollm2(tmp_path):
-  # One training step of one 8-token sequence and a 3 x 3 patchscope grid (layers 0, 15, 30):
-  # every part runs; the full run's figures are in docs/lenses.md. The generated patchscope
-  # makes one token, from the prefill (a decode step's program would cost another ~7 s of
-  # compilation; tests/test_lens_patchscope.py checks patchscope_generate's decode steps).
-  argv = "--steps 1 --batch 1 --seq 8 --held 1 --new 1 --every 15".split()
+  # The model cut after block 1 (Pretrained.first_layers), one training step of one 8-token
+  # sequence and the 3 x 3 patchscope grid of its layers 0-2: every part runs on programs of two
+  # blocks instead of thirty (the example asserts that the DLA's parts sum to the logit
+  # difference); the full run's figures are in docs/lenses.md, and the whole model's " Paris"
+  # over " Rome" in tests/test_zoo_real.py. The generated patchscope makes one token, from the
+  # prefill (tests/test_lens_patchscope.py checks patchscope_generate's decode steps).
+  argv = "--steps 1 --batch 1 --seq 8 --held 1 --new 1 --layers 2".split()
   report = run("lenses_smollm2", argv + ["--out", str(tmp_path)])
   for name in ("logit_lens.png", "dla.png", "kl.png", "tuned_lens/params.pt"):
     assert (tmp_path / name).is_file(), name
-  assert report["final_top"] == " Paris" and report["layers"] == 30
-  assert len(report["patchscope_diagonal"]) == 3 and len(report["kl_tuned"]) == 31
-  assert math.isfinite(report["dla_logit_diff"]) and report["dla_logit_diff"] > 0
+  assert isinstance(report["final_top"], str) and report["layers"] == 2
+  assert len(report["patchscope_diagonal"]) == 3 and len(report["kl_tuned"]) == 3
+  assert len(report["patchscope_generated"]) == 2 and math.isfinite(report["dla_logit_diff"])
 
 
 @needs_smollm2
