@@ -73,8 +73,8 @@ def test_a_converted_decoder_has_the_zoos_sites_and_values(family):
   )  # torch's own module sites are still there
   if family == "llama":  # the same analysis script on both
     (saved, logits), (saved_zoo, logits_zoo) = (
-      analysis(module, variables, x),
-      analysis(lm.model, lm.variables, x),
+      jax.jit(lambda v: analysis(module, v, x))(variables),
+      jax.jit(lambda v: analysis(lm.model, v, x))(lm.variables),
     )
     assert set(saved) == set(saved_zoo) and len(saved) == 4
     for k in saved:
