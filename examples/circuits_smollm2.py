@@ -70,7 +70,7 @@ def sequences(lm, n: int):
 
 
 RUNGS = (
-  # (name, what is let go, feature_intervention's options); every layer's count is added.
+  # (name, what it lets go, feature_intervention's options; "all": every layer)
   ("local", "the local replacement model (direct edges)", {"constrained_layers": "all"}),
   ("linear", "the graph's linearisation (total effects)", {"mlps": "linear", "freeze_norms": True}),
   ("gates", "+ the features' gates live", {"mlps": "transcoders", "freeze_norms": True}),
@@ -126,6 +126,7 @@ def main(argv=None) -> dict:
   parser.add_argument(
     "--rungs",
     default="all",
+    choices=("all", "graph"),
     help='"all" (the ladder to the model itself) or "graph" (the two exact semantics only)',
   )
   parser.add_argument(
