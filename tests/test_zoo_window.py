@@ -6,6 +6,8 @@ uncached forward's greedy tokens, and the dtypes under jit, vmap and grad."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,10 +83,21 @@ def _model(name, dtype=jnp.float64):
   return cls(cfg.__class__(**{**cfg.__dict__, "dtype": dtype}))
 
 
+@functools.cache
+def _variables(name):
+  """The float64 model's parameters (one initialiser compile per family for the module)."""
+  return jax.jit(_model(name).init)(jax.random.key(0), TOKENS)
+
+
+@functools.cache
+def _forward64(name):
+  """The float64 model's jitted forward, shared by the tests that run it alone."""
+  return jax.jit(_model(name).apply)
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
 def family(request):
-  model = _model(request.param)
-  return request.param, model, jax.jit(model.init)(jax.random.key(0), TOKENS)
+  return request.param, _model(request.param), _variables(request.param)
 
 
 def test_sites_windows_and_the_residual_sums(family):
@@ -154,7 +167,7 @@ def test_generate_equals_the_uncached_greedy_tokens(family):
   name, model, variables = family
   prompt, n = TOKENS[:, :4], 9
   out = jl.generate(model, variables, prompt, n)
-  forward = jax.jit(model.apply)
+  forward = _forward64(name)
   ids = np.zeros((2, 4 + n), np.int32)  # causal: the zeros after the last token change nothing
   ids[:, :4] = prompt
   for k in range(4, 4 + n):
@@ -165,8 +178,7 @@ def test_generate_equals_the_uncached_greedy_tokens(family):
 @pytest.mark.parametrize("name", ["gemma3", "gpt_neox"])
 def test_bfloat16_under_jit_vmap_grad(name):
   dtype = jnp.bfloat16  # float32 and float64 run in the parity tests
-  model64 = _model(name)
-  variables64 = jax.jit(model64.init)(jax.random.key(0), TOKENS)
+  variables64 = _variables(name)
   model = _model(name, dtype)
   variables = jax.tree.map(lambda a: a.astype(dtype), variables64)
 
@@ -180,7 +192,7 @@ def test_bfloat16_under_jit_vmap_grad(name):
   logits, rows, grads = run(variables)
   assert logits.dtype == dtype
   up = jax.tree.map(lambda a: a.astype(jnp.float64), variables)
-  ref = np.asarray(jax.jit(model64.apply)(up, TOKENS))
+  ref = np.asarray(_forward64(name)(up, TOKENS))
   tol = 0.05 * np.abs(ref).max()
   np.testing.assert_allclose(np.asarray(logits, np.float64), ref, rtol=0, atol=tol)
   np.testing.assert_allclose(
