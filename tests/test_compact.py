@@ -195,8 +195,11 @@ def test_rows_layout_computes_what_columns_compute(checkpoint):
   gen_c = jl.generate(model, cols.variables, tokens, 3).tokens
   np.testing.assert_array_equal(jl.generate(model, rows.variables, tokens, 3).tokens, gen_c)
   # rows_params converts a loaded model's columns; dequantize turns rows back into columns
-  converted = compact.rows_params(cols.variables["params"])
-  assert jax.tree.all(jax.tree.map(np.array_equal, converted, rows.variables["params"]))
+  for converted in (
+    compact.rows_params(cols.variables["params"]),
+    compact.compact_params(cols.variables["params"], "rows"),  # load_gguf's weights="rows"
+  ):
+    assert jax.tree.all(jax.tree.map(np.array_equal, converted, rows.variables["params"]))
   back = compact.dequantize(rows.variables["params"], jnp.float64)
   assert jax.tree.all(jax.tree.map(np.array_equal, back, cols.variables["params"]))
   with pytest.raises(LoadError, match="unknown layout='cols'") as e:

@@ -69,7 +69,7 @@ __all__ = [
   "times_wide",
 ]
 
-WEIGHTS = ("float32", "bfloat16", "int8", "gguf")
+WEIGHTS = ("float32", "bfloat16", "int8", "gguf", "rows")
 
 
 @flax.struct.dataclass
@@ -444,21 +444,24 @@ def compact_params(params, weights: str):
     params: a zoo model's float params (``variables["params"]``).
     weights: ``"float32"`` (unchanged), ``"bfloat16"`` (bfloat16 arrays, cast back to the
       model's dtype in each product), ``"int8"`` (:class:`Int8Rows`, a scale per output
-      channel / per token).
+      channel / per token), ``"rows"`` (the float kernels as :class:`Rows`:
+      :func:`rows_params`).
 
   Raises:
     InvalidArgumentError: ``invalid_argument`` for another ``weights``.
   """
-  if weights not in ("float32", "bfloat16", "int8"):
+  if weights not in ("float32", "bfloat16", "int8", "rows"):
     raise InvalidArgumentError(
       f"weights={weights!r} is not a compact form for float params",
       code="invalid_argument",
-      expected=["float32", "bfloat16", "int8"],
+      expected=["float32", "bfloat16", "int8", "rows"],
       received=weights,
-      fix='weights="int8" or "bfloat16" (weights="gguf" only when loading a GGUF file)',
+      fix='weights="int8", "bfloat16" or "rows" (weights="gguf" only when loading a GGUF file)',
     )
   if weights == "float32":
     return params
+  if weights == "rows":
+    return rows_params(params)
 
   def one(path, x):
     kind = _compactable(path)

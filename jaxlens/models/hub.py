@@ -59,7 +59,8 @@ def smollm2(dtype=jnp.float32, weights: str = "float32") -> Pretrained:
 
   ``weights="gguf"`` keeps the file's own blocks (Q4_1 kernels, a Q8_0 token embedding) and
   dequantises them inside each product, to the same values; ``"int8"`` and ``"bfloat16"``
-  convert the dequantised weights (:func:`jaxlens.models.loading.load_gguf`)."""
+  convert the dequantised weights, ``"rows"`` keeps them as float ``(out, in)`` rows, the
+  faster layout for ``jl.generate`` on CPU (:func:`jaxlens.models.loading.load_gguf`)."""
   return load_gguf(smollm2_path(), dtype=dtype, weights=weights)
 
 

@@ -1350,7 +1350,9 @@ def load_gguf(
     weights: how the dense kernels and the token embedding are kept (``jaxlens.models.compact``):
       ``"float32"`` (dequantised, in ``dtype``), ``"gguf"`` (the file's own Q8_0 / Q4_1 blocks,
       dequantised inside each product to the same values), ``"int8"`` (a scale per output
-      channel) or ``"bfloat16"``. Llama-architecture files only; a Gemma 3 file loads float.
+      channel), ``"bfloat16"`` or ``"rows"`` (float kernels kept ``(out, in)``, the faster
+      layout for decoding on CPU: ``compact.Rows``). Llama-architecture files only; a Gemma 3
+      file loads float.
     sha256: for chunks, the joined file's SHA-256 to check.
   """
   _check_model_dtype(dtype)
@@ -1361,7 +1363,7 @@ def load_gguf(
       tensor=None,
       expected=list(compact.WEIGHTS),
       received=weights,
-      fix='weights="gguf", "int8", "bfloat16" or "float32"',
+      fix='weights="gguf", "int8", "bfloat16", "rows" or "float32"',
     )
 
   if isinstance(path, (list, tuple)) and not path:
