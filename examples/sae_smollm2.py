@@ -1,6 +1,6 @@
 """A TopK SAE on SmolLM2-135M's residual stream, trained offline in a few minutes on a CPU.
 
-    python examples/sae_smollm2.py [--out DIR] [--steps N] [--layers N]
+    python examples/sae_smollm2.py [--out DIR] [--steps N] [--block 3] [--layers N]
 
 1. Text that ships with Python (``pydoc_data.topics``: the language reference's help topics),
    tokenised by SmolLM2's tokenizer into sequences of 64 tokens; nothing is downloaded.
@@ -17,7 +17,8 @@
    with the effect on the next-token distribution.
 
 The numbers it prints are the ones quoted in docs/dictionaries.md. ``--layers N`` cuts the
-model after its first N blocks (``Pretrained.first_layers``) for steps 4 and 6: a quick run.
+model after its first N blocks (``Pretrained.first_layers``) for steps 4 and 6: a quick run
+(with ``--block B``, the SAE on ``blocks_B/resid_post`` and a trunk of B + 1 blocks, B < N).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from jaxlens import sae
 from jaxlens.models.llama import LlamaBlock
 from jaxlens.sae import train as sae_train
 
-SITE = "blocks_3/resid_post"
 SEQ = 64
 
 
@@ -87,8 +87,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--sequences", type=int, default=640, help="sequences of 64 tokens")
   parser.add_argument("--held", type=int, default=64, help="of which held out for evaluation")
   parser.add_argument(
-    "--layers", type=int, default=None, help="keep only the first N blocks (N > 3: a quick run)"
+    "--layers", type=int, default=None, help="keep only the first N blocks (past the SAE's)"
   )
+  parser.add_argument("--block", type=int, default=3, help="the SAE reads this block's output")
   args = parser.parse_args(argv)
   out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="sae_smollm2_"))
   out.mkdir(parents=True, exist_ok=True)
@@ -98,18 +99,21 @@ def main(argv=None) -> dict:
   if args.layers is not None:
     lm = lm.first_layers(args.layers)  # steps 4 and 6 then run the cut model
   cfg = lm.config
-  trunk = Trunk(cfg, 4)
+  site = f"blocks_{args.block}/resid_post"
+  trunk = Trunk(cfg, args.block + 1)
   params = lm.variables["params"]
-  trunk_vars = {"params": {k: params[k] for k in ["embed"] + [f"blocks_{i}" for i in range(4)]}}
+  trunk_vars = {
+    "params": {k: params[k] for k in ["embed"] + [f"blocks_{i}" for i in range(args.block + 1)]}
+  }
 
   seqs = sequences(lm, args.sequences)
   train_seqs, held_seqs = seqs[: -args.held], seqs[-args.held :]
   batches = [train_seqs[i : i + 16] for i in range(0, len(train_seqs), 16)]
-  store = jl.store.collect(trunk, trunk_vars, batches, out / "acts", sites=[SITE], progress=True)
-  acts = store.array(SITE)[:, 1:]  # position 0 (no BOS here) is an outlier: left out
+  store = jl.store.collect(trunk, trunk_vars, batches, out / "acts", sites=[site], progress=True)
+  acts = store.array(site)[:, 1:]  # position 0 (no BOS here) is an outlier: left out
   rows = acts.reshape(-1, cfg.d_model).astype(np.float32)
   t_collect = time.perf_counter() - clock
-  print(f"collected {rows.shape[0]} activations of {SITE} in {t_collect:.0f} s")
+  print(f"collected {rows.shape[0]} activations of {site} in {t_collect:.0f} s")
 
   rng = np.random.default_rng(1)
 
@@ -146,7 +150,7 @@ def main(argv=None) -> dict:
     f"held-out explained variance {ev:.3f}, L0 {l0:.1f}, dead fraction {result.dead_fraction:.3f}"
   )
 
-  ce = sae_train.ce_loss_recovered(lm.model, lm.variables, jnp.asarray(held_seqs[:16]), SITE, d)
+  ce = sae_train.ce_loss_recovered(lm.model, lm.variables, jnp.asarray(held_seqs[:16]), site, d)
   print(
     "CE clean {ce_clean:.3f}, spliced {ce_spliced:.3f}, zero-ablated {ce_zero:.3f}: "
     "loss recovered {loss_recovered:.3f}".format(**ce)
@@ -167,7 +171,7 @@ def main(argv=None) -> dict:
     features=chosen,
     unembed=unembed,
     vocabulary=vocabulary,
-    title=f"SmolLM2 {SITE} TopK SAE",
+    title=f"SmolLM2 {site} TopK SAE",
   )
   page = view.to_html(out / "features.html")
   fig = view.figure()
@@ -181,12 +185,12 @@ def main(argv=None) -> dict:
   print(f"feature view: {page} and {out / 'features.png'}")
 
   # Using a feature on the whole model, spliced.
-  spliced = sae.splice(lm.model, SITE, d)
+  spliced = sae.splice(lm.model, site, d)
   feature = chosen[0]
   s, p = np.unravel_index(np.argmax(held_acts[:, feature]), held[:, 1:].shape[:2])
   prompt = jnp.asarray(held_seqs[s : s + 1, : p + 2])  # up to the token where it peaks
   base = spliced.apply(lm.variables, prompt)[0, -1]
-  acts_site = jl.module(f"{SITE}/sae/acts")
+  acts_site = jl.module(f"{site}/sae/acts")
   ablate = jl.when(jl.units(acts_site, jnp.asarray([feature])), jl.zero_ablate())
   ablated = ablate.bind(spliced)(lm.variables, prompt)[0, -1]
   print(f"prompt ...{lm.decode(prompt[0, -12:])!r}")

@@ -94,8 +94,9 @@ def test_look_and_collect(tmp_path):
 
 @needs_smollm2
 def test_sae_smollm2(tmp_path):
-  # The model cut after block 3, the SAE's site (Pretrained.first_layers): the same steps.
-  argv = "--steps 20 --batch 64 --sequences 24 --held 8 --layers 4".split()
+  # The SAE on blocks_0/resid_post, the model cut after block 0 (Pretrained.first_layers): the
+  # same steps on programs of one block.
+  argv = "--steps 20 --batch 64 --sequences 24 --held 8 --block 0 --layers 1".split()
   argv += ["--out", str(tmp_path)]
   report = run("sae_smollm2", argv)
   assert (tmp_path / "features.html").is_file() and (tmp_path / "features.png").is_file()
