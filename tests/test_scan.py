@@ -5,6 +5,8 @@ the stacked parameters) with the same edit at the same block: every matrix row o
 every door gives the same output and the same gradient of every parameter.
 """
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -336,6 +338,16 @@ def _linen_from_nnx(m):
   return {"params": p}
 
 
+@functools.cache
+def _nnx_model():
+  """The nnx model split, its parameters as the unrolled linen model's, and the shape of its
+  ``blocks/up`` site in a trace (saved stacked), for the module."""
+  m = NnxScanned(nnx.Rngs(0))
+  graphdef, state = nnx.split(m)
+  stacked = jl.trace(m, X)["blocks/up"].out.shape
+  return graphdef, state, _linen_from_nnx(m), stacked
+
+
 NNX_DOORS = {
   "live_bind": lambda m, s, e: jl.when(s, e).bind(m)(X),
   "live_trace": lambda m, s, e: jl.trace(m, X, intervene=jl.when(s, e)).output,
@@ -346,9 +358,7 @@ NNX_DOORS = {
 @pytest.mark.parametrize("door", list(NNX_DOORS))
 @pytest.mark.parametrize("verb", ["zero_ablate", "steer", "patch_from", "scale"])
 def test_nnx_scan_layer_edit_matches_the_unrolled_linen_model(door, verb):
-  m = NnxScanned(nnx.Rngs(0))
-  graphdef, state = nnx.split(m)
-  fv = _linen_from_nnx(m)
+  graphdef, state, fv, stacked = _nnx_model()
   flat = Unrolled()
 
   def edit(model, *v):
@@ -364,12 +374,18 @@ def test_nnx_scan_layer_edit_matches_the_unrolled_linen_model(door, verb):
     mm = nnx.merge(graphdef, state)
     return NNX_DOORS[door](mm, jl.module("blocks/down", layer=2), edit(mm))
 
-  ref = DOORS[door](flat, fv, jl.module("blocks_2/down"), edit(flat, fv))
-  np.testing.assert_allclose(nnx_out(state), ref, atol=1e-12, rtol=0)
-  g = jax.grad(lambda s: nnx_out(s).sum())(state)
-  g_ref = jax.grad(lambda v: DOORS[door](flat, v, jl.module("blocks_2/down"), edit(flat, v)).sum())(
-    fv
-  )
+  def flat_out(v):
+    return DOORS[door](flat, v, jl.module("blocks_2/down"), edit(flat, v))
+
+  def value_and_grad(fn, x):
+    return jax.value_and_grad(lambda x: (lambda o: (o.sum(), o))(fn(x)), has_aux=True)(x)
+
+  # Both models, their outputs and gradients, in one jitted program (an eager scan compiles
+  # its body at every call).
+  ((_, out), g), ((_, ref), g_ref) = jax.jit(
+    lambda state, fv: (value_and_grad(nnx_out, state), value_and_grad(flat_out, fv))
+  )(state, fv)
+  np.testing.assert_allclose(out, ref, atol=1e-12, rtol=0)
   np.testing.assert_allclose(g["inp"]["kernel"].value, g_ref["params"]["inp"]["kernel"], atol=1e-12)
   for k in range(L):
     np.testing.assert_allclose(
@@ -377,8 +393,7 @@ def test_nnx_scan_layer_edit_matches_the_unrolled_linen_model(door, verb):
       g_ref["params"][f"blocks_{k}"]["up"]["kernel"],
       atol=1e-12,
     )
-  t = jl.trace(m, X)
-  assert t["blocks/up"].out.shape == (L, 3, 4)
+  assert stacked == (L, 3, 4)
 
 
 def test_every_layer_on_the_interceptor_door(models):
