@@ -7,6 +7,8 @@ a cutting edit in such a loop, and a jitted step that takes the spec as an
 argument does not recompile when the edit's values change.
 """
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -44,10 +46,12 @@ def _data(n=64):
   return x, y
 
 
+@functools.cache
 def _init():
+  """One model, its variables (initialised by one jitted program) and data for every test."""
   model = Net()
   x, y = _data()
-  return model, model.init(jax.random.key(0), x), x, y
+  return model, jax.jit(model.init)(jax.random.key(0), x), x, y
 
 
 def _train(loss, params, steps, lr=1e-2):
@@ -65,10 +69,11 @@ def _train(loss, params, steps, lr=1e-2):
 
   state = opt.init(params)
   losses = []
-  for _ in range(steps):
+  for _ in range(steps + 1):  # the last step's value is the loss of the trained parameters
+    trained = params
     params, state, value = step(params, state)
     losses.append(float(value))
-  return params, losses[0], float(loss(params))
+  return trained, losses[0], losses[-1]
 
 
 def _mse(out, y):
@@ -90,7 +95,7 @@ def test_a_parameters_upstream_of_a_keeping_edit_train(edit):
   # Every parameter, including the ones upstream of the edit, gets a gradient.
   deps = jl.depends_on(loss, variables)
   assert all(jax.tree.leaves(deps))
-  g_in = jax.grad(loss)(variables)["params"]["in"]["kernel"]
+  g_in = jax.jit(jax.grad(loss))(variables)["params"]["in"]["kernel"]
   assert float(jnp.abs(g_in).max()) > 0.0
   trained, first, last = _train(loss, variables, 150)
   assert last < 0.3 * first
@@ -102,7 +107,7 @@ def test_a_parameters_upstream_of_a_keeping_edit_train(edit):
 def test_b_a_steering_vector_trains_with_the_model_frozen(verb):
   model, variables, x, _ = _init()
   # The target is the model's own output shifted by 2: reachable by steering alone.
-  target = model.apply(variables, x) + 2.0
+  target = jax.jit(model.apply)(variables, x) + 2.0
   site = jl.module("branch")
 
   def loss(vec):
@@ -124,7 +129,7 @@ def test_c_a_model_trains_with_an_ablation_in_the_loop():
   deps = jl.depends_on(loss, variables)["params"]
   assert not any(jax.tree.leaves(deps["branch"]))  # cut: structurally no dependence
   assert all(jax.tree.leaves(deps["in"])) and all(jax.tree.leaves(deps["hidden"]))
-  grads = jax.grad(loss)(variables)["params"]
+  grads = jax.jit(jax.grad(loss))(variables)["params"]
   assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads["branch"]))
   trained, first, last = _train(loss, variables, 150)
   assert last < 0.3 * first
