@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ F64 = jnp.float64
 TOKENS = jnp.asarray([[3, 9, 4, 17, 5, 9]])
 
 
+@functools.cache
 def _gemma3():
   config = jm.Gemma3Config(
     vocab_size=32,
@@ -33,7 +36,7 @@ def _gemma3():
     dtype=F64,
   )
   model = jm.Gemma3(config)
-  return Pretrained(model, model.init(jax.random.key(0), TOKENS), None, config)
+  return Pretrained(model, jax.jit(model.init)(jax.random.key(0), TOKENS), None, config)
 
 
 def test_the_cut_model_is_the_logit_lens_of_its_last_block():
@@ -46,11 +49,23 @@ def test_the_cut_model_is_the_logit_lens_of_its_last_block():
     cut.variables["params"]["embed"]["embedding"] is lm.variables["params"]["embed"]["embedding"]
   )
   site = "blocks_1/resid_post"
-  resid = jl.trace(lm.bound, TOKENS, save=jl.module(site))[site].out
-  lens = lm.model.unembed(lm.variables, resid)
-  np.testing.assert_allclose(cut.model.apply(cut.variables, TOKENS), lens, rtol=1e-12, atol=1e-12)
-  whole = lm.first_layers(3).model.apply(lm.first_layers(3).variables, TOKENS)
-  np.testing.assert_array_equal(whole, lm.model.apply(lm.variables, TOKENS))
+  whole = lm.first_layers(3)
+
+  @jax.jit  # one program (not eager ops)
+  def run(variables, cut_variables, whole_variables, tokens):
+    resid = jl.trace(lm.model, variables, tokens, save=jl.module(site))[site].out
+    lens = lm.model.unembed(variables, resid)
+    logits = lm.model.apply(variables, tokens)
+    return (
+      lens,
+      cut.model.apply(cut_variables, tokens),
+      whole.model.apply(whole_variables, tokens),
+      logits,
+    )
+
+  lens, got, whole_logits, logits = run(lm.variables, cut.variables, whole.variables, TOKENS)
+  np.testing.assert_allclose(got, lens, rtol=1e-12, atol=1e-12)
+  np.testing.assert_array_equal(whole_logits, logits)
 
 
 @pytest.mark.parametrize("n", [0, 4, -1, 1.0, True, "2"])
