@@ -204,7 +204,9 @@ def test_generation_with_a_feature_steered():
     LlamaConfig(vocab_size=13, d_model=D, n_layers=1, n_heads=4, n_kv_heads=2, d_mlp=32)
   )
   prompt = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, 4)), jnp.int32)
-  variables = model.init(jax.random.key(0), prompt)
+  # Jitted: the model only runs jitted below (the forward and generation), so an eager init
+  # would compile each of its ops for nothing else.
+  variables = jax.jit(model.init)(jax.random.key(0), prompt)
   d = sae.SAE.init(jax.random.key(1), D, F, activation="relu")
   spliced = sae.splice(model, "blocks_0/resid_pre", d)
   plain = jax.jit(model.apply)(variables, prompt)[:, -1]  # the prefill's logits, unsteered
