@@ -12,7 +12,11 @@ on short prompts, tests/test_zoo_window.py on a tiny config with a window of 3):
 
 Usage::
 
-  python examples/gemma3_long_context.py [--half 600] [--new 700]
+  python examples/gemma3_long_context.py [--half 600] [--new 700] [--layers N]
+
+``--layers N`` cuts the model after its first N blocks (``Pretrained.first_layers``): both checks
+at a fraction of the compile time. The first 12 hold ten local layers and two global ones, and
+predict the second copy (22.9 -> 4.2 nats a token over 2 x 12 tokens); the first 6 do not.
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--half", type=int, default=600, help="length of each copy")
   p.add_argument("--new", type=int, default=700, help="tokens to generate")
+  p.add_argument("--layers", type=int, default=None, help="keep only the first N blocks")
   args = p.parse_args(argv)
   t0 = time.perf_counter()
   lm = jm.gemma3()
+  if args.layers is not None:
+    lm = lm.first_layers(args.layers)
   print(f"load: {time.perf_counter() - t0:.1f} s")
   forward = jax.jit(lm.model.apply)
 
@@ -67,11 +74,13 @@ def main(argv=None) -> dict:
     lambda: lm.model.init(jax.random.key(0), jnp.zeros((1, total), jnp.int32), decode=True)
   )["cache"]
   local = {
-    cache[f"blocks_{i}"]["attn"]["cached_key"].shape[1] for i in range(18) if lm.config.window(i)
+    cache[f"blocks_{i}"]["attn"]["cached_key"].shape[1]
+    for i in range(lm.config.n_layers)
+    if lm.config.window(i)
   }
   glob = {
     cache[f"blocks_{i}"]["attn"]["cached_key"].shape[1]
-    for i in range(18)
+    for i in range(lm.config.n_layers)
     if not lm.config.window(i)
   }
   print(f"cache entries per layer: local {sorted(local)}, global {sorted(glob)}")
