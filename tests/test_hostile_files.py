@@ -62,8 +62,8 @@ def _raises(call, *codes):
 @pytest.fixture(scope="module")
 def checkpoint():
   """(variables, HF-named float32 tensors) of a tiny Llama."""
-  variables = Llama(CFG).init(jax.random.key(0), TOKENS)
-  p = variables["params"]
+  variables = jax.jit(Llama(CFG).init)(jax.random.key(0), TOKENS)  # one program, not eager ops
+  p = jax.tree.map(np.asarray, variables["params"])  # transposed by numpy below
   b = p["blocks_0"]
   tensors = {
     "model.embed_tokens.weight": p["embed"]["embedding"],
