@@ -708,7 +708,7 @@ def test_generation_holds_open_ended_interventions_through_the_kv_cache():
   )
   seq = jnp.concatenate([TOKENS, gen.tokens[0, :-1]])
   full = circuits.feature_intervention(model, variables, seq, tcs, ivs, freeze_attention=False)
-  plain = model.apply(variables, seq[None])[0]
+  plain = jax.jit(model.apply)(variables, seq[None])[0]  # one program, not eager ops
   n = len(TOKENS)
   assert np.abs(np.asarray(full.logits - plain))[n:].max() > 1e-2  # held on new tokens
   np.testing.assert_allclose(gen.logits[0], full.logits[n - 1 :], atol=1e-12)
