@@ -113,9 +113,11 @@ def test_vmap_of_per_example_gradients_equals_a_loop(spec_model, name):
   def per_example(v, xi, wi):
     return (f(v, xi[None]) * wi).sum()
 
-  batched = jax.vmap(jax.grad(per_example), in_axes=(None, 0, 0))(variables, x, W_OUT)
+  # jitted: one program for the batch and one for every example (not eager ops)
+  batched = jax.jit(jax.vmap(jax.grad(per_example), in_axes=(None, 0, 0)))(variables, x, W_OUT)
+  grad_one = jax.jit(jax.grad(per_example))
   for i in range(x.shape[0]):
-    one = jax.grad(per_example)(variables, x[i], W_OUT[i])
+    one = grad_one(variables, x[i], W_OUT[i])
     chex.assert_trees_all_close(jax.tree.map(lambda a, i=i: a[i], batched), one, atol=1e-12, rtol=0)
     # ... and each per-example gradient is the hand-transformed one.
     k1 = variables["params"]["layers_1"]["kernel"]
