@@ -11,6 +11,8 @@ import jaxlens as jl
 from jaxlens.models import Llama, LlamaConfig, compact
 from jaxlens.models.loading import LoadError, _unpermute, load_gguf
 
+from _checkpoints import llama_checkpoint
+
 CFG = LlamaConfig(
   vocab_size=96, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_mlp=96, tie_embeddings=True
 )
@@ -120,38 +122,17 @@ def test_bfloat16_weights_run_in_the_float32_model(tiny):
 
 def _tiny_checkpoint(path):
   """A two-layer Llama checkpoint as transformers writes it (kernels ``(out, in)``), random."""
-  from safetensors.numpy import save_file
-
   rng = np.random.default_rng(0)
-  v, d, f, h, kv = 32, 16, 24, 4, 2
-  config = {
-    "model_type": "llama",
-    "vocab_size": v,
-    "hidden_size": d,
-    "intermediate_size": f,
-    "num_hidden_layers": 2,
-    "num_attention_heads": h,
-    "num_key_value_heads": kv,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-  }
-  shapes = {
-    "model.embed_tokens.weight": (v, d),
-    "model.norm.weight": (d,),
-    "lm_head.weight": (v, d),
-  }
-  for i in range(2):
-    b = f"model.layers.{i}."
-    shapes |= {b + "input_layernorm.weight": (d,), b + "post_attention_layernorm.weight": (d,)}
-    for p, s in (("q", (d, d)), ("k", (d // h * kv, d)), ("v", (d // h * kv, d)), ("o", (d, d))):
-      shapes[b + f"self_attn.{p}_proj.weight"] = s
-    for p, s in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
-      shapes[b + f"mlp.{p}_proj.weight"] = s
-  save_file(
-    {k: rng.standard_normal(s) * 0.3 for k, s in shapes.items()}, str(path / "model.safetensors")
+  return llama_checkpoint(
+    path,
+    vocab=32,
+    width=16,
+    mlp=24,
+    heads=4,
+    kv_heads=2,
+    draw=lambda shape: rng.standard_normal(shape) * 0.3,
+    rms_norm_eps=1e-6,
   )
-  (path / "config.json").write_text(__import__("json").dumps(config))
-  return path
 
 
 @pytest.fixture(scope="module")

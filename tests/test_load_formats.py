@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from _checkpoints import llama_checkpoint
 from hf_tiny import tiny_hf
 from jaxlens.models import LoadError, load_hf
 
@@ -176,38 +177,18 @@ _MEMORY = textwrap.dedent(
 
 
 def test_loading_peaks_near_the_weights_size(saved, tmp_path):
-  from safetensors.numpy import save_file
-
   rng = np.random.default_rng(0)
-  v, d, f = 8192, 512, 2048
-  config = {
-    "model_type": "llama",
-    "vocab_size": v,
-    "hidden_size": d,
-    "intermediate_size": f,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 1e4,
-    "tie_word_embeddings": False,
-  }
-  shapes = {
-    "model.embed_tokens.weight": (v, d),
-    "model.norm.weight": (d,),
-    "lm_head.weight": (v, d),
-  }
-  for i in range(2):
-    h = f"model.layers.{i}."
-    shapes |= {h + "input_layernorm.weight": (d,), h + "post_attention_layernorm.weight": (d,)}
-    for p, s in (("q", (d, d)), ("k", (d // 2, d)), ("v", (d // 2, d)), ("o", (d, d))):
-      shapes[h + f"self_attn.{p}_proj.weight"] = s
-    for p, s in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
-      shapes[h + f"mlp.{p}_proj.weight"] = s
-  tensors = {k: rng.standard_normal(s, np.float32) for k, s in shapes.items()}
-  (tmp_path / "config.json").write_text(json.dumps(config))
-  save_file(tensors, str(tmp_path / "model.safetensors"))
-  del tensors
+  llama_checkpoint(
+    tmp_path,
+    vocab=8192,
+    width=512,
+    mlp=2048,
+    heads=4,
+    kv_heads=2,
+    draw=lambda shape: rng.standard_normal(shape, np.float32),
+    rms_norm_eps=1e-5,
+    rope_theta=1e4,
+  )
   run = subprocess.run(
     [sys.executable, "-c", _MEMORY, str(tmp_path), str(saved[0] / "f32"), "float32", "bfloat16"],
     capture_output=True,
