@@ -97,6 +97,38 @@ def test_fit_is_the_reference_estimator(gpt2, fitted):
     assert np.abs(want).max() > 0.1
 
 
+def test_gated_mlp_fit_is_the_reference_estimator(monkeypatch):
+  """A Llama (gated MLP): the fit, whose MLPs pull back through their per-position Jacobians,
+  equals the direct estimator."""
+  from jaxlens.lens import _jacobian
+
+  model = jm.Llama(
+    jm.LlamaConfig(
+      vocab_size=50, d_model=8, n_layers=3, n_heads=2, n_kv_heads=1, d_mlp=12, max_len=16,
+      dtype=jnp.float64,
+    )
+  )  # fmt: skip
+  variables = model.init(jax.random.key(2), jnp.asarray(PROMPTS[0])[None])
+  variables = jax.tree.map(
+    lambda x: x + 0.2 * jax.random.normal(jax.random.key(3), x.shape, x.dtype), variables
+  )
+  made = []
+  real = _jacobian._mlp_jacobians
+  monkeypatch.setattr(
+    _jacobian, "_mlp_jacobians", lambda budget: made.append(real(budget)) or made[-1]
+  )
+  fit = lens.fit_jacobian_lens(
+    model, variables, PROMPTS[:2], skip_first_positions=SKIP, dim_batch=8, length_bucket=1
+  )
+  # Both later blocks' MLPs (blocks 1 and 2, on the 5 valid positions) took the Jacobian path.
+  assert [f.formed for f in made] == [[(1, 5, 8), (1, 5, 8)]]
+  direct = [_direct(model, variables, jnp.asarray(p)) for p in PROMPTS[:2]]
+  for layer in (0, 1):
+    want = np.mean([d[layer] for d in direct], axis=0)
+    np.testing.assert_allclose(fit.jacobians[layer], want, rtol=1e-6, atol=1e-6)
+    assert np.abs(want).max() > 0.1
+
+
 def test_merge_is_weighted_by_prompt_counts(gpt2, fitted):
   model, variables = gpt2
   kw = dict(skip_first_positions=SKIP, source_layers=[0, 1], dim_batch=4)
