@@ -480,8 +480,10 @@ def fit_jacobian_lens(
   Each prompt runs forward once; ``jax.vjp`` gives the pullback from the final stream to every
   source layer at once, and a ``jax.vmap`` of it over the one-hot directions (``dim_batch`` at
   a time, a ``lax.map`` over the chunks) gives the matrices' rows, averaged over the prompt's
-  valid source positions (all but the first ``skip_first_positions`` and the last). Prompts
-  count equally. Each prompt is padded at the end to a multiple of ``length_bucket`` tokens
+  valid source positions (all but the first ``skip_first_positions`` and the last). Inside the
+  pullback each block's MLP applies its per-position Jacobian, formed once a prompt, to the
+  directions (one ``(d, d)`` product a position instead of the MLP's own, wider ones; the same
+  matrices). Prompts count equally. Each prompt is padded at the end to a multiple of ``length_bucket`` tokens
   (the padding takes no part in the estimate: attention is causal), so prompts of many
   lengths share a few compiled programs; ``prompt_batch`` prompts of one bucket run together.
   On a CPU the batches run on two threads at once (one program keeps about one core busy), and
