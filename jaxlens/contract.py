@@ -384,14 +384,19 @@ def run_cell(
     warnings.simplefilter("always", jl.JaxlensWarning)
     try:
       kernel = variables["params"][SITE]["kernel"]
-      (_, out), kernel_grad = jax.value_and_grad(
-        lambda k: (lambda o: (o.sum(), o))(out_fn(k)), has_aux=True
-      )(kernel)
-      # A nonzero gradient proves the dependence; the structural analysis (a second run
-      # of the door) decides the cells whose gradient is zero: cut, or reaching with a
-      # zero value (a keep_grad'd zero_ablate).
+      # What jax.value_and_grad does, spelled out to keep the pullback: its jaxpr (the
+      # transposed linearisation of this one run of the door) is the structure the
+      # analysis reads, so the door never runs a second time for it.
+      total, pullback, out = jax.vjp(
+        lambda k: (lambda o: (o.sum(), o))(out_fn(k)), kernel, has_aux=True
+      )
+      seed = jnp.ones_like(total)
+      (kernel_grad,) = pullback(seed)
+      # A nonzero gradient proves the dependence; the structural analysis decides the
+      # cells whose gradient is zero: cut (no path from the output's cotangent to the
+      # kernel's), or reaching with a zero value (a keep_grad'd zero_ablate).
       nonzero = bool(np.any(np.asarray(kernel_grad) != 0))
-      reaches = nonzero or jl.depends_on(lambda k: out_fn(k).sum(), kernel)
+      reaches = nonzero or jl.depends_on(pullback, seed)
     except jl.InvalidArgumentError as error:
       return Cell(f"raises:{error.code}", message=str(error))
   codes = tuple(

@@ -32,7 +32,9 @@ unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -136,14 +138,18 @@ def units_edit(edit, indices, *, feature_axis: int = -1) -> Edit:
 
 def _mask(x, indices, feature_axis, ctx):
   host = _host(indices)
-  idx = jnp.asarray(indices)
+  # Concrete indices (the usual case) make the mask in numpy: the same boolean values,
+  # without a chain of small eager JAX programs (each traced again under jax.grad) at
+  # every fire. Traced indices build it with jnp, and poison the edit when out of range.
+  xp = np if host is not None else jnp
+  idx = host if host is not None else jnp.asarray(indices)
   bad = None
   fail = lambda msg, code="shape_mismatch": (_ for _ in ()).throw(
     ShapeError(f"units: {msg}", code=code, site=ctx.label, fix="jl.units(site, jnp.array([0, 2]))")
   )
   if idx.dtype == jnp.bool_:
     try:
-      mask = jnp.broadcast_to(idx, x.shape)
+      mask = xp.broadcast_to(idx, x.shape)
     except ValueError:
       fail(f"a mask of shape {idx.shape} does not broadcast to the site's shape {x.shape}")
   elif jnp.issubdtype(idx.dtype, jnp.integer):
@@ -155,23 +161,27 @@ def _mask(x, indices, feature_axis, ctx):
           f"feature indices {idx.tolist()} out of range for axis {axis} of size {n}",
           "index_out_of_range",
         )
-      norm = jnp.where(idx < 0, idx + n, idx)
+      norm = xp.where(idx < 0, idx + n, idx)
       # A comparison, not a scatter: an index outside [0, n) selects nothing, and a
       # traced one makes the edit's error value (NaN) visible instead.
-      line = jnp.any(jnp.arange(n, dtype=norm.dtype)[:, None] == norm[None, :], axis=1)
+      line = xp.any(xp.arange(n, dtype=norm.dtype)[:, None] == norm[None, :], axis=1)
       if host is None:
         bad = jnp.any((norm < 0) | (norm >= n))
       shape = [1] * x.ndim
       shape[axis] = n
-      mask = jnp.broadcast_to(line.reshape(shape), x.shape)
+      mask = xp.broadcast_to(line.reshape(shape), x.shape)
     elif idx.ndim == 2 and idx.shape[1] == x.ndim:
       if host is not None and host.size:
         hi = np.asarray(x.shape)
         if np.any(host >= hi) or np.any(host < -hi):
           fail(f"element indices out of range for the site's shape {x.shape}", "index_out_of_range")
-      hi = jnp.asarray(x.shape)
-      norm = jnp.where(idx < 0, idx + hi, idx)
-      mask = jnp.zeros(x.shape, bool).at[tuple(norm.T)].set(True, mode="drop")
+      hi = xp.asarray(x.shape)
+      norm = xp.where(idx < 0, idx + hi, idx)
+      if host is not None:
+        mask = np.zeros(x.shape, bool)  # every index is in range (checked above)
+        mask[tuple(norm.T)] = True
+      else:
+        mask = jnp.zeros(x.shape, bool).at[tuple(norm.T)].set(True, mode="drop")
       if host is None:
         bad = jnp.any((norm < 0) | (norm >= hi))
     else:
@@ -181,7 +191,8 @@ def _mask(x, indices, feature_axis, ctx):
       )
   else:
     fail(
-      f"indices of dtype {idx.dtype}: expected a boolean mask or integer indices", "dtype_mismatch"
+      f"indices of dtype {jnp.asarray(indices).dtype}: expected a boolean mask or integer indices",
+      "dtype_mismatch",
     )
   empty = host is not None and (not host.any() if host.dtype == bool else host.size == 0)
   if empty:
@@ -191,7 +202,7 @@ def _mask(x, indices, feature_axis, ctx):
       site=ctx.label,
       fix="select at least one element",
     )
-  return mask, bad
+  return jnp.asarray(mask), bad
 
 
 def _units(x, p, s, ctx):
@@ -311,11 +322,47 @@ def _coords_fn(B, host, ctx):
   else:
     sv = jnp.linalg.svd(B, compute_uv=False)
     bad = sv.min() <= sv.max() * jnp.finfo(B.dtype).eps * max(B.shape) * 10
-  inv = jnp.linalg.inv(gram)
+  inv_t = jnp.linalg.inv(gram).T
   # Features where the basis has no support never enter the coordinates, even as NaN
-  # (0 * NaN would spread a donor's NaN there to the whole subspace).
+  # (0 * NaN would spread a donor's NaN there to the whole subspace). Where a concrete
+  # basis supports every feature, the mask would select ``z`` itself: it is left out.
   support = jnp.any(B != 0, axis=1)
-  return (lambda z: (jnp.where(support, z, 0) @ B) @ inv.T), bad
+  if not isinstance(support, jax.core.Tracer) and bool(np.all(np.asarray(support))):
+    return (lambda z: (z @ B) @ inv_t), bad
+  return (lambda z: (jnp.where(support, z, 0) @ B) @ inv_t), bad
+
+
+# Concrete bases met recently: (id(basis), work dtype) -> (weak reference to the basis, its
+# parts). A basis is usually one jax.Array used for many fires (each call of a door, each
+# decoding step); its checks, Gram inverse and support are computed at its first fire only.
+# The weak reference tells a live basis from a new one that reuses a dead one's id.
+_BASIS_PARTS: dict = {}
+_BASIS_PARTS_SIZE = 32
+
+
+def _basis_parts(basis, work, ctx):
+  """``(B, Bᵀ, coordinates map, bad)``: the basis in the work dtype (replicated over its
+  mesh), its transpose, ``_coords_fn``'s map, and for a traced basis whether it is bad."""
+  cacheable = (
+    isinstance(basis, jax.Array)
+    and not isinstance(basis, jax.core.Tracer)
+    and not split_over_processes(basis)
+  )
+  key = (id(basis), jnp.dtype(work))
+  hit = _BASIS_PARTS.get(key) if cacheable else None
+  if hit is not None and hit[0]() is basis:
+    return hit[1]
+  # A cached basis's parts are computed eagerly even inside a trace (jit, grad), so the
+  # cache never holds a tracer; they are functions of the concrete basis alone.
+  with jax.ensure_compile_time_eval() if cacheable else contextlib.nullcontext():
+    B = _replicated(jnp.asarray(basis).astype(work))
+    coords, bad = _coords_fn(B, _host(basis), ctx)
+    parts = (B, B.T, coords, bad)
+  if cacheable:
+    if len(_BASIS_PARTS) >= _BASIS_PARTS_SIZE:
+      _BASIS_PARTS.pop(next(iter(_BASIS_PARTS)))
+    _BASIS_PARTS[key] = (weakref.ref(basis), parts)
+  return parts
 
 
 def _subspace(x, p, s, ctx):
@@ -357,9 +404,8 @@ def _subspace(x, p, s, ctx):
   # the result is cast back, exactly, where the basis has no support.
   # (Spelled without jnp.promote_types, which strict dtype promotion refuses across widths.)
   work = x.dtype if jnp.dtype(x.dtype).itemsize >= 4 else jnp.dtype(jnp.float32)
-  B = _replicated(B.astype(work))
+  B, B_t, coords, bad = _basis_parts(p["basis"], work, ctx)
   d = B.shape[0]
-  coords, bad = _coords_fn(B, _host(p["basis"]), ctx)
   xw = x.astype(work)
   xm = jnp.moveaxis(xw, axis, -1)
   o = _origin(p["origin"], xw, axis, d, ctx)
@@ -382,14 +428,14 @@ def _subspace(x, p, s, ctx):
     y = jnp.moveaxis(fire(inner, x, ctx).astype(work), axis, -1)
     c_new = coords(y - o)
   else:
-    comp = back(c @ B.T).astype(x.dtype)
+    comp = back(c @ B_t).astype(x.dtype)
     y = jnp.moveaxis(fire(inner, comp, ctx).astype(work), axis, -1)
     # The change is measured against the coordinates of the component the verb saw
     # (rounded to the site dtype), so a verb that leaves it alone changes nothing, bit
     # for bit, also in half precision.
     c = coords(jnp.moveaxis(comp.astype(work), axis, -1))
     c_new = coords(y)
-  out = (xw + back((c_new - c) @ B.T)).astype(x.dtype)
+  out = (xw + back((c_new - c) @ B_t)).astype(x.dtype)
   return out if bad is None else verbs.poison(bad, out)
 
 
