@@ -45,7 +45,7 @@ def main(argv=None) -> float:
   jl.sweep.patching_sweep(model, variables, clean, corrupt, logit_diff).block_until_ready()
   second = time.perf_counter() - start
 
-  donor = jl.trace(model, variables, clean)
+  donor = jax.jit(lambda v: jl.trace(model, v, clean))(variables)  # one program, not eager ops
   patch = jax.jit(
     lambda site_path, p: logit_diff(
       jl.when(jl.module(site_path), jl.at_positions(p[None], jl.patch_from(donor))).bind(model)(
