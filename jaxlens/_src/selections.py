@@ -258,7 +258,7 @@ def _origin(origin, x, axis, d, ctx):
     return jnp.zeros((d,), x.dtype)
   if isinstance(origin, Population):
     v = jnp.asarray(origin.values)
-    return jax.lax.stop_gradient(v.reshape(-1, v.shape[-1]).mean(0)).astype(x.dtype)
+    return _cast(jax.lax.stop_gradient(v.reshape(-1, v.shape[-1]).mean(0)), x.dtype)
   o = jnp.asarray(origin).astype(x.dtype)
   if o.ndim == 1 and o.shape[0] == d:
     return o
@@ -365,6 +365,21 @@ def _basis_parts(basis, work, ctx):
   return parts
 
 
+def _cast(v, dtype):
+  """``v.astype(dtype)``, or ``v`` itself where that cast would change nothing (the same
+  dtype, not weakly typed): each eager cast is a program re-traced under ``jax.grad``."""
+  if v.dtype == dtype and not getattr(jax.typeof(v), "weak_type", False):
+    return v
+  return v.astype(dtype)
+
+
+def _move(v, source, destination):
+  """``jnp.moveaxis``, or ``v`` itself where the axis does not move (the usual last axis)."""
+  if source % v.ndim == destination % v.ndim:
+    return v
+  return jnp.moveaxis(v, source, destination)
+
+
 def _subspace(x, p, s, ctx):
   inner = p["edit"]
   for e in inner.walk():
@@ -406,11 +421,11 @@ def _subspace(x, p, s, ctx):
   work = x.dtype if jnp.dtype(x.dtype).itemsize >= 4 else jnp.dtype(jnp.float32)
   B, B_t, coords, bad = _basis_parts(p["basis"], work, ctx)
   d = B.shape[0]
-  xw = x.astype(work)
-  xm = jnp.moveaxis(xw, axis, -1)
+  xw = _cast(x, work)
+  xm = _move(xw, axis, -1)
   o = _origin(p["origin"], xw, axis, d, ctx)
   c = coords(xm - o)
-  back = lambda v: jnp.moveaxis(v, -1, axis)
+  back = lambda v: _move(v, -1, axis)
   mode = inner.verb.under_subspace
   if mode == "affine":
     W = jnp.asarray(inner.params["W"]).astype(work)
@@ -425,17 +440,17 @@ def _subspace(x, p, s, ctx):
       )
     c_new = xm @ W.T + b
   elif inner.verb.writes_source(inner):
-    y = jnp.moveaxis(fire(inner, x, ctx).astype(work), axis, -1)
+    y = _move(_cast(fire(inner, x, ctx), work), axis, -1)
     c_new = coords(y - o)
   else:
-    comp = back(c @ B_t).astype(x.dtype)
-    y = jnp.moveaxis(fire(inner, comp, ctx).astype(work), axis, -1)
+    comp = _cast(back(c @ B_t), x.dtype)
+    y = _move(_cast(fire(inner, comp, ctx), work), axis, -1)
     # The change is measured against the coordinates of the component the verb saw
     # (rounded to the site dtype), so a verb that leaves it alone changes nothing, bit
     # for bit, also in half precision.
-    c = coords(jnp.moveaxis(comp.astype(work), axis, -1))
+    c = coords(_move(_cast(comp, work), axis, -1))
     c_new = coords(y)
-  out = (xw + back((c_new - c) @ B_t)).astype(x.dtype)
+  out = _cast(xw + back((c_new - c) @ B_t), x.dtype)
   return out if bad is None else verbs.poison(bad, out)
 
 
