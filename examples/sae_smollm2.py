@@ -189,19 +189,31 @@ def main(argv=None) -> dict:
   feature = chosen[0]
   s, p = np.unravel_index(np.argmax(held_acts[:, feature]), held[:, 1:].shape[:2])
   prompt = jnp.asarray(held_seqs[s : s + 1, : p + 2])  # up to the token where it peaks
-  base = spliced.apply(lm.variables, prompt)[0, -1]
   acts_site = jl.module(f"{site}/sae/acts")
   ablate = jl.when(jl.units(acts_site, jnp.asarray([feature])), jl.zero_ablate())
-  ablated = ablate.bind(spliced)(lm.variables, prompt)[0, -1]
-  print(f"prompt ...{lm.decode(prompt[0, -12:])!r}")
-  print(f"  next token, as is:            {next_token_table(lm, base)}")
-  print(f"  feature {feature} ablated:    {next_token_table(lm, ablated)}")
   other = jnp.asarray(held_seqs[(s + 1) % len(held_seqs) : (s + 1) % len(held_seqs) + 1, :16])
   peak = float(held_acts[:, feature].max())
   one_hot = jnp.zeros((d.d_sae,), jnp.float32).at[feature].set(1.0)
   steer = jl.when(acts_site, jl.at_positions([15], jl.steer(one_hot, 2.0 * peak)))
-  plain = spliced.apply(lm.variables, other)[0, -1]
-  steered = steer.bind(spliced)(lm.variables, other)[0, -1]
+
+  @jax.jit
+  def next_logits(variables, prompt, other):
+    """The last position's logits of the four runs, in one program: the spliced model as is
+    and with the feature ablated on ``prompt``, as is and steered on ``other``."""
+    return [
+      f(variables, x)[0, -1]
+      for f, x in [
+        (spliced.apply, prompt),
+        (ablate.bind(spliced), prompt),
+        (spliced.apply, other),
+        (steer.bind(spliced), other),
+      ]
+    ]
+
+  base, ablated, plain, steered = next_logits(lm.variables, prompt, other)
+  print(f"prompt ...{lm.decode(prompt[0, -12:])!r}")
+  print(f"  next token, as is:            {next_token_table(lm, base)}")
+  print(f"  feature {feature} ablated:    {next_token_table(lm, ablated)}")
   print(f"prompt ...{lm.decode(other[0, -12:])!r}")
   print(f"  next token, as is:            {next_token_table(lm, plain)}")
   print(f"  feature {feature} steered (+{2 * peak:.1f}): {next_token_table(lm, steered)}")
