@@ -270,6 +270,44 @@ def test_train_iit_frozen_checkpoint_resume_and_mesh(mlp, tmp_path):
     jt.train_iit(model, variables, "layers_0", method, params, lambda s: batches[0], **kw)
 
 
+def test_a_second_call_with_the_same_configuration_reuses_the_compiled_step(mlp):
+  """train_iit and iia keep their jitted programs by configuration: a second call with the same
+  model, site, method, readout and optimiser traces its loss once, for the structural check
+  (each call used to jit a new closure, compiled anew), and a second iia call not at all."""
+  model, variables, _ = mlp
+  traced = []
+
+  def readout(out):
+    traced.append(out.shape)
+    return out[:, -1]
+
+  batches = _iit_batches(1)
+  kw = dict(steps=2, optimizer=optax.adam(0.05), progress=False, readout=readout)
+  method = jt.DAS(dim=1)
+  params = method.init(jax.random.key(0), D, jnp.float64)
+  first = jt.train_iit(model, variables, "layers_0", method, params, batches, **kw)
+  assert len(traced) == 2  # the structural check, the step
+  again = jt.train_iit(model, variables, "layers_0", jt.DAS(dim=1), params, batches, **kw)
+  assert len(traced) == 3  # the structural check only
+  assert again.losses == first.losses
+  # Another method: another step.
+  other = jt.DAS(dim=2)
+  jt.train_iit(
+    model,
+    variables,
+    "layers_0",
+    other,
+    other.init(jax.random.key(0), D, jnp.float64),
+    batches,
+    **kw,
+  )
+  assert len(traced) == 5
+  acc = [jt.iia(model, variables, "layers_0", method, first.params, batches, readout=readout)]
+  assert len(traced) == 6
+  acc.append(jt.iia(model, variables, "layers_0", method, first.params, batches, readout=readout))
+  assert len(traced) == 6 and acc[0] == acc[1]
+
+
 def test_answer_batch_weights_answer_tokens_only():
   data = jt.answer_batch([([5, 6, 7], [8, 9]), ([4], [3])], pad_token=0)
   np.testing.assert_array_equal(data["tokens"], [[5, 6, 7, 8, 9], [4, 3, 0, 0, 0]])
@@ -320,14 +358,15 @@ def test_loreft_finetuning_then_generation_per_row():
   spec = jl.when(jl.units(site, rows), jl.loreft(result.params))
   out = generate(model, variables, prompts, 2, intervene=spec)
   assert out.tokens[0].tolist() == [7, 8]
-  # The uncached forward with the same per-row edit picks the same tokens, in both rows.
+  # The uncached forward with the same per-row edit picks the same tokens, in both rows: one
+  # forward of the prompts and the first generated token (the model is causal: the logits at
+  # the prompts' last position are those of the prompts alone, and pick the first token).
   forward = jax.jit(spec.bind(model))
-  first = jnp.argmax(forward(variables, prompts)[:, -1], -1).astype(jnp.int32)
-  second = jnp.argmax(forward(variables, jnp.concatenate([prompts, first[:, None]], 1))[:, -1], -1)
-  second = second.astype(jnp.int32)
-  np.testing.assert_array_equal(jnp.stack([first, second], 1), out.tokens)
-  plain = jnp.argmax(jax.jit(model.apply)(variables, prompts)[:, -1], -1)
-  assert int(first[1]) == int(plain[1])  # the unselected row is the plain model's
+  both = jnp.concatenate([prompts, out.tokens[:, :1]], 1)
+  picked = jnp.argmax(forward(variables, both)[:, -2:], -1).astype(jnp.int32)
+  np.testing.assert_array_equal(picked, out.tokens)
+  plain = jnp.argmax(jax.jit(model.apply)(variables, both)[:, -2], -1)
+  assert int(picked[1, 0]) == int(plain[1])  # the unselected row is the plain model's
 
 
 @contextlib.contextmanager

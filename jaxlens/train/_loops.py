@@ -11,7 +11,9 @@ model. With ``frozen=False`` the model's variables train with it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable, Sequence
 
@@ -52,6 +54,62 @@ class TrainResult:
   step: int
   depends: Any = None
   skipped: list = dataclasses.field(default_factory=list)
+
+
+class _Same:
+  """A cache key part that compares by identity (a model, which may be bound to its own
+  variables; a function; anything unhashable), holding the object so that its id stays
+  its own while the key lives."""
+
+  __slots__ = ("obj",)
+
+  def __init__(self, obj):
+    self.obj = obj
+
+  def __eq__(self, other):
+    return isinstance(other, _Same) and other.obj is self.obj
+
+  def __hash__(self):
+    return id(self.obj)
+
+
+def _key_part(value):
+  """``value`` as part of a cache key: a list or tuple as a tuple of parts, a hashable value
+  (a method's frozen dataclass, a label, a number) as itself, anything else by identity."""
+  if isinstance(value, (list, tuple)):
+    return (type(value).__name__, *(_key_part(v) for v in value))
+  try:
+    hash(value)
+  except TypeError:
+    return _Same(value)
+  return _Same(value) if callable(value) else value
+
+
+# The loops' and iia's jitted programs, by what their traced functions close over (the model,
+# the site, the method, the readout, the optimiser...): a second call with the same
+# configuration reuses the compiled programs instead of compiling them anew (each call made
+# a new ``jax.jit`` of a new closure, which JAX cannot match with the last one's). Bounded, so
+# that the models and optimisers the keys hold are let go.
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+_PROGRAMS_KEPT = 16
+
+
+def _program(key, make):
+  """The program cached under ``key`` (``make()`` on a miss)."""
+  program = _PROGRAMS.get(key)
+  if program is None:
+    program = _PROGRAMS[key] = make()
+    while len(_PROGRAMS) > _PROGRAMS_KEPT:
+      _PROGRAMS.popitem(last=False)
+  else:
+    _PROGRAMS.move_to_end(key)
+  return program
+
+
+@functools.cache
+def _default_optimizer(learning_rate: float):
+  """One default optax Adam per learning rate (a new one per call would key a new step)."""
+  return _optax().adam(learning_rate)
 
 
 def last_position(out):
@@ -331,7 +389,11 @@ def _loop(
   nonfinite="raise",
   pairs_of=None,
   check_batch=None,
+  key=None,
 ):
+  """The optax loop around one jitted step of ``loss_of``. ``key``: what ``loss_of`` closes
+  over, as a cache key (:func:`_program`): a later call with an equal key and the same
+  optimiser reuses the compiled step."""
   optax = _optax()
   skip = _check_nonfinite(nonfinite)
   if not (
@@ -362,8 +424,7 @@ def _loop(
       return loss_of(t, jax.lax.stop_gradient(v), batch, step)
     return loss_of(t[0], t[1], batch, step)
 
-  @jax.jit
-  def train_step(t, v, state, batch, step):
+  def step_of(t, v, state, batch, step):
     value, grads = jax.value_and_grad(loss_trained)(t, v, batch, step)
     # optax's bias corrections raise a float to an int32 step count, which strict dtype
     # promotion refuses; the update runs under standard promotion (the loss does not).
@@ -374,6 +435,17 @@ def _loop(
     # inputs is the model's doing (loss_not_finite), as without the cache.
     data = {k: a for k, a in batch.items() if k != _cache.CACHE_KEY}
     return new, state, value, _all_finite((value, grads)), _all_finite(data)
+
+  # The step's program depends on the loss (key), the optimiser, and the trained tree's
+  # structure (the optimiser's labels of frozen leaves are built from it).
+  step_key = (
+    None
+    if key is None
+    else ("step", key, _key_part(optimizer), frozen, jax.tree.structure(trained))
+  )
+  train_step = (
+    jax.jit(step_of) if step_key is None else _program(step_key, lambda: jax.jit(step_of))
+  )
 
   _check_mesh(mesh, data_axis)
   # XLA partitions the step from the batch's sharding (an Explicit mesh's types have no rule
@@ -672,7 +744,7 @@ def train_iit(
       (``disk_full``).
   """
   _check_batches(batches, ("base", "source", "label") if method.needs_source else ("base", "label"))
-  optimizer = _optax().adam(1e-3) if optimizer is None else optimizer
+  optimizer = _default_optimizer(1e-3) if optimizer is None else optimizer
   steps_total = steps if steps is not None else (None if callable(batches) else len(batches))
   temperature_of = getattr(method, "temperature", None)
   _check_params(method, params)
@@ -744,6 +816,17 @@ def train_iit(
     desc=f"IIT {type(method).__name__}",
     nonfinite=nonfinite,
     check_batch=check_batch,
+    # What loss_of closes over (the step count only where a temperature schedule reads it).
+    key=(
+      "iit",
+      _Same(model),
+      _key_part(site),
+      _key_part(method),
+      _key_part(positions),
+      _key_part(readout),
+      _key_part(boundary_weight),
+      steps_total if temperature_of is not None else None,
+    ),
   )
 
 
@@ -774,8 +857,7 @@ def iia(
   """
 
   # The variables are an argument, not a closure constant (XLA would fold a model's weights).
-  @jax.jit
-  def hits(p, variables, batch):
+  def hits_of(p, variables, batch):
     out = intervened_output(
       model,
       variables,
@@ -793,6 +875,17 @@ def iia(
     guess = jnp.argmax(readout(out), axis=-1)
     return jnp.sum(guess == jnp.asarray(batch["label"]).astype(guess.dtype)), guess.size
 
+  # One program per configuration, as the loops' steps (see _program).
+  key = (
+    "iia",
+    _Same(model),
+    _key_part(site),
+    _key_part(method),
+    _key_part(positions),
+    _key_part(readout),
+    _key_part(temperature),
+  )
+  hits = _program(key, lambda: jax.jit(hits_of))
   batches = [batches] if isinstance(batches, dict) else list(batches)
   _check_batches(batches, ("base", "source", "label") if method.needs_source else ("base", "label"))
   if cache_prefix:
@@ -976,7 +1069,7 @@ def train_reft(
       fix="train_iit(...) for the interchange methods",
     )
   _check_params(method, params)
-  optimizer = _optax().adam(4e-3) if optimizer is None else optimizer
+  optimizer = _default_optimizer(4e-3) if optimizer is None else optimizer
   data = answer_batch(pairs, pad_token)
   # The loss reads the logits at the answer's positions only: each row's, padded to the
   # widest answer (weight 0), so the last block and the unembedding run there alone.
@@ -1037,6 +1130,7 @@ def train_reft(
     desc=f"ReFT {type(method).__name__}",
     nonfinite=nonfinite,
     pairs_of=lambda step: [int(i) for i in pairs_at(step)],
+    key=("reft", _Same(model), _key_part(site), _key_part(method)),
   )
 
 
