@@ -732,6 +732,21 @@ def _compiled(cfg: TrainConfig, steps: int, skip: bool = False):
   return jax.jit(make_init(cfg, tx)), jax.jit(make_step(cfg, tx, skip))
 
 
+@functools.lru_cache(maxsize=16)
+def _compiled_on(cfg: TrainConfig, steps: int, skip: bool, mesh):
+  """:func:`_compiled` for data parallel training over ``mesh`` (its outputs replicated): a
+  second :func:`train` call on the same mesh reuses both programs too."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  tx = optimizer(cfg, steps)
+  replicated = NamedSharding(mesh, P())
+  return (
+    jax.jit(make_init(cfg, tx), out_shardings=replicated),
+    jax.jit(make_step(cfg, tx, skip), out_shardings=(replicated, replicated)),
+  )
+
+
 def make_init(cfg: TrainConfig, tx):
   """``(key, first_x, first_y, init) -> State`` (not jitted): the dictionary (``init``, or
   :func:`init_dictionary`'s), its optimizer state and the counters. Jitted, it is one
@@ -1243,7 +1258,6 @@ def train(
     def put(a):
       return a
   else:
-    tx = optimizer(config, steps)
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -1270,8 +1284,7 @@ def train(
     mesh = auto_axes(mesh)
     replicated = NamedSharding(mesh, P())
     sharded = NamedSharding(mesh, P(axis))
-    init_state = jax.jit(make_init(config, tx), out_shardings=replicated)
-    jitted = jax.jit(make_step(config, tx, skip), out_shardings=(replicated, replicated))
+    init_state, jitted = _compiled_on(config, steps, skip, mesh)
 
     def put(a):
       return None if a is None else jax.make_array_from_process_local_data(sharded, np.asarray(a))
