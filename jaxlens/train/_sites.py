@@ -278,7 +278,7 @@ def train_multi(
   reft = isinstance(first, dict) and "targets" in first
   keys = ("tokens", "targets", "weights") if reft else ("base", "label")
   _loops._check_batches(batches, keys)
-  optimizer = _loops._optax().adam(1e-3) if optimizer is None else optimizer
+  optimizer = _loops._default_optimizer(1e-3) if optimizer is None else optimizer
   steps_total = steps if steps is not None else (None if callable(batches) else len(batches))
   if cache_prefix:
     _cache.check_cacheable(frozen, batches)
@@ -314,17 +314,35 @@ def train_multi(
     progress=progress,
     desc=f"{len(ats)} placements",
     nonfinite=nonfinite,
+    # What loss_of closes over: the step keeps its program for a later call (_loops._program).
+    key=(
+      "multi",
+      _loops._Same(model),
+      _loops._key_part(ats),
+      _loops._key_part(readout),
+      reft,
+      steps_total,
+    ),
   )
 
 
 def iia_multi(model, variables, ats, params, batches, *, readout=last_position, temperatures=None):
   """Interchange intervention accuracy with every placement live (as :func:`iia`)."""
 
-  @jax.jit
-  def hits(p, v, batch):
+  def hits_of(p, v, batch):
     out = multi_output(model, v, ats, p, batch, temperatures=temperatures)
     guess = jnp.argmax(readout(out), axis=-1)
     return jnp.sum(guess == jnp.asarray(batch["label"]).astype(guess.dtype)), guess.size
+
+  # One program per configuration, as iia's (_loops._program).
+  key = (
+    "iia_multi",
+    _loops._Same(model),
+    _loops._key_part(ats),
+    _loops._key_part(readout),
+    _loops._key_part(temperatures),
+  )
+  hits = _loops._program(key, lambda: jax.jit(hits_of))
 
   if isinstance(batches, dict):
     batches = [batches]
