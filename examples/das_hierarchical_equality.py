@@ -25,7 +25,6 @@ independent of the base's and the source's outputs): IIA stays at chance (0.5) f
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import time
@@ -66,10 +65,7 @@ def train_model(steps=3000, seed=0, batch=256):
   """The MLP trained on the task (one jitted ``lax.scan``); returns ``(model, variables,
   accuracy)``."""
   model = nn.Sequential([nn.Dense(HIDDEN), nn.relu, nn.Dense(HIDDEN), nn.relu, nn.Dense(2)])
-  # The initialisation and the evaluation run jitted, as one program each (eagerly, each of
-  # their operations compiles a program of its own; the same values either way).
-  init = jax.jit(model.init)
-  variables = init(jax.random.key(seed + 1), jnp.zeros((1, 4 * EMBED), jnp.float32))
+  variables = model.init(jax.random.key(seed + 1), jnp.zeros((1, 4 * EMBED), jnp.float32))
   opt = optax.adam(3e-3)
 
   def loss(v, key):
@@ -91,20 +87,15 @@ def train_model(steps=3000, seed=0, batch=256):
     keys = jax.random.split(jax.random.key(seed + 2), steps)
     return jax.lax.scan(body, (v, state), keys)[0][0]
 
-  @jax.jit
-  def evaluate(v):
-    x, v1, v2 = sample(jax.random.key(seed + 9), 2000)
-    guess = jnp.argmax(model.apply(v, x), -1).astype(jnp.int32)
-    return jnp.mean(guess == (v1 == v2).astype(jnp.int32))
-
   variables = train(variables)
-  return model, variables, float(evaluate(variables))
+  x, v1, v2 = sample(jax.random.key(seed + 9), 2000)
+  guess = jnp.argmax(model.apply(variables, x), -1).astype(jnp.int32)
+  accuracy = float(jnp.mean(guess == (v1 == v2).astype(jnp.int32)))
+  return model, variables, accuracy
 
 
-@functools.partial(jax.jit, static_argnums=1)
 def interchange_batch(key, n):
-  """Base and source inputs with the counterfactual label of interchanging V1 (one jitted
-  program per ``n``)."""
+  """Base and source inputs with the counterfactual label of interchanging V1."""
   kb, ks = jax.random.split(key)
   xb, _, b2 = sample(kb, n)
   xs, s1, _ = sample(ks, n)
@@ -123,7 +114,7 @@ def das(model, variables, site, dim, batches, test, steps, seed=0, progress=Fals
   """Fixed-dimension DAS at ``site``; returns its IIA on ``test``."""
   width = 2 if site == WRONG else HIDDEN
   method = jt.DAS(dim=dim)
-  params = jax.jit(method.init, static_argnums=1)(jax.random.key(seed + 5), width)
+  params = method.init(jax.random.key(seed + 5), width)
   result = jt.train_iit(
     model,
     variables,
@@ -142,7 +133,7 @@ def boundless(model, variables, site, batches, test, steps, seed=0, progress=Fal
   """Boundless DAS at ``site``; returns ``(iia, learned size in coordinates)``."""
   width = 2 if site == WRONG else HIDDEN
   method = jt.BoundlessDAS(**BOUNDLESS)
-  params = jax.jit(method.init, static_argnums=1)(jax.random.key(seed + 6), width)
+  params = method.init(jax.random.key(seed + 6), width)
   result = jt.train_iit(
     model,
     variables,
