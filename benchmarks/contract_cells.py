@@ -13,7 +13,11 @@ Measured (two cores shared with other work, load 5-8, CPU-s; the code before and
 commit c85b6ee, run alternately): before, cold 36.2 and 30.2, warm 30.9, 29.8, 32.3 and
 30.8; after, cold 26.9 and 29.3, warm 24.3, 25.1, 23.8 and 24.7 (about 20% less). Over all
 cells, JAX's eager jnp calls fell from 31,267 to 21,375 and the primitives linearised under
-``jax.grad`` from 32,648 to 26,879.
+``jax.grad`` from 32,648 to 26,879. With the later commits (5d7aa1a: no no-op casts or axis
+moves under jl.subspace, 18,987 jnp calls and 24,791 primitives; bab4393: the spec door's
+temporary directory in /dev/shm), at 08:36-08:39 UTC (load 1-4), alternately: before
+(1bccf58), cold 38.1 and 35.1, warm 28.0 and 29.7; after (bab4393), cold 26.2 and 29.1,
+warm 21.8 and 24.0 (about 22% less warm).
 
 Usage::
 
