@@ -12,6 +12,7 @@ from jaxlens._src.checkpoints import Checkpoints as Checkpoints
 from jaxlens._src.checkpoints import check_every as check_every
 from jaxlens._src.checkpoints import signature as signature
 from jaxlens._src.doors import as_spec as as_spec
+from jaxlens._src.edit import ByIdentity as ByIdentity
 from jaxlens._src.edit import auto_axes as auto_axes
 from jaxlens._src.edit import split_over_processes as split_over_processes
 from jaxlens._src.edit import takes_hook_keyword as takes_hook_keyword
@@ -47,6 +48,7 @@ from jaxlens._src.viewing import spec_view as spec_view
 from jaxlens._src.viewing import trace_view as trace_view
 
 __all__ = [
+  "ByIdentity",
   "CUT",
   "Checkpoints",
   "DOWNSTREAM",

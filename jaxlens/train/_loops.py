@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxlens import internal
 from jaxlens.core import GradientContractError, InvalidArgumentError, depends_on, trace, when
-from jaxlens.internal import as_selector, auto_axes, check_every
+from jaxlens.internal import ByIdentity, as_selector, auto_axes, check_every
 from jaxlens.protocol import Decoder
 from jaxlens.intervention import at_positions, compose, replace_with
 from jaxlens.train import _cache, _outputs
@@ -56,33 +56,17 @@ class TrainResult:
   skipped: list = dataclasses.field(default_factory=list)
 
 
-class _Same:
-  """A cache key part that compares by identity (a model, which may be bound to its own
-  variables; a function; anything unhashable), holding the object so that its id stays
-  its own while the key lives."""
-
-  __slots__ = ("obj",)
-
-  def __init__(self, obj):
-    self.obj = obj
-
-  def __eq__(self, other):
-    return isinstance(other, _Same) and other.obj is self.obj
-
-  def __hash__(self):
-    return id(self.obj)
-
-
 def _key_part(value):
   """``value`` as part of a cache key: a list or tuple as a tuple of parts, a hashable value
-  (a method's frozen dataclass, a label, a number) as itself, anything else by identity."""
+  (a method's frozen dataclass, a label, a number) as itself, anything else by identity
+  (a model, which may be bound to its own variables; a function; anything unhashable)."""
   if isinstance(value, (list, tuple)):
     return (type(value).__name__, *(_key_part(v) for v in value))
   try:
     hash(value)
   except TypeError:
-    return _Same(value)
-  return _Same(value) if callable(value) else value
+    return ByIdentity(value)
+  return ByIdentity(value) if callable(value) else value
 
 
 # The loops' and iia's jitted programs, by what their traced functions close over (the model,
@@ -819,7 +803,7 @@ def train_iit(
     # What loss_of closes over (the step count only where a temperature schedule reads it).
     key=(
       "iit",
-      _Same(model),
+      ByIdentity(model),
       _key_part(site),
       _key_part(method),
       _key_part(positions),
@@ -878,7 +862,7 @@ def iia(
   # One program per configuration, as the loops' steps (see _program).
   key = (
     "iia",
-    _Same(model),
+    ByIdentity(model),
     _key_part(site),
     _key_part(method),
     _key_part(positions),
@@ -1130,7 +1114,7 @@ def train_reft(
     desc=f"ReFT {type(method).__name__}",
     nonfinite=nonfinite,
     pairs_of=lambda step: [int(i) for i in pairs_at(step)],
-    key=("reft", _Same(model), _key_part(site), _key_part(method)),
+    key=("reft", ByIdentity(model), _key_part(site), _key_part(method)),
   )
 
 

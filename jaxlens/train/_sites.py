@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxlens import intervention as ji
 from jaxlens.core import InvalidArgumentError, trace, when
-from jaxlens.internal import as_selector
+from jaxlens.internal import ByIdentity, as_selector
 from jaxlens.train import _cache, _loops
 from jaxlens.train._loops import last_position
 
@@ -317,7 +317,7 @@ def train_multi(
     # What loss_of closes over: the step keeps its program for a later call (_loops._program).
     key=(
       "multi",
-      _loops._Same(model),
+      ByIdentity(model),
       _loops._key_part(ats),
       _loops._key_part(readout),
       reft,
@@ -337,7 +337,7 @@ def iia_multi(model, variables, ats, params, batches, *, readout=last_position, 
   # One program per configuration, as iia's (_loops._program).
   key = (
     "iia_multi",
-    _loops._Same(model),
+    ByIdentity(model),
     _loops._key_part(ats),
     _loops._key_part(readout),
     _loops._key_part(temperatures),
